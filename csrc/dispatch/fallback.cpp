@@ -1,0 +1,117 @@
+// The fallback: every op dispatched while the plugin's key is in the thread-local include set
+// lands here, under its own name, below autograd. It handles:
+//   - ops that never count (detach, metadata, profiler, sac's own): straight through;
+//   - ops outside a region (audits only): counted, then run;
+//   - ops the region's policy recomputes: counted, then run;
+//   - kept ops in the forward: counted, run, outputs stored in the region;
+//   - kept ops in the recompute: outputs served from the region, kernel skipped, hit counted.
+// Redispatch always goes to the keys below ours, with the key set the dispatcher gave us.
+
+#include "dispatch/fallback.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+#include "dispatch/region.h"
+#include "dispatch/sac_key.h"
+#include "dispatch/thread_state.h"
+#include "policy/op_catalog.h"
+#include "policy/unit_stack.h"
+
+namespace sac {
+namespace {
+
+// NOTE: [Redispatching below our key]
+// redispatchBoxed uses exactly the key set we pass, while callBoxed would recompute it from
+// thread-local state and land here again. Masking with FULL_AFTER keeps every key below ours
+// (Python-free BackendSelect, the backend) and drops ours and everything above, which has
+// already run.
+const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
+
+class InterceptedCall {
+ public:
+  InterceptedCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack)
+      : op_(op), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
+
+  void run() {
+    if (entry_.traits.never_counts) return runKernel();
+    ThreadState& state = ThreadState::current();
+    Region* region = state.region();
+    if (region == nullptr || !region->intercepts()) return countAndRun(state.phase());
+
+    Decision decision = region->policy().decide(entry_, UnitStack::current().units());
+    if (decision.mutating_in_kept_unit) warnMutationOnce(region->policy(), decision.unit);
+    if (!decision.keep) return countAndRun(state.phase());
+
+    if (state.regionInRecompute()) {
+      region->serve(entry_, op_, stack_, /*consume=*/!currentBackwardKeepsGraph());
+      entry_.counters.recordHit();
+      return;
+    }
+    countAndRun(state.phase());
+    region->keep(entry_, decision.unit, *stack_, op_.schema().returns().size());
+  }
+
+ private:
+  void runKernel() {
+    // NOTE: [Ops called from inside a kernel are not intercepted]
+    // A kernel may dispatch further ops (addmm's CPU kernel calls copy_, randn calls normal_).
+    // They are part of the op we are running, not calls of the checkpointed function: seeing
+    // them would count them twice, warn about copy_ "mutating" in a kept unit, and, worst, let
+    // a kept op nested in a kept kernel advance the per-op index in the forward but not in the
+    // recompute (where the outer op is served and its kernel never runs), so a later call of
+    // the same op would be served the nested call's output. Torch's dispatch modes behave the
+    // same way: the mode is off while its handler runs the op.
+    c10::impl::ExcludeDispatchKeyGuard not_nested(kSacKey);
+    op_.redispatchBoxed(below_, stack_);
+  }
+
+  void countAndRun(Phase phase) {
+    entry_.counters.recordExecution(phase);
+    runKernel();
+  }
+
+  void warnMutationOnce(const Policy& policy, UnitId unit) {
+    if (!policy.claimMutationWarning(entry_)) return;
+    TORCH_WARN("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
+               unitName(unit), "'; it is recomputed rather than kept (warned once per policy)");
+  }
+
+  const c10::OperatorHandle& op_;
+  c10::DispatchKeySet below_;
+  torch::jit::Stack* stack_;
+  const OpEntry& entry_;
+};
+
+void sacFallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  InterceptedCall(op, keys, stack).run();
+}
+
+std::mutex install_mutex;
+c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long as the process
+
+}  // namespace
+
+void installFallback() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  if (registration != nullptr) return;
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(kSacKey),
+              "sac_plugin cannot load: the dispatch key ", c10::toString(kSacKey),
+              " already holds a backend fallback in this torch, registered by torch itself or "
+              "another library. sac_plugin intercepts ops through a fallback on that key and needs it free "
+              "(see NOTE: [The dispatch key sac_plugin intercepts on] in csrc/dispatch/sac_key.h)");
+  registration = new c10::RegistrationHandleRAII(dispatcher.registerFallback(
+      kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
+      "sac_plugin: selective activation checkpointing"));
+}
+
+bool fallbackInstalled() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  return registration != nullptr;
+}
+
+}  // namespace sac

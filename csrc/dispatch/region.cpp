@@ -1,0 +1,182 @@
+#include "dispatch/region.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <absl/container/flat_hash_set.h>
+
+#include "dispatch/sac_key.h"
+
+// Declared here rather than through torch/csrc/autograd/graph_task.h, whose include tree
+// would triple this file's build time; both are exported from libtorch_cpu.
+namespace torch::autograd {
+TORCH_API bool get_current_graph_task_keep_graph();
+TORCH_API int get_current_graph_task_id();
+}  // namespace torch::autograd
+
+namespace sac {
+
+bool inAutogradGraphTask() { return torch::autograd::get_current_graph_task_id() >= 0; }
+
+bool currentBackwardKeepsGraph() {
+  // Outside a graph task (a recompute forced by hand) there is no later backward to serve.
+  return inAutogradGraphTask() && torch::autograd::get_current_graph_task_keep_graph();
+}
+
+namespace {
+
+// NOTE: [Storing kept outputs detached]
+// The tensor a kernel returns is the very TensorImpl that the autograd kernel above us will
+// attach a grad_fn to once we return. Storing it as is would (a) create a cycle through the
+// graph and (b) hand the same TensorImpl back in the recompute, where autograd would overwrite
+// the forward tensor's history. tensor_data() makes a shallow copy that shares storage and, on
+// purpose, the version counter, so a later in-place write to the forward tensor is visible to
+// the version check in serve(). It does not dispatch, so it does not re-enter the fallback.
+at::Tensor detachedAlias(const at::Tensor& tensor) {
+  return tensor.defined() ? at::Tensor(tensor.tensor_data()) : tensor;
+}
+
+c10::IValue detachedValue(const c10::IValue& value) {
+  if (value.isTensor()) return detachedAlias(value.toTensor());
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> copies;
+    for (const at::Tensor& tensor : value.toTensorList().vec()) copies.push_back(detachedAlias(tensor));
+    return copies;
+  }
+  return value;
+}
+
+template <typename Visit>
+void forEachTensor(const c10::IValue& value, Visit visit) {
+  if (value.isTensor()) {
+    visit(value.toTensor());
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& tensor : value.toTensorList().vec()) visit(tensor);
+  }
+}
+
+int64_t versionOf(const at::Tensor& tensor) {
+  return (tensor.defined() && !tensor.is_inference()) ? static_cast<int64_t>(tensor._version()) : -1;
+}
+
+std::string unitSuffix(UnitId unit) {
+  return unit == kNoUnit ? std::string(" (kept by the op list)") : " (kept in unit '" + unitName(unit) + "')";
+}
+
+}  // namespace
+
+Region::Region(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)) {
+  TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
+}
+
+void Region::keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns) {
+  uint32_t index = forward_calls_[&op]++;
+  KeptOutputs kept;
+  kept.unit = unit;
+  kept.outputs.reserve(num_returns);
+  for (size_t i = stack.size() - num_returns; i < stack.size(); ++i) {
+    kept.outputs.push_back(detachedValue(stack[i]));
+    forEachTensor(stack[i], [&](const at::Tensor& tensor) { kept.versions.push_back(versionOf(tensor)); });
+  }
+  kept_[Key{&op, index}] = std::move(kept);
+}
+
+void Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+                   bool consume) {
+  const std::string& name = op.traits.qualified_name;
+  uint32_t index = recompute_calls_[&op]++;
+  auto it = kept_.find(Key{&op, index});
+  TORCH_CHECK(it != kept_.end(), "sac: the recompute called ", name, " more often than the forward (call ",
+              index + 1, ", the forward kept ", forward_calls_[&op],
+              "); the checkpointed function must run the same ops in both passes");
+  KeptOutputs& kept = it->second;
+  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", index + 1,
+              " of this region, was already used by an earlier backward and freed. Trying to backward an "
+              "extra time: a selectively checkpointed region supports a second backward only when the "
+              "first runs with retain_graph=True");
+
+  size_t position = 0;
+  for (const c10::IValue& value : kept.outputs) {
+    forEachTensor(value, [&](const at::Tensor& tensor) {
+      int64_t saved = kept.versions[position++];
+      int64_t now = versionOf(tensor);
+      TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ",
+                  name, unitSuffix(kept.unit), ", call ", index + 1,
+                  " of this region, changed version from ", saved, " to ", now,
+                  ". The recompute would read the mutated value; clone it before mutating in place, or do not "
+                  "keep ", name);
+    });
+  }
+
+  const c10::FunctionSchema& schema = handle.schema();
+  const size_t num_arguments = schema.arguments().size();
+  std::vector<c10::IValue> results;
+  results.reserve(kept.outputs.size());
+  if (op.traits.writes_out_arguments) {
+    // An out= op must leave its result in the caller's out= tensors, which in the recompute are
+    // fresh buffers: copy the kept values into them and return them.
+    c10::impl::ExcludeDispatchKeyGuard no_reentry(kSacKey);
+    size_t first_argument = stack->size() - num_arguments;
+    size_t out_index = 0;
+    for (size_t i = 0; i < num_arguments; ++i) {
+      if (!schema.arguments()[i].is_out()) continue;
+      const c10::IValue& out = (*stack)[first_argument + i];
+      const c10::IValue& value = kept.outputs.at(out_index++);
+      if (out.isTensor()) {
+        out.toTensor().copy_(value.toTensor());
+      } else if (out.isTensorList()) {
+        auto targets = out.toTensorList().vec();
+        auto sources = value.toTensorList().vec();
+        for (size_t j = 0; j < targets.size(); ++j) targets[j].copy_(sources[j]);
+      }
+      results.push_back(out);
+    }
+  } else {
+    for (const c10::IValue& value : kept.outputs) results.push_back(detachedValue(value));
+  }
+  torch::jit::drop(*stack, num_arguments);
+  for (c10::IValue& value : results) stack->push_back(std::move(value));
+
+  if (consume) {
+    kept.outputs.clear();
+    kept.consumed = true;
+  }
+}
+
+void Region::beginRecompute() {
+  recompute_calls_.clear();
+  ++recomputes_;
+}
+
+void Region::endRecompute(bool keep_entries) {
+  if (keep_entries) return;
+  for (auto& [key, kept] : kept_) {
+    kept.outputs.clear();
+    kept.consumed = true;
+  }
+}
+
+int64_t Region::keptBytes() const {
+  absl::flat_hash_set<const void*> storages;
+  int64_t bytes = 0;
+  for (const auto& [key, kept] : kept_) {
+    for (const c10::IValue& value : kept.outputs) {
+      forEachTensor(value, [&](const at::Tensor& tensor) {
+        if (!tensor.defined() || !tensor.has_storage()) return;
+        const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+        if (storages.insert(storage).second) bytes += static_cast<int64_t>(tensor.storage().nbytes());
+      });
+    }
+  }
+  return bytes;
+}
+
+int64_t Region::keptCalls() const {
+  int64_t calls = 0;
+  for (const auto& [key, kept] : kept_) calls += kept.outputs.empty() ? 0 : 1;
+  return calls;
+}
+
+}  // namespace sac

@@ -1,0 +1,76 @@
+#pragma once
+// One checkpointed region instance: one call of checkpoint(fn, ...) and its recompute(s).
+// It owns the kept outputs of that call, keyed by (op overload, how many times this region
+// has kept that overload so far), so forward and recompute agree on which output belongs to
+// which call. Only kept calls advance the index: ops that run in one pass only (FSDP2's
+// all-gather copy-outs, profiler ops) cannot shift it unless they would be kept themselves.
+//
+// A region is used by one thread at a time: the forward on the caller's thread, the recompute
+// on whichever thread autograd runs the backward on (the autograd engine orders the two).
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
+#include <absl/container/flat_hash_map.h>
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "policy/policy.h"
+
+namespace c10 {
+class OperatorHandle;
+}
+
+namespace sac {
+
+// Whether this thread is running an autograd graph task, and whether that backward keeps its
+// graph (retain_graph=True), in which case kept outputs must survive for the next backward.
+bool inAutogradGraphTask();
+bool currentBackwardKeepsGraph();
+
+class Region {
+ public:
+  explicit Region(std::shared_ptr<const Policy> policy);
+
+  const Policy& policy() const { return *policy_; }
+  bool intercepts() const { return !policy_->keepsNothing(); }
+
+  // Forward: the kept op's outputs are the last `num_returns` values on the stack.
+  void keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
+
+  // Recompute: replace the op's arguments on the stack with its kept outputs. `consume` frees
+  // them (a backward that will not run again); otherwise they stay for the next recompute.
+  void serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+             bool consume);
+
+  void beginRecompute();
+  // Frees every kept output unless the backward keeps its graph (retain_graph=True).
+  void endRecompute(bool keep_entries);
+
+  void setUnitsAroundForward(const std::vector<UnitId>& units) { units_around_forward_ = units; }
+  const std::vector<UnitId>& unitsAroundForward() const { return units_around_forward_; }
+
+  // Bytes of the unique storages this region holds, and how many op calls it kept.
+  int64_t keptBytes() const;
+  int64_t keptCalls() const;
+
+ private:
+  struct KeptOutputs {
+    std::vector<c10::IValue> outputs;  // tensors stored detached (shallow copies)
+    std::vector<int64_t> versions;     // version of each stored tensor, in output order
+    UnitId unit = kNoUnit;
+    bool consumed = false;
+  };
+  using Key = std::pair<const OpEntry*, uint32_t>;
+
+  std::shared_ptr<const Policy> policy_;
+  absl::flat_hash_map<Key, KeptOutputs> kept_;
+  absl::flat_hash_map<const OpEntry*, uint32_t> forward_calls_;
+  absl::flat_hash_map<const OpEntry*, uint32_t> recompute_calls_;
+  std::vector<UnitId> units_around_forward_;
+  int recomputes_ = 0;
+};
+
+}  // namespace sac

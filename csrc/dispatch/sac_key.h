@@ -1,0 +1,32 @@
+#pragma once
+
+#include <c10/core/DispatchKey.h>
+
+namespace sac {
+
+// NOTE: [The dispatch key sac_plugin intercepts on]
+// We need a key that (1) sits below autograd, so that during the recompute the autograd node
+// of a kept op is still created and saves the same tensors (torch's non-reentrant checkpoint
+// counts them, and a mismatch raises "A different number of tensors was saved"); only the
+// kernel underneath is skipped; (2) is a *functionality* key, not a per-backend one: a
+// backend fallback on a per-backend key (PrivateUse3, CustomRNGKeyId) loses to
+// CompositeExplicitAutograd kernels, so aten::tanh would arrive as aten::tanh.out, and
+// DispatchKeySet::remove of a per-backend key leaves its backend bit behind in the include
+// set; (3) holds no backend fallback in core, because a key holds only one.
+//
+// In torch 2.13, below autograd, high to low: ADInplaceOrView, ZeroTensor, Negative,
+// Conjugate, Functionalize, FuncTorchDynamicLayerBackMode, Python, Fake, BackendSelect, then
+// the backends. Every one of them holds a fallback or a per-op kernel table in core except
+// `Fake`, which is reserved for a C++ FakeTensor mode that no released torch registers yet
+// (torchdistx used the same key for its fake tensors). `Fake` sits just below `Python`, so
+// TorchDispatchModes (including torch's own SAC) see an op before we do, and just above
+// BackendSelect, so factory ops (`empty`, `randn`) reach us as well once the key is in the
+// thread-local include set. No tensor ever carries `Fake` in its own key set here, so the key
+// is hit exactly where we include it: inside checkpointed regions and audits.
+//
+// If a future torch registers a fallback on `Fake`, installFallback() refuses to load with a
+// message naming the key, instead of failing with the dispatcher's generic "multiple backend
+// fallbacks" error.
+inline constexpr c10::DispatchKey kSacKey = c10::DispatchKey::Fake;
+
+}  // namespace sac

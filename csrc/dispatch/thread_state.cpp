@@ -1,0 +1,120 @@
+#include "dispatch/thread_state.h"
+
+#include <c10/util/Exception.h>
+
+#include "dispatch/region.h"
+#include "dispatch/sac_key.h"
+
+namespace sac {
+
+// NOTE: [Restoring the whole key set]
+// An activation never removes "its" key on exit; it puts back the exact LocalDispatchKeySet it
+// found on entry (what c10::impl::ForceDispatchKeyGuard does, split over enter/exit so Python
+// context managers can drive it). Removing a delta would be wrong twice over: a key that was
+// already included by an enclosing activation would be dropped too early, and for per-backend
+// keys DispatchKeySet::remove clears only the functionality bit. Restoring a snapshot is
+// correct however activations nest, and after an exception as much as after a normal exit.
+
+namespace {
+
+const char* kindName(ActivationKind kind) {
+  switch (kind) {
+    case ActivationKind::kAudit:
+      return "audit";
+    case ActivationKind::kForward:
+      return "checkpointed forward";
+    case ActivationKind::kRecompute:
+      return "checkpointed recompute";
+  }
+  return "activation";
+}
+
+bool needsInterception(ActivationKind kind, Region* region) {
+  // A region whose policy keeps nothing is plain full recompute: it only marks the phase for
+  // counters, and ops reach the fallback only if an audit included the key.
+  return kind == ActivationKind::kAudit || (region != nullptr && region->intercepts());
+}
+
+}  // namespace
+
+ThreadState& ThreadState::current() {
+  thread_local ThreadState state;
+  return state;
+}
+
+size_t ThreadState::enter(ActivationKind kind, Region* region) {
+  c10::impl::LocalDispatchKeySet saved = c10::impl::tls_local_dispatch_key_set();
+  std::vector<UnitId> saved_units;
+  UnitStack& units = UnitStack::current();
+  if (kind == ActivationKind::kForward) {
+    region->setUnitsAroundForward(units.units());
+  } else if (kind == ActivationKind::kRecompute) {
+    // The recompute re-runs the wrapped function, which re-opens its own units; the units that
+    // were open around the checkpoint call in the forward are re-opened here.
+    saved_units = units.units();
+    units.truncate(0);
+    units.pushAll(region->unitsAroundForward());
+    region->beginRecompute();
+  }
+  if (needsInterception(kind, region)) {
+    c10::impl::LocalDispatchKeySet updated = saved;
+    updated.included_ = updated.included_.add(kSacKey);
+    c10::impl::_force_tls_local_dispatch_key_set(updated);
+  }
+  stack_.push_back(Activation{kind, region, saved, std::move(saved_units)});
+  refreshInnermost();
+  return stack_.size();
+}
+
+void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
+  TORCH_CHECK(depth >= 1 && depth <= stack_.size() && stack_[depth - 1].kind == kind &&
+                  stack_[depth - 1].region == region,
+              "sac: exiting a ", kindName(kind), " that is not open on this thread (depth ", depth,
+              ", ", stack_.size(), " open)");
+  bool in_order = depth == stack_.size();
+  // Unwind everything above it as well, so nothing leaks even when scopes were misnested.
+  Activation& target = stack_[depth - 1];
+  c10::impl::_force_tls_local_dispatch_key_set(target.saved_keys);
+  if (kind == ActivationKind::kRecompute) {
+    UnitStack& units = UnitStack::current();
+    units.truncate(0);
+    units.pushAll(target.saved_units);
+    region->endRecompute(/*keep_entries=*/currentBackwardKeepsGraph());
+  }
+  ActivationKind innermost_kind = stack_.back().kind;
+  stack_.erase(stack_.begin() + static_cast<std::ptrdiff_t>(depth - 1), stack_.end());
+  refreshInnermost();
+  TORCH_CHECK(in_order, "sac: a ", kindName(kind), " exited while an inner ",
+              kindName(innermost_kind),
+              " was still open; both were closed and the dispatch key set restored");
+}
+
+void ThreadState::refreshInnermost() {
+  region_ = nullptr;
+  any_recompute_ = false;
+  for (const Activation& activation : stack_) {
+    if (activation.region == nullptr) continue;
+    region_ = activation.region;
+    region_kind_ = activation.kind;
+    any_recompute_ = any_recompute_ || activation.kind == ActivationKind::kRecompute;
+  }
+}
+
+Phase ThreadState::phase() const {
+  if (any_recompute_) return Phase::kRecompute;
+  if (region_ != nullptr) return Phase::kForward;
+  return inAutogradGraphTask() ? Phase::kBackward : Phase::kForward;
+}
+
+ActivationScope::ActivationScope(ActivationKind kind, Region* region)
+    : kind_(kind), region_(region), depth_(ThreadState::current().enter(kind, region)) {}
+
+ActivationScope::~ActivationScope() {
+  try {
+    ThreadState::current().exit(kind_, region_, depth_);
+  } catch (const c10::Error&) {
+    // Misnested scopes were unwound by exit(); a destructor must not throw.
+  }
+}
+
+}  // namespace sac

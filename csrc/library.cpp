@@ -1,0 +1,149 @@
+// The plugin's whole op surface, in one TORCH_LIBRARY block: torch.classes.sac.* for objects
+// with a lifetime (policies, regions, audits), torch.ops.sac.* for stateless calls. The
+// Python package `sac_plugin` is a thin layer over exactly this.
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "diagnostics/audit.h"
+#include "dispatch/fallback.h"
+#include "dispatch/region.h"
+#include "dispatch/thread_state.h"
+#include "policy/op_resolution.h"
+#include "policy/op_traits.h"
+#include "policy/policy.h"
+#include "policy/unit_stack.h"
+
+#ifndef SAC_BUILT_FOR_TORCH
+#error "SAC_BUILT_FOR_TORCH must name the torch version this plugin is compiled against"
+#endif
+
+namespace sac {
+namespace {
+
+struct PolicyHandle : torch::CustomClassHolder {
+  PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units)
+      : policy(Policy::create(kept_ops, kept_units)) {}
+  std::shared_ptr<const Policy> policy;
+};
+
+struct RegionHandle : torch::CustomClassHolder {
+  explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy) : region(policy->policy) {}
+
+  int64_t enter(ActivationKind kind) { return static_cast<int64_t>(ThreadState::current().enter(kind, &region)); }
+  void exit(ActivationKind kind, int64_t depth) {
+    TORCH_CHECK_VALUE(depth > 0, "sac: activation depth must be positive, got ", depth);
+    ThreadState::current().exit(kind, &region, static_cast<size_t>(depth));
+  }
+
+  Region region;
+};
+
+using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
+                             std::vector<int64_t>, std::vector<int64_t>>;
+
+struct AuditHandle : torch::CustomClassHolder {
+  void start() {
+    TORCH_CHECK(depth == 0 && !stopped, "sac: an audit can be started once");
+    baseline = CounterBaseline::capture();
+    depth = ThreadState::current().enter(ActivationKind::kAudit, nullptr);
+  }
+  void stop() {
+    TORCH_CHECK(depth != 0 && !stopped, "sac: stopping an audit that is not running");
+    final_rows = baseline.changesSince();
+    stopped = true;
+    ThreadState::current().exit(ActivationKind::kAudit, nullptr, depth);
+  }
+  std::vector<AuditRow> rows() const { return stopped ? final_rows : baseline.changesSince(); }
+
+  AuditRows rowsAsColumns() const {
+    AuditRows columns;
+    for (const AuditRow& row : rows()) {
+      std::get<0>(columns).push_back(row.op);
+      std::get<1>(columns).push_back(static_cast<int64_t>(row.counts.executions[0]));
+      std::get<2>(columns).push_back(static_cast<int64_t>(row.counts.executions[1]));
+      std::get<3>(columns).push_back(static_cast<int64_t>(row.counts.executions[2]));
+      std::get<4>(columns).push_back(static_cast<int64_t>(row.counts.hits));
+    }
+    return columns;
+  }
+
+  CounterBaseline baseline;
+  size_t depth = 0;
+  bool stopped = false;
+  std::vector<AuditRow> final_rows;
+};
+
+int64_t pushUnit(const std::string& name) {
+  return static_cast<int64_t>(UnitStack::current().push(internUnit(name)));
+}
+
+void popUnit(const std::string& name, int64_t depth) {
+  TORCH_CHECK_VALUE(depth > 0, "sac: unit depth must be positive, got ", depth);
+  UnitStack::current().pop(internUnit(name), static_cast<size_t>(depth));
+}
+
+std::vector<std::string> openUnits() {
+  std::vector<std::string> names;
+  for (UnitId unit : UnitStack::current().units()) names.push_back(unitName(unit));
+  return names;
+}
+
+std::vector<std::string> overloadNames(const std::string& spelling) {
+  std::vector<std::string> names;
+  for (const c10::OperatorHandle& op : resolveOpSpelling(spelling)) {
+    names.push_back(qualifiedOpName(op.schema().name(), op.schema().overload_name()));
+  }
+  TORCH_CHECK_VALUE(!names.empty(), "sac: ", describeUnknownOp(spelling));
+  return names;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sac, m) {
+  m.class_<PolicyHandle>("Policy")
+      .def(torch::init<std::vector<std::string>, std::vector<std::string>>())
+      .def("kept_ops", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptOpNames(); })
+      .def("kept_units", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptUnitNames(); })
+      .def("keeps_nothing",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
+
+  m.class_<RegionHandle>("Region")
+      .def(torch::init<c10::intrusive_ptr<PolicyHandle>>())
+      .def("enter_forward",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kForward); })
+      .def("exit_forward",
+           [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
+             self->exit(ActivationKind::kForward, depth);
+           })
+      .def("enter_recompute",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kRecompute); })
+      .def("exit_recompute",
+           [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
+             self->exit(ActivationKind::kRecompute, depth);
+           })
+      .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptBytes(); })
+      .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptCalls(); });
+
+  m.class_<AuditHandle>("Audit")
+      .def(torch::init<>())
+      .def("start", [](const c10::intrusive_ptr<AuditHandle>& self) { self->start(); })
+      .def("stop", [](const c10::intrusive_ptr<AuditHandle>& self) { self->stop(); })
+      .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->rowsAsColumns(); })
+      .def("table", [](const c10::intrusive_ptr<AuditHandle>& self) { return formatAuditTable(self->rows()); });
+
+  m.def("install_fallback() -> ()", &installFallback);
+  m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });
+  m.def("push_unit(str name) -> int", &pushUnit);
+  m.def("pop_unit(str name, int depth) -> ()", &popUnit);
+  m.def("open_units() -> str[]", &openUnits);
+  m.def("resolvable_op_names(str[] names) -> str[]", &resolvableOpNames);
+  m.def("overloads_of(str spelling) -> str[]", &overloadNames);
+}
+
+}  // namespace sac

@@ -1,0 +1,71 @@
+#include "policy/op_traits.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <string_view>
+
+namespace sac {
+namespace {
+
+// Ops that torch's own SAC ignores as well: they carry no activation and may run a different
+// number of times in the two passes (Python's metadata fast paths skip the dispatcher).
+constexpr std::array<std::string_view, 15> kNeverCountedOps = {
+    "aten::detach",          "prim::device",          "prim::layout",
+    "aten::is_contiguous",   "aten::is_strides_like_format",
+    "aten::is_non_overlapping_and_dense",              "aten::size",
+    "aten::sym_size",        "aten::stride",          "aten::sym_stride",
+    "aten::storage_offset",  "aten::sym_storage_offset",
+    "aten::numel",           "aten::sym_numel",       "aten::dim",
+};
+
+// profiler::_record_function_* run only where a profiler is active; sac:: are our own ops.
+constexpr std::array<std::string_view, 2> kNeverCountedNamespaces = {"profiler", "sac"};
+
+constexpr std::array<std::string_view, 3> kCollectiveNamespaces = {
+    "c10d", "_c10d_functional", "_c10d_functional_autograd"};
+
+template <size_t N>
+bool contains(const std::array<std::string_view, N>& values, std::string_view value) {
+  for (std::string_view v : values) {
+    if (v == value) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool isCollectiveNamespace(const std::string& ns) { return contains(kCollectiveNamespaces, ns); }
+
+std::string qualifiedOpName(const std::string& name, const std::string& overload) {
+  return overload.empty() ? name : name + "." + overload;
+}
+
+OpTraits classifyOp(const c10::OperatorHandle& op) {
+  const c10::FunctionSchema& schema = op.schema();
+  OpTraits traits;
+  traits.base_name = schema.name();
+  traits.qualified_name = qualifiedOpName(schema.name(), schema.overload_name());
+  traits.ns = traits.base_name.substr(0, traits.base_name.find("::"));
+  traits.is_collective = isCollectiveNamespace(traits.ns);
+  traits.is_random = op.hasTag(at::Tag::nondeterministic_seeded);
+  for (const c10::Argument& arg : schema.arguments()) {
+    const c10::AliasInfo* alias = arg.alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (arg.is_out()) {
+      traits.writes_out_arguments = true;
+    } else {
+      traits.mutates_inputs = true;
+    }
+  }
+  if (!traits.mutates_inputs && !traits.writes_out_arguments) {
+    for (const c10::Argument& ret : schema.returns()) {
+      if (ret.alias_info() != nullptr) traits.is_view = true;
+    }
+  }
+  traits.never_counts =
+      contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
+  return traits;
+}
+
+}  // namespace sac

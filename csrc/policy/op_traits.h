@@ -1,0 +1,42 @@
+#pragma once
+// What the policy needs to know about an op overload, read once from its schema and tags.
+
+#include <string>
+
+namespace c10 {
+class OperatorHandle;
+}
+
+namespace sac {
+
+struct OpTraits {
+  std::string qualified_name;  // "aten::tanh" for the default overload, "aten::add.Tensor" otherwise
+  std::string base_name;       // "aten::add": what "every overload" spellings match
+  std::string ns;              // "aten", "c10d", ...
+
+  // Collectives are never kept: eliding one in the recompute would desynchronise ranks or
+  // leave a destination buffer that another rank fills uninitialised.
+  bool is_collective = false;
+  // Ops tagged nondeterministic_seeded draw from a generator. They are never kept: skipping
+  // one in the recompute would shift the generator for every random op after it.
+  bool is_random = false;
+  // Writes an input that is not an out= argument (in-place ops, c10d's in-place collectives).
+  bool mutates_inputs = false;
+  // Writes only its out= arguments; for the policy it behaves like the functional op.
+  bool writes_out_arguments = false;
+  // Returns an alias of an input. Keeping a view pins its base and breaks aliasing in the
+  // recompute, while recomputing it costs nothing, so units never keep views.
+  bool is_view = false;
+  // Passed straight through, never counted: detach, prim::device, metadata queries,
+  // profiler bookkeeping and this plugin's own ops.
+  bool never_counts = false;
+};
+
+OpTraits classifyOp(const c10::OperatorHandle& op);
+
+// "aten::add.Tensor" / "aten::tanh" for a schema name and overload name.
+std::string qualifiedOpName(const std::string& name, const std::string& overload);
+
+bool isCollectiveNamespace(const std::string& ns);
+
+}  // namespace sac

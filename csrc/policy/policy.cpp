@@ -1,0 +1,132 @@
+#include "policy/policy.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "policy/op_resolution.h"
+
+namespace sac {
+namespace {
+
+// Why an overload can never be kept, or nullptr when it can.
+const char* whyNeverKept(const OpTraits& traits) {
+  if (traits.is_collective) {
+    return "is a collective; collectives are never kept, because the recompute must run them "
+           "again on every rank";
+  }
+  if (traits.is_random) {
+    return "is a random op; random ops are never kept, because skipping one in the recompute "
+           "would shift the generator for every random op after it";
+  }
+  if (traits.mutates_inputs) {
+    return "mutates an input; only functional (or out=) ops can be kept, because the recompute "
+           "must apply the mutation again";
+  }
+  if (traits.never_counts) {
+    return "carries no activation (metadata, detach, profiler or sac bookkeeping) and is never "
+           "intercepted";
+  }
+  return nullptr;
+}
+
+std::vector<const OpEntry*> resolveKeptSpelling(const std::string& spelling) {
+  std::vector<c10::OperatorHandle> handles = resolveOpSpelling(spelling);
+  TORCH_CHECK_VALUE(!handles.empty(), "sac: kept_ops: ", describeUnknownOp(spelling));
+  std::vector<const OpEntry*> keepable;
+  std::string refusal;
+  for (const c10::OperatorHandle& handle : handles) {
+    const OpEntry& entry = lookupOp(handle);
+    const char* why = whyNeverKept(entry.traits);
+    // A collective is refused even inside an every-overload spelling: asking for it is a bug.
+    TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: kept_ops: '", spelling,
+                      "' names ", entry.traits.qualified_name, ", which ", why);
+    if (why == nullptr) {
+      keepable.push_back(&entry);
+    } else if (refusal.empty()) {
+      refusal = entry.traits.qualified_name + ", which " + why;
+    }
+  }
+  bool single_overload = !parseOpSpelling(spelling).every_overload;
+  TORCH_CHECK_VALUE(!keepable.empty() && (!single_overload || refusal.empty()), "sac: kept_ops: '",
+                    spelling, "' names ", refusal);
+  return keepable;
+}
+
+}  // namespace
+
+std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kept_ops,
+                                             const std::vector<std::string>& kept_units) {
+  std::shared_ptr<Policy> policy(new Policy());
+  for (const std::string& spelling : kept_ops) {
+    for (const OpEntry* entry : resolveKeptSpelling(spelling)) policy->kept_ops_.insert(entry);
+  }
+  for (const std::string& unit : kept_units) {
+    TORCH_CHECK_VALUE(!unit.empty(),
+                      "sac: kept_units: a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
+    policy->kept_units_.insert(internUnit(unit));
+  }
+  return policy;
+}
+
+Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units) const {
+  Decision decision;
+  const OpTraits& traits = op.traits;
+  if (traits.is_collective || traits.is_random || traits.never_counts) return decision;
+  if (kept_ops_.contains(&op)) {
+    decision.keep = true;
+    return decision;
+  }
+  if (kept_units_.empty()) return decision;
+  for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
+    if (!kept_units_.contains(*it)) continue;
+    decision.unit = *it;
+    if (traits.mutates_inputs) {
+      decision.mutating_in_kept_unit = true;
+    } else {
+      decision.keep = !traits.is_view;
+    }
+    return decision;
+  }
+  return decision;
+}
+
+std::vector<std::string> Policy::keptOpNames() const {
+  std::vector<std::string> names;
+  for (const OpEntry* entry : kept_ops_) names.push_back(entry->traits.qualified_name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::string> Policy::keptUnitNames() const {
+  std::vector<std::string> names;
+  for (UnitId unit : kept_units_) names.push_back(unitName(unit));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+bool Policy::claimMutationWarning(const OpEntry& op) const {
+  std::lock_guard<std::mutex> lock(warned_mutex_);
+  return warned_.insert(&op).second;
+}
+
+std::vector<std::string> resolvableOpNames(const std::vector<std::string>& names) {
+  std::vector<std::string> resolvable;
+  std::string first_problem = "the list is empty";
+  for (const std::string& name : names) {
+    try {
+      if (!resolveOpSpelling(name).empty()) {
+        resolvable.push_back(name);
+      } else if (resolvable.empty()) {
+        first_problem = describeUnknownOp(name);
+      }
+    } catch (const c10::ValueError& error) {
+      if (resolvable.empty()) first_problem = error.what_without_backtrace();
+    }
+  }
+  TORCH_CHECK_VALUE(!resolvable.empty(), "sac: none of the op names resolves to a registered op: [",
+                    c10::Join(", ", names), "]; ", first_problem);
+  return resolvable;
+}
+
+}  // namespace sac

@@ -1,0 +1,67 @@
+#pragma once
+// A selective-checkpointing policy: which ops keep their outputs for backward and which are
+// recomputed. An op is kept when its overload is in the kept-op set, or when it runs inside a
+// kept recompute unit; everything else is recomputed. The invariants come first and no
+// declaration overrides them:
+//   - collectives (c10d, _c10d_functional, _c10d_functional_autograd) are never kept, and
+//     naming one is refused;
+//   - random ops are never kept (the recompute must draw the same numbers in the same order),
+//     and naming one is refused;
+//   - ops that mutate an input are never kept; inside a kept unit they are recomputed, with one
+//     warning per policy and op; naming one is refused;
+//   - views inside a kept unit are recomputed (free, and keeping one would pin its base).
+
+#include <absl/container/flat_hash_set.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "policy/op_catalog.h"
+#include "policy/unit_stack.h"
+
+namespace sac {
+
+inline constexpr UnitId kNoUnit = UINT32_MAX;
+
+struct Decision {
+  bool keep = false;
+  // The kept unit the op runs in (kNoUnit when kept by the op set or not in a kept unit).
+  UnitId unit = kNoUnit;
+  // A mutating op inside a kept unit: recomputed, and worth a warning.
+  bool mutating_in_kept_unit = false;
+};
+
+class Policy {
+ public:
+  // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
+  // registered names), a collective, a random or mutating op, an empty unit name.
+  static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
+                                              const std::vector<std::string>& kept_units);
+
+  Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units) const;
+
+  bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty(); }
+  bool keepsOp(const OpEntry& op) const { return kept_ops_.contains(&op); }
+  std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
+  std::vector<std::string> keptUnitNames() const;  // sorted
+
+  // True once per policy and op: the caller warns then.
+  bool claimMutationWarning(const OpEntry& op) const;
+
+ private:
+  Policy() = default;
+
+  absl::flat_hash_set<const OpEntry*> kept_ops_;
+  absl::flat_hash_set<UnitId> kept_units_;
+  mutable std::mutex warned_mutex_;
+  mutable absl::flat_hash_set<const OpEntry*> warned_;
+};
+
+// The spellings among `names` that name at least one registered overload, in input order.
+// Lets a model list every spelling of an op (flash-attention v2 and v3) and keep those present.
+std::vector<std::string> resolvableOpNames(const std::vector<std::string>& names);
+
+}  // namespace sac

@@ -1,0 +1,24 @@
+"""sac_plugin: selective activation checkpointing as a C++ dispatcher plugin."""
+
+from . import _library
+
+_library.load()
+
+from .audit import Audit, AuditRow, audit  # noqa: E402
+from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
+from .policy import Policy, resolve_kept_ops  # noqa: E402
+from .units import in_recompute_unit, open_units, recompute_unit  # noqa: E402
+
+__all__ = [
+    "Audit",
+    "AuditRow",
+    "Policy",
+    "Region",
+    "apply_selective_checkpointing",
+    "audit",
+    "context_fn",
+    "in_recompute_unit",
+    "open_units",
+    "recompute_unit",
+    "resolve_kept_ops",
+]

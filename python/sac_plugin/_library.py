@@ -1,0 +1,51 @@
+"""Loads the compiled plugin once, with errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+_LIB_DIR = Path(__file__).resolve().parent / "_lib"
+_LIBRARY_NAME = "libsac_plugin.so"
+_REBUILD_HINT = "rebuild it with `bash tools/build.sh` from the repository root"
+
+
+def library_path() -> Path:
+    override = os.environ.get("SAC_PLUGIN_LIBRARY")
+    return Path(override) if override else _LIB_DIR / _LIBRARY_NAME
+
+
+def _built_for(path: Path) -> str | None:
+    stamp = path.parent / "built_for_torch.txt"
+    return stamp.read_text().strip() if stamp.exists() else None
+
+
+def load() -> None:
+    path = library_path()
+    if not path.exists():
+        raise ImportError(f"sac_plugin: compiled library not found at {path}; {_REBUILD_HINT}")
+    built_for = _built_for(path)
+    if built_for is not None and built_for != torch.__version__:
+        raise ImportError(
+            f"sac_plugin: {path} was built for torch {built_for}, but torch {torch.__version__} "
+            f"is installed; {_REBUILD_HINT}"
+        )
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise ImportError(
+            f"sac_plugin: could not load {path} (built for torch {built_for or 'unknown'}, "
+            f"torch {torch.__version__} installed): {error}; {_REBUILD_HINT}"
+        ) from error
+    compiled_for = torch.ops.sac.built_for_torch()
+    if compiled_for != torch.__version__:
+        raise ImportError(
+            f"sac_plugin: {path} was built for torch {compiled_for}, but torch {torch.__version__} "
+            f"is installed; {_REBUILD_HINT}"
+        )
+    try:
+        torch.ops.sac.install_fallback()
+    except RuntimeError as error:
+        raise ImportError(str(error)) from error
