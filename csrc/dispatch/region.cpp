@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
@@ -71,14 +72,29 @@ Region::Region(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)
   TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
 }
 
+// NOTE: [Versions of out= results]
+// An out= op's result is its out= argument, and the ADInplaceOrView kernel above us bumps that
+// tensor's version after we return. When that kernel is on the way (it excludes its own key
+// from the thread-local set while it redispatches; InferenceMode excludes it too but runs no
+// bump), the version to expect in the recompute is one more than what we read now.
+int64_t pendingVersionBumps(const OpEntry& op) {
+  bool in_place_kernel_above = c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::ADInplaceOrView) &&
+                               !c10::InferenceMode::is_enabled();
+  return op.traits.writes_out_arguments && in_place_kernel_above ? 1 : 0;
+}
+
 void Region::keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns) {
   uint32_t index = forward_calls_[&op]++;
   KeptOutputs kept;
   kept.unit = unit;
   kept.outputs.reserve(num_returns);
+  const int64_t pending = pendingVersionBumps(op);
   for (size_t i = stack.size() - num_returns; i < stack.size(); ++i) {
     kept.outputs.push_back(detachedValue(stack[i]));
-    forEachTensor(stack[i], [&](const at::Tensor& tensor) { kept.versions.push_back(versionOf(tensor)); });
+    forEachTensor(stack[i], [&](const at::Tensor& tensor) {
+      int64_t version = versionOf(tensor);
+      kept.versions.push_back(version < 0 ? version : version + pending);
+    });
   }
   kept_[Key{&op, index}] = std::move(kept);
 }

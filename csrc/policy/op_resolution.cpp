@@ -103,8 +103,10 @@ std::string describeUnknownOp(const std::string& spelling) {
     if (!overloads.empty()) {
       message << " (" << parsed.base_name << " has no overload '"
               << (parsed.overload.empty() ? "default" : parsed.overload) << "'; it has:";
-      for (const c10::OperatorHandle& op : overloads) {
-        const std::string& overload = op.schema().overload_name();
+      std::vector<std::string> names;
+      for (const c10::OperatorHandle& op : overloads) names.push_back(op.schema().overload_name());
+      std::sort(names.begin(), names.end());
+      for (const std::string& overload : names) {
         message << " " << parsed.base_name << "." << (overload.empty() ? "default" : overload);
       }
       message << ")";

@@ -1,1 +1,255 @@
 #include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <stdexcept>
+#include <thread>
+
+#include "diagnostics/audit.h"
+#include "dispatch/fallback.h"
+#include "dispatch/region.h"
+#include "dispatch/sac_key.h"
+#include "dispatch/thread_state.h"
+#include "policy/unit_stack.h"
+
+namespace sac {
+namespace {
+
+bool keySetsEqual(const c10::impl::LocalDispatchKeySet& a, const c10::impl::LocalDispatchKeySet& b) {
+  return a.included_ == b.included_ && a.excluded_ == b.excluded_;
+}
+
+bool sacKeyIncluded() { return c10::impl::tls_local_dispatch_key_set().included_.has(kSacKey); }
+
+uint64_t countOf(const std::vector<AuditRow>& rows, const std::string& op, int phase) {
+  for (const AuditRow& row : rows) {
+    if (row.op == op) return phase < 0 ? row.counts.hits : row.counts.executions[phase];
+  }
+  return 0;
+}
+
+void dummyFallback(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack*) {}
+
+// Runs in its own process (gtest_discover_tests), before anything installs the real fallback.
+TEST(FallbackInstall, RefusesAKeyThatAlreadyHoldsAFallback) {
+  ASSERT_FALSE(fallbackInstalled());
+  auto other = c10::Dispatcher::singleton().registerFallback(
+      kSacKey, c10::KernelFunction::makeFromBoxedFunction<&dummyFallback>(), "another library");
+  try {
+    installFallback();
+    FAIL() << "expected c10::Error";
+  } catch (const c10::Error& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac_plugin cannot load: the dispatch key Fake already holds a backend fallback in this torch, "
+              "registered by torch itself or another library. sac_plugin intercepts ops through a fallback on "
+              "that key and needs it free (see NOTE: [The dispatch key sac_plugin intercepts on] in "
+              "csrc/dispatch/sac_key.h)");
+  }
+  EXPECT_FALSE(fallbackInstalled());
+}
+
+class FallbackTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    installFallback();
+    before_ = c10::impl::tls_local_dispatch_key_set();
+  }
+  void TearDown() override {
+    EXPECT_TRUE(keySetsEqual(before_, c10::impl::tls_local_dispatch_key_set()));
+    EXPECT_FALSE(sacKeyIncluded());
+    EXPECT_EQ(ThreadState::current().depth(), 0u);
+    EXPECT_EQ(UnitStack::current().depth(), 0u);
+  }
+  c10::impl::LocalDispatchKeySet before_ = c10::impl::tls_local_dispatch_key_set();
+};
+
+TEST_F(FallbackTest, InstallIsIdempotent) {
+  installFallback();
+  EXPECT_TRUE(fallbackInstalled());
+  EXPECT_TRUE(c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kSacKey));
+}
+
+TEST_F(FallbackTest, KeyIsIncludedOnlyInsideAnInterceptingRegion) {
+  Region keeping(Policy::create({"aten::tanh"}, {}));
+  Region plain(Policy::create({}, {}));
+  {
+    ActivationScope forward(ActivationKind::kForward, &keeping);
+    EXPECT_TRUE(sacKeyIncluded());
+  }
+  EXPECT_FALSE(sacKeyIncluded());
+  {
+    ActivationScope forward(ActivationKind::kForward, &plain);
+    EXPECT_FALSE(sacKeyIncluded());
+  }
+}
+
+TEST_F(FallbackTest, KeySetIsRestoredAfterAnException) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  try {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    UnitScope attn("attn");
+    throw std::runtime_error("boom");
+  } catch (const std::runtime_error&) {
+  }
+}
+
+TEST_F(FallbackTest, OtherThreadsAreUntouched) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  ActivationScope forward(ActivationKind::kForward, &region);
+  bool included_elsewhere = true;
+  std::thread other([&] { included_elsewhere = sacKeyIncluded(); });
+  other.join();
+  EXPECT_FALSE(included_elsewhere);
+}
+
+TEST_F(FallbackTest, MisnestedExitUnwindsEverythingAndSaysSo) {
+  Region outer(Policy::create({"aten::tanh"}, {}));
+  Region inner(Policy::create({"aten::sin"}, {}));
+  ThreadState& state = ThreadState::current();
+  size_t outer_depth = state.enter(ActivationKind::kForward, &outer);
+  state.enter(ActivationKind::kForward, &inner);
+  try {
+    state.exit(ActivationKind::kForward, &outer, outer_depth);
+    FAIL() << "expected c10::Error";
+  } catch (const c10::Error& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac: a checkpointed forward exited while an inner checkpointed forward was still open; both were "
+              "closed and the dispatch key set restored");
+  }
+}
+
+TEST_F(FallbackTest, KeptOutputIsServedInTheRecompute) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  at::Tensor x = at::full({3}, 0.5);
+  at::Tensor forward_out;
+  CounterBaseline baseline = CounterBaseline::capture();
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    forward_out = at::sin(at::tanh(x));
+  }
+  EXPECT_EQ(region.keptCalls(), 1);
+  EXPECT_EQ(region.keptBytes(), 3 * 4);
+  at::Tensor recomputed;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    // Different input: a served output proves the kernel did not run.
+    recomputed = at::tanh(at::full({3}, 2.0));
+  }
+  EXPECT_TRUE(at::equal(recomputed, at::tanh(x)));
+  EXPECT_EQ(region.keptCalls(), 0);  // consumed and freed
+  std::vector<AuditRow> rows = baseline.changesSince();
+  EXPECT_EQ(countOf(rows, "aten::tanh", 0), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", 1), 0u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", -1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::sin", 0), 1u);
+}
+
+TEST_F(FallbackTest, SecondRecomputeAfterConsumptionIsAnError) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  at::Tensor x = at::ones({2});
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::tanh(x);
+  }
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    at::tanh(x);
+  }
+  ActivationScope again(ActivationKind::kRecompute, &region);
+  try {
+    at::tanh(x);
+    FAIL() << "expected c10::Error";
+  } catch (const c10::Error& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac: the kept output of aten::tanh (kept by the op list), call 1 of this region, was already used "
+              "by an earlier backward and freed. Trying to backward an extra time: a selectively checkpointed "
+              "region supports a second backward only when the first runs with retain_graph=True");
+  }
+}
+
+TEST_F(FallbackTest, MutatedKeptTensorIsAnErrorNamingTheOpAndUnit) {
+  Region region(Policy::create({}, {"attn"}));
+  at::Tensor x = at::ones({2});
+  at::Tensor kept;
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    UnitScope attn("attn");
+    kept = at::tanh(x);
+  }
+  kept.add_(1);
+  ActivationScope recompute(ActivationKind::kRecompute, &region);
+  UnitScope attn("attn");
+  try {
+    at::tanh(x);
+    FAIL() << "expected c10::Error";
+  } catch (const c10::Error& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac: a tensor kept for backward was mutated after it was saved: the output of aten::tanh (kept in "
+              "unit 'attn'), call 1 of this region, changed version from 0 to 1. The recompute would read the "
+              "mutated value; clone it before mutating in place, or do not keep aten::tanh");
+  }
+}
+
+TEST_F(FallbackTest, RecomputeCallingAKeptOpMoreOftenIsAnError) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  at::Tensor x = at::ones({2});
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::tanh(x);
+  }
+  ActivationScope recompute(ActivationKind::kRecompute, &region);
+  at::tanh(x);
+  EXPECT_THROW(at::tanh(x), c10::Error);
+}
+
+TEST_F(FallbackTest, UnitsAroundTheForwardAreReopenedInTheRecompute) {
+  Region region(Policy::create({}, {"attn"}));
+  at::Tensor x = at::ones({2});
+  {
+    UnitScope attn("attn");
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::tanh(x);  // kept: the unit was opened outside the checkpointed function
+  }
+  EXPECT_EQ(region.keptCalls(), 1);
+  at::Tensor other_input = at::zeros({2});
+  at::Tensor expected = at::tanh(x);
+  ActivationScope recompute(ActivationKind::kRecompute, &region);
+  EXPECT_EQ(UnitStack::current().depth(), 1u);
+  EXPECT_TRUE(at::equal(at::tanh(other_input), expected));
+  EXPECT_EQ(region.keptCalls(), 0);
+}
+
+TEST_F(FallbackTest, OutVariantIsServedIntoTheOutArgument) {
+  Region region(Policy::create({"aten::tanh.out"}, {}));
+  at::Tensor x = at::full({2}, 0.25);
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::Tensor out = at::empty({2});
+    at::tanh_out(out, x);
+  }
+  at::Tensor fresh = at::zeros({2});
+  at::Tensor other_input = at::full({2}, 3.0);
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    at::tanh_out(fresh, other_input);
+  }
+  EXPECT_TRUE(at::equal(fresh, at::tanh(x)));
+}
+
+TEST_F(FallbackTest, OpsInsideAKernelAreNotIntercepted) {
+  // randn's kernel calls empty and normal_; only randn is a call of the checkpointed function.
+  Region region(Policy::create({"aten::tanh"}, {}));
+  CounterBaseline baseline = CounterBaseline::capture();
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::randn({2});
+  }
+  std::vector<AuditRow> rows = baseline.changesSince();
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].op, "aten::randn");
+}
+
+}  // namespace
+}  // namespace sac

@@ -1,1 +1,139 @@
 #include <gtest/gtest.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include "policy/op_catalog.h"
+#include "policy/policy.h"
+
+namespace sac {
+namespace {
+
+const OpEntry& entryOf(const char* name, const char* overload = "") {
+  auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+  EXPECT_TRUE(handle.has_value()) << name << "." << overload;
+  return lookupOp(*handle);
+}
+
+std::string valueErrorOf(const std::vector<std::string>& ops, const std::vector<std::string>& units = {}) {
+  try {
+    Policy::create(ops, units);
+  } catch (const c10::ValueError& error) {
+    return error.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(PolicyDeclaration, UnknownOpNamesTheClosestRegisteredOnes) {
+  EXPECT_EQ(valueErrorOf({"aten::mmm"}),
+            "sac: kept_ops: unknown op 'aten::mmm'; closest registered names: aten::bmm, aten::mm, aten::smm");
+}
+
+TEST(PolicyDeclaration, CollectiveIsRefused) {
+  EXPECT_EQ(valueErrorOf({"_c10d_functional::all_reduce"}),
+            "sac: kept_ops: '_c10d_functional::all_reduce' names _c10d_functional::all_reduce, which is a "
+            "collective; collectives are never kept, because the recompute must run them again on every rank");
+}
+
+TEST(PolicyDeclaration, RandomOpIsRefused) {
+  EXPECT_EQ(valueErrorOf({"aten::native_dropout.default"}),
+            "sac: kept_ops: 'aten::native_dropout.default' names aten::native_dropout, which is a random op; "
+            "random ops are never kept, because skipping one in the recompute would shift the generator for "
+            "every random op after it");
+}
+
+TEST(PolicyDeclaration, MutatingOpIsRefused) {
+  EXPECT_EQ(valueErrorOf({"aten::add_.Tensor"}),
+            "sac: kept_ops: 'aten::add_.Tensor' names aten::add_.Tensor, which mutates an input; only "
+            "functional (or out=) ops can be kept, because the recompute must apply the mutation again");
+}
+
+TEST(PolicyDeclaration, EmptyUnitNameIsRefused) {
+  EXPECT_EQ(valueErrorOf({}, {""}), "sac: kept_units: a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
+}
+
+TEST(PolicyDeclaration, EveryOverloadSpellingKeepsAllKeepableOverloads) {
+  auto policy = Policy::create({"aten::mm"}, {});
+  EXPECT_EQ(policy->keptOpNames(),
+            (std::vector<std::string>{"aten::mm", "aten::mm.dtype", "aten::mm.dtype_out", "aten::mm.out"}));
+  EXPECT_FALSE(policy->keepsNothing());
+  EXPECT_TRUE(Policy::create({}, {})->keepsNothing());
+}
+
+TEST(PolicyDecision, KeptOpIsKeptAnywhere) {
+  auto policy = Policy::create({"aten::mm.default"}, {});
+  Decision decision = policy->decide(entryOf("aten::mm"), {});
+  EXPECT_TRUE(decision.keep);
+  EXPECT_EQ(decision.unit, kNoUnit);
+  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}).keep);
+}
+
+TEST(PolicyDecision, OpsInsideAKeptUnitAreKept) {
+  auto policy = Policy::create({}, {"attn"});
+  UnitId attn = internUnit("attn");
+  UnitId mlp = internUnit("mlp");
+  Decision inside = policy->decide(entryOf("aten::tanh"), {attn});
+  EXPECT_TRUE(inside.keep);
+  EXPECT_EQ(inside.unit, attn);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}).keep);
+}
+
+TEST(PolicyDecision, NestedUnitsKeepWhenAnyEnclosingUnitIsKept) {
+  auto policy = Policy::create({}, {"attn"});
+  UnitId attn = internUnit("attn");
+  UnitId rope = internUnit("rope");
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}).keep);
+}
+
+TEST(PolicyDecision, InvariantsWinInsideAKeptUnit) {
+  auto policy = Policy::create({}, {"attn"});
+  UnitId attn = internUnit("attn");
+  Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn});
+  EXPECT_FALSE(mutating.keep);
+  EXPECT_TRUE(mutating.mutating_in_kept_unit);
+  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}).keep);
+  // An out= op behaves like its functional twin.
+  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}).keep);
+}
+
+TEST(PolicyDecision, MutationWarningIsClaimedOncePerPolicy) {
+  auto first = Policy::create({}, {"attn"});
+  auto second = Policy::create({}, {"attn"});
+  const OpEntry& add_ = entryOf("aten::add_", "Tensor");
+  EXPECT_TRUE(first->claimMutationWarning(add_));
+  EXPECT_FALSE(first->claimMutationWarning(add_));
+  EXPECT_TRUE(second->claimMutationWarning(add_));
+}
+
+TEST(OpTraitsClassification, ReadsSchemaAndTags) {
+  EXPECT_TRUE(entryOf("aten::add_", "Tensor").traits.mutates_inputs);
+  EXPECT_TRUE(entryOf("aten::mm", "out").traits.writes_out_arguments);
+  EXPECT_FALSE(entryOf("aten::mm", "out").traits.mutates_inputs);
+  EXPECT_TRUE(entryOf("aten::view").traits.is_view);
+  EXPECT_TRUE(entryOf("aten::bernoulli").traits.is_random);
+  EXPECT_TRUE(entryOf("_c10d_functional::all_reduce").traits.is_collective);
+  EXPECT_TRUE(entryOf("aten::detach").traits.never_counts);
+  EXPECT_EQ(entryOf("aten::add", "Tensor").traits.qualified_name, "aten::add.Tensor");
+  EXPECT_EQ(entryOf("aten::tanh").traits.qualified_name, "aten::tanh");
+}
+
+TEST(ResolvableOpNames, KeepsRegisteredSpellingsAndSkipsTheRest) {
+  EXPECT_EQ(resolvableOpNames({"aten::_flash_attention_v9", "aten::mm.default", "not_an_op"}),
+            std::vector<std::string>{"aten::mm.default"});
+  try {
+    resolvableOpNames({"aten::nope"});
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("none of the op names resolves to a registered op: [aten::nope]"),
+              std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace sac
