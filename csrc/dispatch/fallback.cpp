@@ -42,14 +42,19 @@ class InterceptedCall {
     Region* region = state.region();
     if (region == nullptr || !region->intercepts()) return countAndRun(state.phase());
 
+    const bool recompute = state.regionInRecompute();
+    if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(writtenStorages());
+
     Decision decision = region->policy().decide(entry_, UnitStack::current().units());
     if (decision.mutating_in_kept_unit) warnMutationOnce(region->policy(), decision.unit);
     if (!decision.keep) return countAndRun(state.phase());
 
-    if (state.regionInRecompute()) {
-      region->serve(entry_, op_, stack_, /*consume=*/!currentBackwardKeepsGraph());
-      entry_.counters.recordHit();
-      return;
+    if (recompute) {
+      if (region->serve(entry_, op_, stack_, /*consume=*/!currentBackwardKeepsGraph())) {
+        entry_.counters.recordHit();
+        return;
+      }
+      return countAndRun(state.phase());
     }
     countAndRun(state.phase());
     region->keep(entry_, decision.unit, *stack_, op_.schema().returns().size());
@@ -72,6 +77,27 @@ class InterceptedCall {
   void countAndRun(Phase phase) {
     entry_.counters.recordExecution(phase);
     runKernel();
+  }
+
+  // Storages of the arguments this op writes in place (not its out= arguments).
+  std::vector<const c10::StorageImpl*> writtenStorages() const {
+    std::vector<const c10::StorageImpl*> storages;
+    const auto& arguments = op_.schema().arguments();
+    const size_t first = stack_->size() - arguments.size();
+    auto add = [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.has_storage()) storages.push_back(tensor.storage().unsafeGetStorageImpl());
+    };
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const c10::AliasInfo* alias = arguments[i].alias_info();
+      if (alias == nullptr || !alias->isWrite() || arguments[i].is_out()) continue;
+      const c10::IValue& value = (*stack_)[first + i];
+      if (value.isTensor()) {
+        add(value.toTensor());
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& tensor : value.toTensorList().vec()) add(tensor);
+      }
+    }
+    return storages;
   }
 
   void warnMutationOnce(const Policy& policy, UnitId unit) {

@@ -94,12 +94,35 @@ void Region::keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack
     forEachTensor(stack[i], [&](const at::Tensor& tensor) {
       int64_t version = versionOf(tensor);
       kept.versions.push_back(version < 0 ? version : version + pending);
+      if (tensor.defined() && tensor.has_storage()) {
+        kept_storages_[tensor.storage().unsafeGetStorageImpl()].push_back(Key{&op, index});
+      }
     });
   }
   kept_[Key{&op, index}] = std::move(kept);
 }
 
-void Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+// NOTE: [Kept outputs written in the forward]
+// A kept output that the checkpointed function itself later writes in place (an in-place
+// activation, an in-place collective on a buffer made inside a kept unit, x.view(...).add_())
+// cannot be served: the recompute would apply the write a second time to an already-written
+// value. torch's SAC raises an error at backward; we instead demote the call to recompute as
+// soon as the write is seen, which is always correct and frees the memory early. Writes that
+// happen after the forward cannot be undone this way, and serve() reports them.
+void Region::demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& written) {
+  for (const c10::StorageImpl* storage : written) {
+    auto found = kept_storages_.find(storage);
+    if (found == kept_storages_.end()) continue;
+    for (const Key& key : found->second) {
+      KeptOutputs& kept = kept_.at(key);
+      kept.outputs.clear();
+      kept.demoted = true;
+    }
+    kept_storages_.erase(found);
+  }
+}
+
+bool Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
                    bool consume) {
   const std::string& name = op.traits.qualified_name;
   uint32_t index = recompute_calls_[&op]++;
@@ -108,6 +131,7 @@ void Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::
               index + 1, ", the forward kept ", forward_calls_[&op],
               "); the checkpointed function must run the same ops in both passes");
   KeptOutputs& kept = it->second;
+  if (kept.demoted) return false;
   TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", index + 1,
               " of this region, was already used by an earlier backward and freed. Trying to backward an "
               "extra time: a selectively checkpointed region supports a second backward only when the "
@@ -159,6 +183,7 @@ void Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::
     kept.outputs.clear();
     kept.consumed = true;
   }
+  return true;
 }
 
 void Region::beginRecompute() {
@@ -172,6 +197,7 @@ void Region::endRecompute(bool keep_entries) {
     kept.outputs.clear();
     kept.consumed = true;
   }
+  kept_storages_.clear();
 }
 
 int64_t Region::keptBytes() const {

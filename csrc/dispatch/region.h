@@ -10,6 +10,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
+#include <c10/core/StorageImpl.h>
 #include <absl/container/flat_hash_map.h>
 
 #include <cstdint>
@@ -40,9 +41,15 @@ class Region {
   // Forward: the kept op's outputs are the last `num_returns` values on the stack.
   void keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
 
-  // Recompute: replace the op's arguments on the stack with its kept outputs. `consume` frees
-  // them (a backward that will not run again); otherwise they stay for the next recompute.
-  void serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+  // Forward: an op is about to write these storages in place. Kept outputs living in them are
+  // demoted: freed now and recomputed later, so that the recompute sees the value before the
+  // write and applies the write again (see NOTE: [Kept outputs written in the forward]).
+  void demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& written);
+
+  // Recompute: replace the op's arguments on the stack with its kept outputs and return true.
+  // `consume` frees them (a backward that will not run again); otherwise they stay for the next
+  // recompute. Returns false, leaving the stack alone, for a demoted call: the caller runs it.
+  bool serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
              bool consume);
 
   void beginRecompute();
@@ -62,8 +69,11 @@ class Region {
     std::vector<int64_t> versions;     // version of each stored tensor, in output order
     UnitId unit = kNoUnit;
     bool consumed = false;
+    bool demoted = false;
   };
   using Key = std::pair<const OpEntry*, uint32_t>;
+
+  absl::flat_hash_map<const c10::StorageImpl*, std::vector<Key>> kept_storages_;
 
   std::shared_ptr<const Policy> policy_;
   absl::flat_hash_map<Key, KeptOutputs> kept_;

@@ -255,5 +255,29 @@ TEST_F(FallbackTest, OpsInsideAKernelAreNotIntercepted) {
   EXPECT_EQ(rows[0].op, "aten::randn");
 }
 
+TEST_F(FallbackTest, KeptOutputWrittenInTheForwardIsRecomputedInstead) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  at::Tensor x = at::full({2}, 0.5);
+  CounterBaseline baseline = CounterBaseline::capture();
+  at::Tensor forward_out;
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    forward_out = at::tanh(x);
+    forward_out.view({2}).add_(1);  // a write through a view of the kept output
+  }
+  EXPECT_EQ(region.keptCalls(), 0);
+  at::Tensor recomputed;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    recomputed = at::tanh(x);
+    recomputed.view({2}).add_(1);
+  }
+  EXPECT_TRUE(at::equal(recomputed, forward_out));
+  std::vector<AuditRow> rows = baseline.changesSince();
+  EXPECT_EQ(countOf(rows, "aten::tanh", 0), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", 1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", -1), 0u);
+}
+
 }  // namespace
 }  // namespace sac
