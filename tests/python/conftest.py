@@ -1,0 +1,36 @@
+import threading
+
+import pytest
+import torch
+
+import sac_plugin
+
+
+def _thread_state():
+    return (
+        repr(torch._C._dispatch_tls_local_include_set()),
+        repr(torch._C._dispatch_tls_local_exclude_set()),
+        sac_plugin.open_units(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_thread_state():
+    """Every test must leave the dispatch key sets and the unit stack as it found them."""
+    before = _thread_state()
+    yield
+    assert _thread_state() == before
+
+
+@pytest.fixture
+def other_thread_state():
+    """Reads the key sets on a fresh thread, while the calling thread may be inside a region."""
+
+    def read():
+        seen = {}
+        thread = threading.Thread(target=lambda: seen.update(state=_thread_state()))
+        thread.start()
+        thread.join()
+        return seen["state"]
+
+    return read

@@ -1,0 +1,137 @@
+"""Bitwise gradient equality against an unmodified deepcopy of the model."""
+
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import sac_plugin
+from sac_plugin import Policy
+from toy_models import assert_same_gradients, make_pair, run_step
+
+POLICIES = {
+    "nothing_kept": Policy(),
+    "kept_ops": Policy(kept_ops=["aten::addmm", torch.ops.aten.tanh.default]),
+    "kept_units": Policy(kept_units=["attn"]),
+    "kept_ops_and_units": Policy(kept_ops=["aten::sin"], kept_units=["attn"]),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_gradients_equal_unmodified_model(name):
+    model, reference = make_pair(policy=POLICIES[name])
+    x = torch.randn(4, 16)
+    assert torch.equal(run_step(model, x), run_step(reference, x))
+    assert_same_gradients(model, reference)
+
+
+@pytest.mark.parametrize("kept_unit", ["attn", "rope"])
+def test_nested_units(kept_unit):
+    model, reference = make_pair(policy=Policy(kept_units=[kept_unit]), nested_unit=True)
+    x = torch.randn(4, 16)
+    with sac_plugin.audit() as audit:
+        run_step(model, x)
+    run_step(reference, x)
+    assert_same_gradients(model, reference)
+    # The sigmoid sits in "rope", inside "attn": kept either way.
+    assert audit.hits("aten::sigmoid") == 2
+    assert audit.hits("aten::tanh") == (2 if kept_unit == "attn" else 0)
+
+
+@pytest.mark.parametrize("where", ["before", "inside", "after"])
+@pytest.mark.parametrize("policy", ["kept_units", "kept_ops"])
+def test_dropout_with_preserved_rng(where, policy):
+    model, reference = make_pair(policy=POLICIES[policy], dropout=where)
+    x = torch.randn(4, 16)
+    with sac_plugin.audit() as audit:
+        loss = run_step(model, x)
+    assert torch.equal(loss, run_step(reference, x))
+    assert_same_gradients(model, reference)
+    # Random ops are never kept: the recompute draws the same mask again (on CPU dropout is
+    # empty_like + bernoulli_ + div_ + mul; the kept empty_like is demoted once bernoulli_ writes it).
+    assert audit.count("aten::bernoulli_", phase="forward") == 2
+    assert audit.count("aten::bernoulli_", phase="recompute") == 2
+    assert audit.hits("aten::bernoulli_") == 0
+    assert audit.hits("aten::empty_like") == 0
+
+
+def test_several_steps_stay_equal():
+    model, reference = make_pair(policy=POLICIES["kept_units"], dropout="inside")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 16)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            run_step(m, x, seed=step)
+            o.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_retain_graph_allows_a_second_backward():
+    model, reference = make_pair(policy=POLICIES["kept_units"])
+    x = torch.randn(4, 16)
+    for m in (model, reference):
+        loss = m(x).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert_same_gradients(model, reference)
+
+
+def test_context_fn_with_checkpoint_directly():
+    model, reference = make_pair(checkpoint=False)
+    fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    assert isinstance(fn, functools.partial)
+    x = torch.randn(4, 16)
+    h = x
+    for layer in model.layers:
+        h = checkpoint(layer, h, use_reentrant=False, context_fn=fn)
+    h.pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_same_gradients(model, reference)
+
+
+def test_nested_checkpoints():
+    model, reference = make_pair(checkpoint=False)
+    inner = sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"]))
+    outer = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+
+    def both_layers(h):
+        h = checkpoint(model.layers[0], h, use_reentrant=False, context_fn=inner)
+        return model.layers[1](h)
+
+    x = torch.randn(4, 16)
+    checkpoint(both_layers, x, use_reentrant=False, context_fn=outer).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_same_gradients(model, reference)
+
+
+def test_input_requiring_grad():
+    model, reference = make_pair(policy=POLICIES["kept_units"])
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    model(x).sum().backward()
+    reference(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    assert_same_gradients(model, reference)
+
+
+def test_state_dict_keys_unchanged():
+    model, reference = make_pair(policy=POLICIES["kept_units"])
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+
+def test_deepcopy_of_a_checkpointed_model_checkpoints_the_copy():
+    import copy
+
+    model, reference = make_pair(policy=POLICIES["kept_units"])
+    clone = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    with sac_plugin.audit() as audit:
+        run_step(clone, x)
+    run_step(reference, x)
+    assert audit.hits("aten::tanh") == 2
+    assert_same_gradients(clone, reference)
+    assert all(p.grad is None for p in model.parameters())

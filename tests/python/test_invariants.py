@@ -1,0 +1,282 @@
+"""The invariants no policy overrides: collectives, random ops, mutation, and the exact errors."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils.checkpoint import checkpoint
+
+import sac_plugin
+from sac_plugin import Policy, recompute_unit
+from toy_models import assert_same_gradients, make_pair, run_step
+
+COLLECTIVE_REFUSAL = (
+    "sac: kept_ops: '{spelling}' names {name}, which is a collective; collectives are never kept, "
+    "because the recompute must run them again on every rank"
+)
+
+
+@pytest.mark.parametrize(
+    "spelling,name",
+    [
+        ("c10d::allreduce_", "c10d::allreduce_"),
+        ("_c10d_functional::all_reduce", "_c10d_functional::all_reduce"),
+        ("_c10d_functional_autograd::all_to_all_single", "_c10d_functional_autograd::all_to_all_single"),
+    ],
+)
+def test_keeping_a_collective_is_refused_at_declaration(spelling, name):
+    with pytest.raises(ValueError) as error:
+        Policy(kept_ops=[spelling])
+    assert str(error.value) == COLLECTIVE_REFUSAL.format(spelling=spelling, name=name)
+
+
+def test_unknown_op_names_the_closest_registered_ones():
+    with pytest.raises(ValueError) as error:
+        Policy(kept_ops=["aten::mm.defualt"])
+    assert str(error.value) == (
+        "sac: kept_ops: unknown op 'aten::mm.defualt' (aten::mm has no overload 'defualt'; it has: "
+        "aten::mm.default aten::mm.dtype aten::mm.dtype_out aten::mm.out)"
+    )
+    with pytest.raises(ValueError) as error:
+        Policy(kept_ops=["aten::scaled_dot_product_atention"])
+    assert str(error.value).startswith(
+        "sac: kept_ops: unknown op 'aten::scaled_dot_product_atention'; closest registered names: "
+        "aten::scaled_dot_product_attention"
+    )
+
+
+def test_random_and_mutating_ops_are_refused_at_declaration():
+    with pytest.raises(ValueError, match=r"names aten::bernoulli_\.float, which is a random op"):
+        Policy(kept_ops=["aten::bernoulli_.float"])
+    with pytest.raises(ValueError, match=r"names aten::mul_\.Tensor, which mutates an input"):
+        Policy(kept_ops=[torch.ops.aten.mul_.Tensor])
+
+
+def test_bad_arguments_are_type_errors():
+    with pytest.raises(TypeError, match="kept_ops must be a collection of names, not a single str"):
+        Policy(kept_ops="aten::mm")
+    with pytest.raises(TypeError, match="expected an op name such as 'aten::mm.default'"):
+        Policy(kept_ops=[3])
+    with pytest.raises(ValueError, match="a unit name must be non-empty"):
+        Policy(kept_units=[""])
+    with pytest.raises(ValueError, match="a recompute unit needs a non-empty str name"):
+        recompute_unit("")
+
+
+def test_policy_spellings_and_copies():
+    policy = Policy(kept_ops=["aten::mm.default", torch.ops.aten.tanh], kept_units=["attn"])
+    assert policy.kept_ops == frozenset({"aten::mm", "aten::tanh", "aten::tanh.out"})
+    assert policy.kept_units == frozenset({"attn"})
+    assert copy.deepcopy(policy) is policy
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    assert torch.ops.aten.mm.default in policy.kept_overloads()
+
+
+def test_resolve_kept_ops_skips_unregistered_spellings():
+    names = ["aten::_flash_attention_forward_v3", "aten::_scaled_dot_product_flash_attention", "aten::mm"]
+    assert sac_plugin.resolve_kept_ops(names) == frozenset(
+        {"aten::_scaled_dot_product_flash_attention", "aten::mm"}
+    )
+    with pytest.raises(ValueError, match=r"none of the op names resolves to a registered op: \[aten::nope_v3\]"):
+        sac_plugin.resolve_kept_ops(["aten::nope_v3"])
+
+
+def test_applying_twice_is_refused():
+    model, _ = make_pair(policy=Policy(kept_units=["attn"]))
+    with pytest.raises(ValueError, match="already selectively checkpointed"):
+        sac_plugin.apply_selective_checkpointing(model.layers[0], Policy())
+
+
+# --- mutation ---------------------------------------------------------------------------
+
+
+def _layer_mutating_in_unit(weight, x):
+    with recompute_unit("attn"):
+        h = x @ weight
+        h.mul_(2)  # mm saves its inputs, not its output: autograd allows this write
+        h = torch.tanh(h)
+    return h.sin()
+
+
+def test_mutating_op_in_kept_unit_warns_once_and_is_recomputed():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8, requires_grad=True)
+    weight_ref = weight.detach().clone().requires_grad_()
+    x = torch.randn(4, 8)
+    fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    with warnings.catch_warnings(record=True) as caught, sac_plugin.audit() as audit:
+        warnings.simplefilter("always")
+        h = x
+        for _ in range(2):
+            h = checkpoint(_layer_mutating_in_unit, weight, h, use_reentrant=False, context_fn=fn)
+        h.sum().backward()
+    messages = [str(w.message) for w in caught if "sac:" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "sac: aten::mul_.Tensor mutates an input inside kept unit 'attn'; it is recomputed rather than kept "
+        "(warned once per policy)"
+    )
+    h_ref = x
+    for _ in range(2):
+        h_ref = _layer_mutating_in_unit(weight_ref, h_ref)
+    h_ref.sum().backward()
+    assert torch.equal(weight.grad, weight_ref.grad)
+    # The write to mm's output demotes it: mm runs again in the recompute, then mul_.
+    assert audit.count("aten::mul_.Tensor", phase="recompute") == 2
+    assert audit.count("aten::mm", phase="recompute") == 2
+    assert audit.hits("aten::mm") == 0
+    assert audit.hits("aten::tanh") == 2
+
+
+def test_a_second_policy_warns_again():
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        weight = torch.randn(8, 8, requires_grad=True)
+        fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            checkpoint(_layer_mutating_in_unit, weight, x, use_reentrant=False, context_fn=fn).sum().backward()
+        assert sum("aten::mul_.Tensor mutates" in str(w.message) for w in caught) == 1
+
+
+def test_kept_tensor_mutated_after_the_forward_is_an_error_naming_the_op():
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def attention(x):
+        with recompute_unit("attn"):
+            a = torch.tanh(x @ weight)
+        return a.sin(), a
+
+    out, kept = checkpoint(
+        attention, torch.randn(4, 8), use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    )
+    with torch.no_grad():
+        kept.add_(1)
+    with pytest.raises(RuntimeError) as error:
+        out.sum().backward()
+    assert (
+        "sac: a tensor kept for backward was mutated after it was saved: the output of aten::tanh (kept in unit "
+        "'attn'), call 1 of this region, changed version from 0 to 1. The recompute would read the mutated value; "
+        "clone it before mutating in place, or do not keep aten::tanh"
+    ) in str(error.value)
+
+
+# --- collectives inside a kept unit (gloo, one rank) -------------------------------------
+
+
+@pytest.fixture
+def gloo_one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _layer_with_collectives(weight, x, group):
+    with recompute_unit("attn"):
+        h = torch.tanh(x @ weight)
+        scale = h.detach().abs().mean()
+        dist.all_reduce(scale, group=group)  # in place: c10d::allreduce_
+        total = funcol.all_reduce(h.detach().sum(), "sum", group)  # _c10d_functional::all_reduce
+        h = h * scale + total
+    return h.sin()
+
+
+def test_collectives_inside_a_kept_unit_run_again_in_the_recompute(gloo_one_rank):
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8, requires_grad=True)
+    weight_ref = weight.detach().clone().requires_grad_()
+    x = torch.randn(4, 8)
+    fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # allreduce_ mutates its input: warned, tested above
+        with sac_plugin.audit() as audit:
+            checkpoint(_layer_with_collectives, weight, x, gloo_one_rank, use_reentrant=False, context_fn=fn).sum().backward()
+    _layer_with_collectives(weight_ref, x, gloo_one_rank).sum().backward()
+    assert torch.equal(weight.grad, weight_ref.grad)
+    for collective in ("c10d::allreduce_", "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"):
+        assert audit.count(collective, phase="forward") == 1, collective
+        assert audit.count(collective, phase="recompute") == 1, collective
+        assert audit.hits(collective) == 0, collective
+    assert audit.hits("aten::tanh") == 1
+
+
+# --- thread-local state ------------------------------------------------------------------
+
+
+def _include_set():
+    return repr(torch._C._dispatch_tls_local_include_set())
+
+
+def test_key_is_included_only_inside_the_region():
+    seen = []
+
+    def layer(x):
+        seen.append(_include_set())
+        return torch.tanh(x)
+
+    before = _include_set()
+    checkpoint(
+        layer, torch.randn(3, requires_grad=True), use_reentrant=False,
+        context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"])),
+    ).sum().backward()
+    assert "Fake" not in before
+    assert all("Fake" in s for s in seen) and len(seen) == 2  # forward and recompute
+    assert _include_set() == before
+
+
+def test_nothing_kept_installs_no_interception():
+    seen = []
+
+    def layer(x):
+        seen.append(_include_set())
+        return torch.tanh(x)
+
+    checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
+               context_fn=sac_plugin.context_fn(Policy())).sum().backward()
+    assert len(seen) == 2 and not any("Fake" in s for s in seen)
+
+
+def test_state_is_restored_after_an_exception_inside_a_unit_inside_a_region():
+    before = (_include_set(), sac_plugin.open_units())
+
+    def layer(x):
+        with recompute_unit("attn"):
+            torch.tanh(x)
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
+                   context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])))
+    assert (_include_set(), sac_plugin.open_units()) == before
+
+
+def test_other_threads_are_untouched_while_a_region_is_active(other_thread_state):
+    outside = other_thread_state()
+    inside = []
+
+    def layer(x):
+        inside.append(other_thread_state())
+        return torch.tanh(x)
+
+    checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
+               context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"])))
+    assert inside == [outside]
+
+
+def test_recompute_on_another_thread():
+    # The recompute may run on an autograd worker thread (CUDA); emulate it with a thread that
+    # runs the backward of a forward made here.
+    import threading
+
+    model, reference = make_pair(policy=Policy(kept_units=["attn"]))
+    x = torch.randn(4, 16)
+    loss = model(x).pow(2).mean()
+    thread = threading.Thread(target=loss.backward)
+    thread.start()
+    thread.join()
+    reference(x).pow(2).mean().backward()
+    assert_same_gradients(model, reference)
