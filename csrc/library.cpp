@@ -128,7 +128,9 @@ TORCH_LIBRARY(sac, m) {
              self->exit(ActivationKind::kRecompute, depth);
            })
       .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptBytes(); })
-      .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptCalls(); });
+      .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptCalls(); })
+      .def("kept_tensors",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptTensors(); });
 
   m.class_<AuditHandle>("Audit")
       .def(torch::init<>())

@@ -45,8 +45,10 @@ class InterceptedCall {
     const bool recompute = state.regionInRecompute();
     if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(writtenStorages());
 
-    Decision decision = region->policy().decide(entry_, UnitStack::current().units());
-    if (decision.mutating_in_kept_unit) warnMutationOnce(region->policy(), decision.unit);
+    const c10::IValue* arguments = &(*stack_)[stack_->size() - op_.schema().arguments().size()];
+    Decision decision =
+        region->policy().decide(entry_, UnitStack::current().units(), drawsRandomNumbers(entry_.traits, arguments));
+    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(region->policy(), decision);
     if (!decision.keep) return countAndRun(state.phase());
 
     if (recompute) {
@@ -100,10 +102,16 @@ class InterceptedCall {
     return storages;
   }
 
-  void warnMutationOnce(const Policy& policy, UnitId unit) {
-    if (!policy.claimMutationWarning(entry_)) return;
-    TORCH_WARN("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
-               unitName(unit), "'; it is recomputed rather than kept (warned once per policy)");
+  void warnOnce(const Policy& policy, const Decision& decision) {
+    if (!policy.claimWarning(entry_)) return;
+    if (decision.mutating_in_kept_unit) {
+      TORCH_WARN("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
+                 unitName(decision.unit), "'; it is recomputed rather than kept (warned once per policy)");
+    } else {
+      TORCH_WARN("sac: ", entry_.traits.qualified_name,
+                 " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
+                 "the recompute draws the same numbers (warned once per policy)");
+    }
   }
 
   const c10::OperatorHandle& op_;

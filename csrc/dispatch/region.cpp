@@ -215,6 +215,18 @@ int64_t Region::keptBytes() const {
   return bytes;
 }
 
+std::vector<at::Tensor> Region::keptTensors() const {
+  std::vector<at::Tensor> tensors;
+  for (const auto& [key, kept] : kept_) {
+    for (const c10::IValue& value : kept.outputs) {
+      forEachTensor(value, [&](const at::Tensor& tensor) {
+        if (tensor.defined()) tensors.push_back(tensor);
+      });
+    }
+  }
+  return tensors;
+}
+
 int64_t Region::keptCalls() const {
   int64_t calls = 0;
   for (const auto& [key, kept] : kept_) calls += kept.outputs.empty() ? 0 : 1;

@@ -62,6 +62,8 @@ class Region {
   // Bytes of the unique storages this region holds, and how many op calls it kept.
   int64_t keptBytes() const;
   int64_t keptCalls() const;
+  // The kept tensors themselves (shallow copies), for memory accounting across regions.
+  std::vector<at::Tensor> keptTensors() const;
 
  private:
   struct KeptOutputs {

@@ -49,6 +49,12 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.ns = traits.base_name.substr(0, traits.base_name.find("::"));
   traits.is_collective = isCollectiveNamespace(traits.ns);
   traits.is_random = op.hasTag(at::Tag::nondeterministic_seeded);
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::Argument& arg = schema.arguments()[i];
+    if (traits.is_random && arg.name() == "dropout_p" && arg.type()->kind() == c10::TypeKind::FloatType) {
+      traits.dropout_p_argument = static_cast<int>(i);
+    }
+  }
   for (const c10::Argument& arg : schema.arguments()) {
     const c10::AliasInfo* alias = arg.alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
@@ -66,6 +72,13 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.never_counts =
       contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
   return traits;
+}
+
+bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments) {
+  if (!traits.is_random) return false;
+  if (traits.dropout_p_argument < 0) return true;
+  const c10::IValue& dropout_p = arguments[traits.dropout_p_argument];
+  return !dropout_p.isDouble() || dropout_p.toDouble() != 0.0;
 }
 
 }  // namespace sac

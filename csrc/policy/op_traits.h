@@ -5,6 +5,7 @@
 
 namespace c10 {
 class OperatorHandle;
+struct IValue;
 }
 
 namespace sac {
@@ -20,6 +21,9 @@ struct OpTraits {
   // Ops tagged nondeterministic_seeded draw from a generator. They are never kept: skipping
   // one in the recompute would shift the generator for every random op after it.
   bool is_random = false;
+  // Attention kernels are tagged random because they may apply dropout, but draw nothing when
+  // dropout_p == 0. The index of that argument, or -1: such an op is random only per call.
+  int dropout_p_argument = -1;
   // Writes an input that is not an out= argument (in-place ops, c10d's in-place collectives).
   bool mutates_inputs = false;
   // Writes only its out= arguments; for the policy it behaves like the functional op.
@@ -33,6 +37,13 @@ struct OpTraits {
 };
 
 OpTraits classifyOp(const c10::OperatorHandle& op);
+
+// Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
+// points at the call's first argument on the dispatcher stack.
+bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
+
+// A random op that can still be kept when it draws nothing (dropout_p == 0).
+inline bool randomOnlyPerCall(const OpTraits& traits) { return traits.is_random && traits.dropout_p_argument >= 0; }
 
 // "aten::add.Tensor" / "aten::tanh" for a schema name and overload name.
 std::string qualifiedOpName(const std::string& name, const std::string& overload);

@@ -15,7 +15,7 @@ const char* whyNeverKept(const OpTraits& traits) {
     return "is a collective; collectives are never kept, because the recompute must run them "
            "again on every rank";
   }
-  if (traits.is_random) {
+  if (traits.is_random && !randomOnlyPerCall(traits)) {
     return "is a random op; random ops are never kept, because skipping one in the recompute "
            "would shift the generator for every random op after it";
   }
@@ -69,12 +69,13 @@ std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kep
   return policy;
 }
 
-Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units) const {
+Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, bool draws_random) const {
   Decision decision;
   const OpTraits& traits = op.traits;
-  if (traits.is_collective || traits.is_random || traits.never_counts) return decision;
+  if (traits.is_collective || traits.never_counts) return decision;
   if (kept_ops_.contains(&op)) {
-    decision.keep = true;
+    decision.keep = !draws_random;
+    decision.random_call_of_kept_op = draws_random;
     return decision;
   }
   if (kept_units_.empty()) return decision;
@@ -83,6 +84,8 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     decision.unit = *it;
     if (traits.mutates_inputs) {
       decision.mutating_in_kept_unit = true;
+    } else if (draws_random) {
+      decision.random_call_of_kept_op = randomOnlyPerCall(traits);
     } else {
       decision.keep = !traits.is_view;
     }
@@ -105,7 +108,7 @@ std::vector<std::string> Policy::keptUnitNames() const {
   return names;
 }
 
-bool Policy::claimMutationWarning(const OpEntry& op) const {
+bool Policy::claimWarning(const OpEntry& op) const {
   std::lock_guard<std::mutex> lock(warned_mutex_);
   return warned_.insert(&op).second;
 }

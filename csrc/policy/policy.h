@@ -5,8 +5,9 @@
 // declaration overrides them:
 //   - collectives (c10d, _c10d_functional, _c10d_functional_autograd) are never kept, and
 //     naming one is refused;
-//   - random ops are never kept (the recompute must draw the same numbers in the same order),
-//     and naming one is refused;
+//   - calls that draw random numbers are never kept (the recompute must draw the same numbers
+//     in the same order), and naming a random op is refused; attention ops, tagged random for
+//     their dropout, can be named and are kept in the calls where dropout_p == 0;
 //   - ops that mutate an input are never kept; inside a kept unit they are recomputed, with one
 //     warning per policy and op; naming one is refused;
 //   - views inside a kept unit are recomputed (free, and keeping one would pin its base).
@@ -32,6 +33,8 @@ struct Decision {
   UnitId unit = kNoUnit;
   // A mutating op inside a kept unit: recomputed, and worth a warning.
   bool mutating_in_kept_unit = false;
+  // An attention call the policy would keep, but whose dropout draws random numbers.
+  bool random_call_of_kept_op = false;
 };
 
 class Policy {
@@ -41,7 +44,9 @@ class Policy {
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
 
-  Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units) const;
+  // `draws_random`: this call draws from a generator (drawsRandomNumbers); such a call is
+  // recomputed so that forward and recompute draw the same numbers in the same order.
+  Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, bool draws_random) const;
 
   bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty(); }
   bool keepsOp(const OpEntry& op) const { return kept_ops_.contains(&op); }
@@ -49,7 +54,7 @@ class Policy {
   std::vector<std::string> keptUnitNames() const;  // sorted
 
   // True once per policy and op: the caller warns then.
-  bool claimMutationWarning(const OpEntry& op) const;
+  bool claimWarning(const OpEntry& op) const;
 
  private:
   Policy() = default;

@@ -62,53 +62,53 @@ TEST(PolicyDeclaration, EveryOverloadSpellingKeepsAllKeepableOverloads) {
 
 TEST(PolicyDecision, KeptOpIsKeptAnywhere) {
   auto policy = Policy::create({"aten::mm.default"}, {});
-  Decision decision = policy->decide(entryOf("aten::mm"), {});
+  Decision decision = policy->decide(entryOf("aten::mm"), {}, false);
   EXPECT_TRUE(decision.keep);
   EXPECT_EQ(decision.unit, kNoUnit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, false).keep);
 }
 
 TEST(PolicyDecision, OpsInsideAKeptUnitAreKept) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   UnitId mlp = internUnit("mlp");
-  Decision inside = policy->decide(entryOf("aten::tanh"), {attn});
+  Decision inside = policy->decide(entryOf("aten::tanh"), {attn}, false);
   EXPECT_TRUE(inside.keep);
   EXPECT_EQ(inside.unit, attn);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, false).keep);
 }
 
 TEST(PolicyDecision, NestedUnitsKeepWhenAnyEnclosingUnitIsKept) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   UnitId rope = internUnit("rope");
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}).keep);
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}, false).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}, false).keep);
 }
 
 TEST(PolicyDecision, InvariantsWinInsideAKeptUnit) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
-  Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn});
+  Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn}, false);
   EXPECT_FALSE(mutating.keep);
   EXPECT_TRUE(mutating.mutating_in_kept_unit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}, /*draws_random=*/true).keep);
+  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, false).keep);
   // An out= op behaves like its functional twin.
-  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, false).keep);
 }
 
 TEST(PolicyDecision, MutationWarningIsClaimedOncePerPolicy) {
   auto first = Policy::create({}, {"attn"});
   auto second = Policy::create({}, {"attn"});
   const OpEntry& add_ = entryOf("aten::add_", "Tensor");
-  EXPECT_TRUE(first->claimMutationWarning(add_));
-  EXPECT_FALSE(first->claimMutationWarning(add_));
-  EXPECT_TRUE(second->claimMutationWarning(add_));
+  EXPECT_TRUE(first->claimWarning(add_));
+  EXPECT_FALSE(first->claimWarning(add_));
+  EXPECT_TRUE(second->claimWarning(add_));
 }
 
 TEST(OpTraitsClassification, ReadsSchemaAndTags) {
@@ -133,6 +133,29 @@ TEST(ResolvableOpNames, KeepsRegisteredSpellingsAndSkipsTheRest) {
     EXPECT_NE(std::string(error.what()).find("none of the op names resolves to a registered op: [aten::nope]"),
               std::string::npos);
   }
+}
+
+TEST(PolicyDecision, AttentionIsKeptOnlyInCallsWithoutDropout) {
+  auto policy = Policy::create({"aten::_scaled_dot_product_flash_attention_for_cpu"}, {});
+  const OpEntry& attention = entryOf("aten::_scaled_dot_product_flash_attention_for_cpu");
+  EXPECT_TRUE(attention.traits.is_random);
+  EXPECT_TRUE(randomOnlyPerCall(attention.traits));
+  EXPECT_TRUE(policy->decide(attention, {}, /*draws_random=*/false).keep);
+  Decision with_dropout = policy->decide(attention, {}, /*draws_random=*/true);
+  EXPECT_FALSE(with_dropout.keep);
+  EXPECT_TRUE(with_dropout.random_call_of_kept_op);
+}
+
+TEST(OpTraitsClassification, DropoutPDecidesWhetherACallDrawsRandomNumbers) {
+  const OpTraits& traits = entryOf("aten::_scaled_dot_product_flash_attention_for_cpu").traits;
+  ASSERT_GE(traits.dropout_p_argument, 0);
+  std::vector<c10::IValue> arguments(static_cast<size_t>(traits.dropout_p_argument) + 1);
+  arguments[traits.dropout_p_argument] = 0.0;
+  EXPECT_FALSE(drawsRandomNumbers(traits, arguments.data()));
+  arguments[traits.dropout_p_argument] = 0.1;
+  EXPECT_TRUE(drawsRandomNumbers(traits, arguments.data()));
+  EXPECT_TRUE(drawsRandomNumbers(entryOf("aten::bernoulli").traits, arguments.data()));
+  EXPECT_FALSE(drawsRandomNumbers(entryOf("aten::tanh").traits, arguments.data()));
 }
 
 }  // namespace

@@ -280,3 +280,39 @@ def test_recompute_on_another_thread():
     thread.join()
     reference(x).pow(2).mean().backward()
     assert_same_gradients(model, reference)
+
+
+# --- attention: tagged random for its dropout --------------------------------------------
+
+
+def _attention(w, x, dropout_p):
+    with recompute_unit("attn"):
+        q = (x @ w).view(2, 1, 8, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)
+    return y.sin()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_attention_is_kept_only_without_dropout(dropout_p):
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    x = torch.randn(2, 8, 4)
+    fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    with warnings.catch_warnings(record=True) as caught, sac_plugin.audit() as audit:
+        warnings.simplefilter("always")
+        torch.manual_seed(1)
+        checkpoint(_attention, w, x, dropout_p, use_reentrant=False, context_fn=fn).sum().backward()
+    torch.manual_seed(1)
+    _attention(w_ref, x, dropout_p).sum().backward()
+    assert torch.equal(w.grad, w_ref.grad)
+    attention = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    if dropout_p == 0.0:
+        assert audit.hits(attention) == 1 and audit.count(attention, phase="recompute") == 0
+        assert not [w for w in caught if "sac:" in str(w.message)]
+    else:
+        # With dropout, CPU attention decomposes above autograd into math ops and draws its
+        # mask with bernoulli_: drawn again in the recompute, never served.
+        assert audit.count("aten::bernoulli_", phase="recompute") == 1
+        assert audit.hits("aten::bernoulli_") == 0
+        assert audit.count(attention) == 0

@@ -1,0 +1,66 @@
+"""Activation memory held between forward and backward, counted by unique storage.
+
+What is counted: every tensor autograd saves outside checkpointed regions (a checkpoint's own
+inputs included), plus every output a sac_plugin region keeps, plus any extra tensors a caller
+adds (torch's SAC cache, for comparisons). Each storage counts once, whole, however many
+tensors view it; parameters' storages are not activations and are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from . import checkpointing
+
+
+class ActivationMemory:
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._saved: list[torch.Tensor] = []
+        self._regions: list[checkpointing.Region] = []
+        self._extra: list[Callable[[], Iterable[torch.Tensor]]] = []
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+
+    def add_source(self, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._extra.append(tensors)
+
+    def _tensors(self):
+        yield from self._saved
+        for region in self._regions:
+            yield from region.handle.kept_tensors()
+        for source in self._extra:
+            yield from source()
+
+    def bytes(self) -> int:
+        storages = {}
+        for tensor in self._tensors():
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr())
+            if storage.data_ptr() in self._parameter_storages:
+                continue
+            storages[key] = storage.nbytes()
+        return sum(storages.values())
+
+    def kept_by_plugin(self) -> int:
+        return sum(region.kept_bytes for region in self._regions)
+
+
+@contextlib.contextmanager
+def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
+    """with track_activation_memory(model.parameters()) as memory: loss = model(x) ...; memory.bytes()"""
+    memory = ActivationMemory(parameters)
+
+    def pack(tensor):
+        memory._saved.append(tensor)
+        return tensor
+
+    checkpointing._region_observers.append(memory._regions.append)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield memory
+    finally:
+        checkpointing._region_observers.remove(memory._regions.append)
