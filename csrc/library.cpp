@@ -106,15 +106,8 @@ std::vector<std::string> overloadNames(const std::string& spelling) {
 }  // namespace
 
 TORCH_LIBRARY(sac, m) {
-  m.class_<PolicyHandle>("Policy")
-      .def(torch::init<std::vector<std::string>, std::vector<std::string>>())
-      .def("kept_ops", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptOpNames(); })
-      .def("kept_units", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptUnitNames(); })
-      .def("keeps_nothing",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
-
+  // Registered before Policy, whose new_region() returns it; regions are made only that way.
   m.class_<RegionHandle>("Region")
-      .def(torch::init<c10::intrusive_ptr<PolicyHandle>>())
       .def("enter_forward",
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kForward); })
       .def("exit_forward",
@@ -131,6 +124,16 @@ TORCH_LIBRARY(sac, m) {
       .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptCalls(); })
       .def("kept_tensors",
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptTensors(); });
+
+  m.class_<PolicyHandle>("Policy")
+      .def(torch::init<std::vector<std::string>, std::vector<std::string>>())
+      // One region per checkpoint call: a method call costs a fraction of a class constructor.
+      .def("new_region",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self); })
+      .def("kept_ops", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptOpNames(); })
+      .def("kept_units", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptUnitNames(); })
+      .def("keeps_nothing",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
 
   m.class_<AuditHandle>("Audit")
       .def(torch::init<>())

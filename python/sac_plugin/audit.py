@@ -11,6 +11,15 @@ from .policy import op_spelling
 PHASES = ("forward", "recompute", "backward")
 
 
+# Audits running in this process, on any thread. A region that keeps nothing creates no plugin
+# state unless an audit wants its recompute counted as "recompute".
+_active_audits = 0
+
+
+def any_active() -> bool:
+    return _active_audits > 0
+
+
 class AuditRow(NamedTuple):
     op: str
     forward: int
@@ -36,11 +45,15 @@ class Audit:
     def __enter__(self):
         if self._handle is not None:
             raise RuntimeError("sac_plugin: an audit object can be entered once; create a new audit()")
+        global _active_audits
         self._handle = torch.classes.sac.Audit()
         self._handle.start()
+        _active_audits += 1
         return self
 
     def __exit__(self, *exc_info):
+        global _active_audits
+        _active_audits -= 1
         self._handle.stop()
         return False
 

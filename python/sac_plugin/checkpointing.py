@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .audit import any_active as any_audit_active
 from .policy import Policy
 
 
@@ -36,7 +38,7 @@ class Region:
     __slots__ = ("handle", "forward", "recompute")
 
     def __init__(self, policy: Policy):
-        self.handle = torch.classes.sac.Region(policy._handle)
+        self.handle = policy._handle.new_region()
         self.forward = _RegionScope(self.handle.enter_forward, self.handle.exit_forward)
         self.recompute = _RegionScope(self.handle.enter_recompute, self.handle.exit_recompute)
 
@@ -72,9 +74,16 @@ def _compiled_contexts(policy: Policy):
     return create_selective_checkpoint_contexts(decide)
 
 
+_NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())
+
+
 def _selective_contexts(policy: Policy):
     if torch.compiler.is_compiling():
         return _compiled_contexts(policy)
+    if policy.keeps_nothing and not any_audit_active() and not _region_observers:
+        # Plain full recompute: nothing to intercept, and no audit that wants its recompute
+        # labelled as such, so no plugin state at all.
+        return _NO_CONTEXTS
     region = Region(policy)
     for observe in _region_observers:
         observe(region)
