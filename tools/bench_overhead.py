@@ -3,8 +3,8 @@
     PYTHONPATH=python .venv/bin/python tools/bench_overhead.py [--sizes 64 256 1024] [--reps 15]
 
 A checkpointed block of many small ops (tiny matmuls, elementwise chains, a tiny attention) so
-that per-op cost dominates. Every mode runs on the same inputs, interleaved round by round so
-that machine noise hits all modes alike. Reported per mode: forward+backward time per step (min
+that per-op cost dominates. Every mode runs on the same inputs, interleaved round by round in a
+shuffled order so that machine noise and allocator state hit all modes alike. Reported per mode: forward+backward time per step (min
 and median) and, for the intercepting modes, the overhead per intercepted op:
 (mode - full recompute) / ops intercepted, where ops intercepted is what the audit counts in
 the forward and the recompute (executions + kept outputs served). Two ratios: with the same
@@ -15,8 +15,11 @@ intercepts every op and keeps none, which isolates the interception cost itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import gc
 import json
+import random
 import statistics
 import time
 
@@ -105,7 +108,7 @@ def intercepted_ops(run) -> int:
     return sum(row.forward + row.recompute + row.hits for row in audit.rows())
 
 
-def measure(size: int, reps: int, dim: int, device) -> dict:
+def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> dict:
     block, _ = make_attention_block(size, dim, device)
     x = torch.randn(16, dim, device=device)
     grad = torch.ones(16, dim, device=device)
@@ -115,21 +118,29 @@ def measure(size: int, reps: int, dim: int, device) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {name: [] for name in modes}
     for name, run in modes.items():  # warm-up
-        for _ in range(2):
+        for _ in range(3):
             run()
-    for _ in range(reps):
-        for name, run in modes.items():
-            sync()
-            if name == "sac_plugin + audit":
-                with sac_plugin.audit():
-                    started = time.perf_counter()
-                    run()
+    # Like timeit: the garbage collector stays off while timing, and each sample is the mean
+    # of a few steps, so one sample is not one timer tick or one collection.
+    gc.collect()
+    gc.disable()
+    try:
+        order = list(modes.items())
+        shuffle = random.Random(0).shuffle
+        for _ in range(reps):
+            shuffle(order)  # no mode always runs first, right after a collection
+            for name, run in order:
+                audit = sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext()
+                with audit:
                     sync()
-            else:
-                started = time.perf_counter()
-                run()
-                sync()
-            times[name].append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    for _ in range(steps_per_sample):
+                        run()
+                    sync()
+                    times[name].append((time.perf_counter() - started) / steps_per_sample)
+            gc.collect()
+    finally:
+        gc.enable()
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
 
     def overhead(name, stat):
@@ -173,13 +184,14 @@ def print_report(results, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--steps-per-sample", type=int, default=5)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
-    results = [measure(size, args.reps, args.dim, device) for size in args.sizes]
+    results = [measure(size, args.reps, args.dim, device, args.steps_per_sample) for size in args.sizes]
     print_report(results, device)
     if args.json:
         with open(args.json, "w") as f:
