@@ -3,11 +3,11 @@
 // difference since then. Counters are process-wide, so an audit sees every thread: the
 // autograd engine's device threads, which inherit the caller's thread-local key set, included.
 
-#include <absl/container/flat_hash_map.h>
 
 #include <string>
 #include <vector>
 
+#include "hash_containers.h"
 #include "diagnostics/op_counters.h"
 
 namespace sac {
@@ -26,7 +26,7 @@ class CounterBaseline {
   std::vector<AuditRow> changesSince() const;
 
  private:
-  absl::flat_hash_map<const OpEntry*, CounterSnapshot> baseline_;
+  HashMap<const OpEntry*, CounterSnapshot> baseline_;
 };
 
 // A fixed-width table of audit rows, the way `audit().table()` prints it.

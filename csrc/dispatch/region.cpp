@@ -6,9 +6,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
-#include <absl/container/flat_hash_set.h>
-
 #include "dispatch/sac_key.h"
+#include "hash_containers.h"
 
 // Declared here rather than through torch/csrc/autograd/graph_task.h, whose include tree
 // would triple this file's build time; both are exported from libtorch_cpu.
@@ -201,7 +200,7 @@ void Region::endRecompute(bool keep_entries) {
 }
 
 int64_t Region::keptBytes() const {
-  absl::flat_hash_set<const void*> storages;
+  HashSet<const void*> storages;
   int64_t bytes = 0;
   for (const auto& [key, kept] : kept_) {
     for (const c10::IValue& value : kept.outputs) {

@@ -11,13 +11,13 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 #include <c10/core/StorageImpl.h>
-#include <absl/container/flat_hash_map.h>
 
 #include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "hash_containers.h"
 #include "policy/policy.h"
 
 namespace c10 {
@@ -75,12 +75,12 @@ class Region {
   };
   using Key = std::pair<const OpEntry*, uint32_t>;
 
-  absl::flat_hash_map<const c10::StorageImpl*, std::vector<Key>> kept_storages_;
+  HashMap<const c10::StorageImpl*, std::vector<Key>> kept_storages_;
 
   std::shared_ptr<const Policy> policy_;
-  absl::flat_hash_map<Key, KeptOutputs> kept_;
-  absl::flat_hash_map<const OpEntry*, uint32_t> forward_calls_;
-  absl::flat_hash_map<const OpEntry*, uint32_t> recompute_calls_;
+  HashMap<Key, KeptOutputs> kept_;
+  HashMap<const OpEntry*, uint32_t> forward_calls_;
+  HashMap<const OpEntry*, uint32_t> recompute_calls_;
   std::vector<UnitId> units_around_forward_;
   int recomputes_ = 0;
 };

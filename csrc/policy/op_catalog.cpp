@@ -2,13 +2,14 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/op_registration/op_registration.h>
-#include <absl/container/flat_hash_map.h>
 
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
+
+#include "hash_containers.h"
 
 namespace sac {
 namespace {
@@ -17,7 +18,7 @@ using OpKey = const c10::OperatorName*;  // stable for as long as the op is regi
 
 struct Catalog {
   std::mutex mutex;
-  absl::flat_hash_map<OpKey, OpEntry*> live;
+  HashMap<OpKey, OpEntry*> live;
   std::vector<std::unique_ptr<OpEntry>> owned;  // never shrinks: entries outlive deregistration
   std::atomic<uint64_t> epoch{0};               // bumped when an op leaves the dispatcher
   std::optional<c10::RegistrationHandleRAII> listener_handle;
@@ -64,7 +65,7 @@ const OpEntry& lookupSlow(const c10::OperatorHandle& op) {
 
 struct ThreadCache {
   uint64_t epoch = 0;
-  absl::flat_hash_map<OpKey, const OpEntry*> entries;
+  HashMap<OpKey, const OpEntry*> entries;
 };
 
 }  // namespace

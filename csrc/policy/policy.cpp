@@ -73,14 +73,14 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   Decision decision;
   const OpTraits& traits = op.traits;
   if (traits.is_collective || traits.never_counts) return decision;
-  if (kept_ops_.contains(&op)) {
+  if (kept_ops_.count(&op) > 0) {
     decision.keep = !draws_random;
     decision.random_call_of_kept_op = draws_random;
     return decision;
   }
   if (kept_units_.empty()) return decision;
   for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
-    if (!kept_units_.contains(*it)) continue;
+    if (kept_units_.count(*it) == 0) continue;
     decision.unit = *it;
     if (traits.mutates_inputs) {
       decision.mutating_in_kept_unit = true;

@@ -12,7 +12,6 @@
 //     warning per policy and op; naming one is refused;
 //   - views inside a kept unit are recomputed (free, and keeping one would pin its base).
 
-#include <absl/container/flat_hash_set.h>
 
 #include <cstdint>
 #include <memory>
@@ -20,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "hash_containers.h"
 #include "policy/op_catalog.h"
 #include "policy/unit_stack.h"
 
@@ -49,7 +49,7 @@ class Policy {
   Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, bool draws_random) const;
 
   bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty(); }
-  bool keepsOp(const OpEntry& op) const { return kept_ops_.contains(&op); }
+  bool keepsOp(const OpEntry& op) const { return kept_ops_.count(&op) > 0; }
   std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
   std::vector<std::string> keptUnitNames() const;  // sorted
 
@@ -59,10 +59,10 @@ class Policy {
  private:
   Policy() = default;
 
-  absl::flat_hash_set<const OpEntry*> kept_ops_;
-  absl::flat_hash_set<UnitId> kept_units_;
+  HashSet<const OpEntry*> kept_ops_;
+  HashSet<UnitId> kept_units_;
   mutable std::mutex warned_mutex_;
-  mutable absl::flat_hash_set<const OpEntry*> warned_;
+  mutable HashSet<const OpEntry*> warned_;
 };
 
 // The spellings among `names` that name at least one registered overload, in input order.

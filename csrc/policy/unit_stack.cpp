@@ -1,17 +1,18 @@
 #include "policy/unit_stack.h"
 
-#include <absl/container/flat_hash_map.h>
 #include <c10/util/Exception.h>
 
 #include <deque>
 #include <mutex>
+
+#include "hash_containers.h"
 
 namespace sac {
 namespace {
 
 struct UnitNames {
   std::mutex mutex;
-  absl::flat_hash_map<std::string, UnitId> ids;
+  HashMap<std::string, UnitId> ids;
   std::deque<std::string> names;  // deque: references stay valid as it grows
 };
 
