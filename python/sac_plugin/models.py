@@ -77,3 +77,177 @@ class GPT(nn.Module):
     def loss(self, tokens, targets):
         logits = self(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+# --- Llama-style dense decoder -------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        with recompute_unit("norm"):
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, seq: int, theta: float = 10000.0, device=None):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    # x: (batch, heads, seq, head_dim); rotate interleaved halves.
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int | None = None):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, self.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, self.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        batch, seq, _ = x.shape
+        with recompute_unit("attn"):
+            q = self.wq(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+            k = self.wk(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = self.wv(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        with recompute_unit("mlp"):
+            h = F.silu(self.w1(x)) * self.w3(x)
+        return self.w2(h)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int | None = None, kv_heads: int | None = None):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = LlamaAttention(dim, heads, kv_heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.feed_forward = SwiGLU(dim, hidden or 4 * dim)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """A Llama-style dense decoder: RMSNorm ("norm"), rotary attention through SDPA ("attn"),
+    SwiGLU MLP ("mlp")."""
+
+    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
+                 kv_heads: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads=kv_heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        cos, sin = rotary_tables(dim // heads, seq)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+    def loss(self, tokens, targets):
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --- MoE decoder ---------------------------------------------------------------------------
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, dim: int, experts: int, top_k: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, tokens):
+        with recompute_unit("moe_gate"):
+            scores = self.gate(tokens).softmax(dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        return weights.type_as(tokens), chosen
+
+
+def dispatch_tokens(chosen, experts: int):
+    """Token dispatch: sort (token, slot) pairs by expert and count tokens per expert."""
+    with recompute_unit("moe_dispatch"):
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.histc(flat.float(), bins=experts, min=0, max=experts - 1)
+    return order, counts
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.router = TopKRouter(dim, experts, top_k)
+        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, chosen = self.router(tokens)
+        order, counts = dispatch_tokens(chosen, len(self.experts))
+        token_of_slot = order // self.top_k
+        routed = tokens[token_of_slot]
+        outputs = []
+        start = 0
+        for expert, count in zip(self.experts, counts.tolist()):
+            end = start + int(count)
+            outputs.append(expert(routed[start:end]))
+            start = end
+        expert_out = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1)
+        combined = torch.zeros_like(tokens).index_add(0, token_of_slot, expert_out)
+        return combined.view(shape)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int | None = None, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = LlamaAttention(dim, heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.moe = MoE(dim, hidden or 2 * dim, experts, top_k)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoEModel(Llama):
+    """A MoE decoder: Llama attention, and a top-k routed MoE ("moe_gate", "moe_dispatch") of
+    SwiGLU experts ("mlp")."""
+
+    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
+                 experts: int = 4, top_k: int = 2):
+        super().__init__(vocab, dim, heads, layers, seq)
+        self.layers = nn.ModuleList(MoEBlock(dim, heads, experts=experts, top_k=top_k) for _ in range(layers))

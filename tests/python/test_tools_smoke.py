@@ -1,0 +1,45 @@
+"""The demo and the benchmarks run and print their tables (tiny sizes; no timing is asserted)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_demo_prints_identical_losses():
+    out = run_tool("tools/demo.py", "--steps", "2", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2")
+    assert "losses identical across modes at every step: True" in out
+    assert "selective (attn kept)" in out
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_prints_its_ratios():
+    out = run_tool("tools/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1")
+    assert "plugin overhead / torch SAC overhead, same kept list" in out
+    assert "plugin with nothing kept / full recompute" in out
+
+
+@pytest.mark.slow
+def test_memory_benchmark_finds_equal_bytes():
+    # The tool exits non-zero when the plugin and torch's SAC hold different bytes.
+    out = run_tool("tools/bench_memory.py", "--dims", "64", "--seqs", "32", "--heads", "4")
+    assert "attention + matmuls kept" in out and " NO " not in out
+
+
+@pytest.mark.slow
+def test_block_benchmark_prints_every_mode():
+    out = run_tool("tools/bench_block.py", "--dim", "64", "--heads", "4", "--seq", "32", "--steps", "1")
+    for mode in ("no checkpointing", "full recompute", "attention kept, torch SAC", "attention kept, sac_plugin"):
+        assert mode in out
