@@ -27,8 +27,25 @@ namespace sac {
 namespace {
 
 struct PolicyHandle : torch::CustomClassHolder {
-  PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units)
-      : policy(Policy::create(kept_ops, kept_units)) {}
+  PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
+               std::vector<std::string> every_nth_ops, std::vector<int64_t> every_nth,
+               std::vector<std::string> recomputed_units)
+      : policy(Policy::create(spec(std::move(kept_ops), std::move(kept_units), every_nth_ops, every_nth,
+                                   std::move(recomputed_units)))) {}
+
+  static PolicySpec spec(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
+                         const std::vector<std::string>& every_nth_ops, const std::vector<int64_t>& every_nth,
+                         std::vector<std::string> recomputed_units) {
+    TORCH_CHECK_VALUE(every_nth_ops.size() == every_nth.size(), "sac: every_nth_op needs one n per op, got ",
+                      every_nth_ops.size(), " ops and ", every_nth.size(), " values");
+    PolicySpec spec;
+    spec.kept_ops = std::move(kept_ops);
+    spec.kept_units = std::move(kept_units);
+    for (size_t i = 0; i < every_nth_ops.size(); ++i) spec.every_nth_ops.emplace_back(every_nth_ops[i], every_nth[i]);
+    spec.recomputed_units = std::move(recomputed_units);
+    return spec;
+  }
+
   std::shared_ptr<const Policy> policy;
 };
 
@@ -126,12 +143,25 @@ TORCH_LIBRARY(sac, m) {
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptTensors(); });
 
   m.class_<PolicyHandle>("Policy")
-      .def(torch::init<std::vector<std::string>, std::vector<std::string>>())
+      .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+                       std::vector<int64_t>, std::vector<std::string>>())
       // One region per checkpoint call: a method call costs a fraction of a class constructor.
       .def("new_region",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self); })
       .def("kept_ops", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptOpNames(); })
       .def("kept_units", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptUnitNames(); })
+      .def("recomputed_units",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->recomputedUnitNames(); })
+      .def("every_nth_ops",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) {
+             std::vector<std::string> ops;
+             std::vector<int64_t> every;
+             for (const auto& [op, n] : self->policy->everyNthOps()) {
+               ops.push_back(op);
+               every.push_back(n);
+             }
+             return std::make_tuple(ops, every);
+           })
       .def("keeps_nothing",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
 

@@ -13,14 +13,14 @@ parameters excluded. The same policy must hold the same bytes under the plugin a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from torch.utils._pytree import tree_leaves
 
 import sac_plugin
+from sac_plugin.checkpointing import torch_policy_fn
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import GPTBlock
 
@@ -35,19 +35,19 @@ def policies():
         "no checkpointing": None,
         "full recompute": sac_plugin.Policy(),
         "attention kept": sac_plugin.Policy(kept_ops=attention),
+        "attention + every other matmul": sac_plugin.Policy(kept_ops=attention,
+                                                            every_nth_op={op: 2 for op in MATMULS}),
         "attention + matmuls kept": sac_plugin.Policy(kept_ops=attention | set(MATMULS)),
         "attn unit kept": sac_plugin.Policy(kept_units=["attn"]),
     }
 
 
 def torch_sac(policy, caches):
-    kept = frozenset(policy.kept_overloads())
-
-    def policy_fn(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+    """torch's SAC with the same selection (sac_plugin.checkpointing.torch_policy_fn), keeping a
+    handle on each region's cache so its bytes can be counted."""
 
     def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(policy_fn)
+        forward, recompute = create_selective_checkpoint_contexts(torch_policy_fn(policy))
         caches.append(forward.storage)
         return forward, recompute
 
@@ -91,22 +91,27 @@ def run(dims, seqs, heads, device):
             baseline = None
             for name, policy in policies().items():
                 plugin_bytes, recomputed = measure_one(block, x, policy, "plugin")
-                torch_bytes = measure_one(block, x, policy, "torch")[0] if policy is not None else plugin_bytes
+                if policy is None:
+                    torch_bytes = plugin_bytes
+                elif policy.kept_units:
+                    torch_bytes = None  # torch's SAC has no units
+                else:
+                    torch_bytes = measure_one(block, x, policy, "torch")[0]
                 baseline = baseline or plugin_bytes
                 rows.append({"dim": dim, "seq": seq, "policy": name, "plugin_bytes": plugin_bytes,
-                             "torch_sac_bytes": torch_bytes if name != "attn unit kept" else None,
+                             "torch_sac_bytes": torch_bytes,
                              "ratio_to_no_checkpointing": plugin_bytes / baseline, "ops_recomputed": recomputed})
     return rows
 
 
 def print_report(rows, device):
     print(f"activation memory, GPT block, batch 1, {device}, torch {torch.__version__}")
-    print(f"{'dim':>5} {'seq':>5}  {'policy':<26}{'plugin MiB':>11}{'torch SAC MiB':>15}{'same':>6}"
+    print(f"{'dim':>5} {'seq':>5}  {'policy':<32}{'plugin MiB':>11}{'torch SAC MiB':>15}{'same':>6}"
           f"{'ratio':>8}{'recomputed':>12}")
     for r in rows:
         torch_mib = "-" if r["torch_sac_bytes"] is None else f"{r['torch_sac_bytes'] / 2**20:.2f}"
         same = "-" if r["torch_sac_bytes"] is None else ("yes" if r["torch_sac_bytes"] == r["plugin_bytes"] else "NO")
-        print(f"{r['dim']:>5} {r['seq']:>5}  {r['policy']:<26}{r['plugin_bytes'] / 2**20:>11.2f}{torch_mib:>15}"
+        print(f"{r['dim']:>5} {r['seq']:>5}  {r['policy']:<32}{r['plugin_bytes'] / 2**20:>11.2f}{torch_mib:>15}"
               f"{same:>6}{r['ratio_to_no_checkpointing']:>8.3f}{r['ops_recomputed']:>12}")
 
 

@@ -68,6 +68,7 @@ def torch_sac_context(kept_overloads):
     def policy_fn(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
+    # The policy function a torch SAC user writes: a set lookup, nothing more.
     return functools.partial(create_selective_checkpoint_contexts, policy_fn)
 
 

@@ -45,10 +45,13 @@ class InterceptedCall {
     const bool recompute = state.regionInRecompute();
     if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(writtenStorages());
 
-    const c10::IValue* arguments = &(*stack_)[stack_->size() - op_.schema().arguments().size()];
-    Decision decision =
-        region->policy().decide(entry_, UnitStack::current().units(), drawsRandomNumbers(entry_.traits, arguments));
-    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(region->policy(), decision);
+    const Policy& policy = region->policy();
+    CallFacts call;
+    call.draws_random =
+        drawsRandomNumbers(entry_.traits, &(*stack_)[stack_->size() - op_.schema().arguments().size()]);
+    if (policy.everyNth(entry_) > 0) call.call_index = region->nextCallIndex(entry_, recompute);
+    Decision decision = policy.decide(entry_, UnitStack::current().units(), call);
+    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
     if (!decision.keep) return countAndRun(state.phase());
 
     if (recompute) {

@@ -187,6 +187,7 @@ bool Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::
 
 void Region::beginRecompute() {
   recompute_calls_.clear();
+  recompute_nth_calls_.clear();
   ++recomputes_;
 }
 

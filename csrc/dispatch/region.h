@@ -52,6 +52,12 @@ class Region {
   bool serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
              bool consume);
 
+  // The 0-based index of this call among the region's calls of `op` in the current pass
+  // (forward and recompute counted apart), for every-nth rules.
+  uint32_t nextCallIndex(const OpEntry& op, bool recompute) {
+    return (recompute ? recompute_nth_calls_ : forward_nth_calls_)[&op]++;
+  }
+
   void beginRecompute();
   // Frees every kept output unless the backward keeps its graph (retain_graph=True).
   void endRecompute(bool keep_entries);
@@ -81,6 +87,8 @@ class Region {
   HashMap<Key, KeptOutputs> kept_;
   HashMap<const OpEntry*, uint32_t> forward_calls_;
   HashMap<const OpEntry*, uint32_t> recompute_calls_;
+  HashMap<const OpEntry*, uint32_t> forward_nth_calls_;
+  HashMap<const OpEntry*, uint32_t> recompute_nth_calls_;
   std::vector<UnitId> units_around_forward_;
   int recomputes_ = 0;
 };

@@ -30,16 +30,16 @@ const char* whyNeverKept(const OpTraits& traits) {
   return nullptr;
 }
 
-std::vector<const OpEntry*> resolveKeptSpelling(const std::string& spelling) {
+std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::string& spelling) {
   std::vector<c10::OperatorHandle> handles = resolveOpSpelling(spelling);
-  TORCH_CHECK_VALUE(!handles.empty(), "sac: kept_ops: ", describeUnknownOp(spelling));
+  TORCH_CHECK_VALUE(!handles.empty(), "sac: ", field, ": ", describeUnknownOp(spelling));
   std::vector<const OpEntry*> keepable;
   std::string refusal;
   for (const c10::OperatorHandle& handle : handles) {
     const OpEntry& entry = lookupOp(handle);
     const char* why = whyNeverKept(entry.traits);
     // A collective is refused even inside an every-overload spelling: asking for it is a bug.
-    TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: kept_ops: '", spelling,
+    TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: ", field, ": '", spelling,
                       "' names ", entry.traits.qualified_name, ", which ", why);
     if (why == nullptr) {
       keepable.push_back(&entry);
@@ -48,34 +48,65 @@ std::vector<const OpEntry*> resolveKeptSpelling(const std::string& spelling) {
     }
   }
   bool single_overload = !parseOpSpelling(spelling).every_overload;
-  TORCH_CHECK_VALUE(!keepable.empty() && (!single_overload || refusal.empty()), "sac: kept_ops: '",
+  TORCH_CHECK_VALUE(!keepable.empty() && (!single_overload || refusal.empty()), "sac: ", field, ": '",
                     spelling, "' names ", refusal);
   return keepable;
 }
 
 }  // namespace
 
-std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kept_ops,
-                                             const std::vector<std::string>& kept_units) {
+namespace {
+
+UnitId internUnitOf(const char* field, const std::string& unit) {
+  TORCH_CHECK_VALUE(!unit.empty(), "sac: ", field, ": a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
+  return internUnit(unit);
+}
+
+}  // namespace
+
+std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
   std::shared_ptr<Policy> policy(new Policy());
-  for (const std::string& spelling : kept_ops) {
-    for (const OpEntry* entry : resolveKeptSpelling(spelling)) policy->kept_ops_.insert(entry);
+  for (const std::string& spelling : spec.kept_ops) {
+    for (const OpEntry* entry : resolveKeptSpelling("kept_ops", spelling)) policy->kept_ops_.insert(entry);
   }
-  for (const std::string& unit : kept_units) {
-    TORCH_CHECK_VALUE(!unit.empty(),
-                      "sac: kept_units: a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
-    policy->kept_units_.insert(internUnit(unit));
+  for (const auto& [spelling, n] : spec.every_nth_ops) {
+    TORCH_CHECK_VALUE(n >= 1, "sac: every_nth_op: '", spelling, "' needs n >= 1 (2 keeps every other call), got ", n);
+    for (const OpEntry* entry : resolveKeptSpelling("every_nth_op", spelling)) {
+      policy->every_nth_[entry] = static_cast<uint32_t>(n);
+    }
+  }
+  for (const std::string& unit : spec.kept_units) policy->kept_units_.insert(internUnitOf("kept_units", unit));
+  for (const std::string& unit : spec.recomputed_units) {
+    policy->recomputed_units_.insert(internUnitOf("recomputed_units", unit));
   }
   return policy;
 }
 
-Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, bool draws_random) const {
+std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kept_ops,
+                                             const std::vector<std::string>& kept_units) {
+  PolicySpec spec;
+  spec.kept_ops = kept_ops;
+  spec.kept_units = kept_units;
+  return create(spec);
+}
+
+Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const {
   Decision decision;
   const OpTraits& traits = op.traits;
   if (traits.is_collective || traits.never_counts) return decision;
+  if (!recomputed_units_.empty()) {
+    for (UnitId unit : open_units) {
+      if (recomputed_units_.count(unit) > 0) return decision;
+    }
+  }
   if (kept_ops_.count(&op) > 0) {
-    decision.keep = !draws_random;
-    decision.random_call_of_kept_op = draws_random;
+    decision.keep = !call.draws_random;
+    decision.random_call_of_kept_op = call.draws_random;
+    return decision;
+  }
+  if (uint32_t n = everyNth(op); n > 0 && call.call_index % n == 0) {
+    decision.keep = !call.draws_random;
+    decision.random_call_of_kept_op = call.draws_random;
     return decision;
   }
   if (kept_units_.empty()) return decision;
@@ -84,7 +115,7 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     decision.unit = *it;
     if (traits.mutates_inputs) {
       decision.mutating_in_kept_unit = true;
-    } else if (draws_random) {
+    } else if (call.draws_random) {
       decision.random_call_of_kept_op = randomOnlyPerCall(traits);
     } else {
       decision.keep = !traits.is_view;
@@ -106,6 +137,20 @@ std::vector<std::string> Policy::keptUnitNames() const {
   for (UnitId unit : kept_units_) names.push_back(unitName(unit));
   std::sort(names.begin(), names.end());
   return names;
+}
+
+std::vector<std::string> Policy::recomputedUnitNames() const {
+  std::vector<std::string> names;
+  for (UnitId unit : recomputed_units_) names.push_back(unitName(unit));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
+  std::vector<std::pair<std::string, int64_t>> rules;
+  for (const auto& [entry, n] : every_nth_) rules.emplace_back(entry->traits.qualified_name, n);
+  std::sort(rules.begin(), rules.end());
+  return rules;
 }
 
 bool Policy::claimWarning(const OpEntry& op) const {

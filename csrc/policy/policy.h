@@ -10,13 +10,15 @@
 //     their dropout, can be named and are kept in the calls where dropout_p == 0;
 //   - ops that mutate an input are never kept; inside a kept unit they are recomputed, with one
 //     warning per policy and op; naming one is refused;
-//   - views inside a kept unit are recomputed (free, and keeping one would pin its base).
+//   - views inside a kept unit are recomputed (free, and keeping one would pin its base);
+//   - ops inside a recomputed unit are recomputed, whatever else would keep them.
 
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hash_containers.h"
@@ -37,21 +39,48 @@ struct Decision {
   bool random_call_of_kept_op = false;
 };
 
+struct PolicySpec {
+  std::vector<std::string> kept_ops;
+  std::vector<std::string> kept_units;
+  // (op, n): keep calls 1, n+1, 2n+1, ... of the op in each region ("every other matmul" is n=2),
+  // counting every call of the op in the region, so forward and recompute count alike.
+  std::vector<std::pair<std::string, int64_t>> every_nth_ops;
+  // Units whose ops are always recomputed, whatever else would keep them: how a config forces
+  // an op back to recompute by the module it runs in.
+  std::vector<std::string> recomputed_units;
+};
+
+// What the fallback knows about one call beyond the op itself.
+struct CallFacts {
+  // The call draws from a generator (drawsRandomNumbers); it is recomputed so that forward and
+  // recompute draw the same numbers in the same order.
+  bool draws_random = false;
+  // For an op with an every-nth rule: this call's 0-based index among the region's calls of it.
+  uint32_t call_index = 0;
+};
+
 class Policy {
  public:
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
-  // registered names), a collective, a random or mutating op, an empty unit name.
+  // registered names), a collective, a random or mutating op, an empty unit name, n < 1.
+  static std::shared_ptr<const Policy> create(const PolicySpec& spec);
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
 
-  // `draws_random`: this call draws from a generator (drawsRandomNumbers); such a call is
-  // recomputed so that forward and recompute draw the same numbers in the same order.
-  Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, bool draws_random) const;
+  Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
 
-  bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty(); }
+  bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty(); }
   bool keepsOp(const OpEntry& op) const { return kept_ops_.count(&op) > 0; }
+  // n of the op's every-nth rule, or 0: the caller then need not count its calls.
+  uint32_t everyNth(const OpEntry& op) const {
+    if (every_nth_.empty()) return 0;
+    auto it = every_nth_.find(&op);
+    return it == every_nth_.end() ? 0 : it->second;
+  }
   std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
   std::vector<std::string> keptUnitNames() const;  // sorted
+  std::vector<std::string> recomputedUnitNames() const;  // sorted
+  std::vector<std::pair<std::string, int64_t>> everyNthOps() const;  // sorted by op
 
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
@@ -61,6 +90,8 @@ class Policy {
 
   HashSet<const OpEntry*> kept_ops_;
   HashSet<UnitId> kept_units_;
+  HashMap<const OpEntry*, uint32_t> every_nth_;
+  HashSet<UnitId> recomputed_units_;
   mutable std::mutex warned_mutex_;
   mutable HashSet<const OpEntry*> warned_;
 };

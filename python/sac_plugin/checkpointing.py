@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .audit import any_active as any_audit_active
-from .policy import Policy
+from .policy import Policy, overload_of
 
 
 class _RegionScope:
@@ -56,22 +56,42 @@ class Region:
 _region_observers: list = []
 
 
+def torch_policy_fn(policy: Policy):
+    """The same selection as a policy function for torch's SAC (and so for torch.compile, whose
+    partitioner honours MUST_SAVE). Call it once per region: every-nth rules count per region."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if policy.kept_units or policy.recomputed_units:
+        units = sorted(policy.kept_units | policy.recomputed_units)
+        raise RuntimeError(
+            f"sac_plugin: units {units} cannot be expressed as a torch policy function (inside torch.compile "
+            "they are not carried yet); keep their ops by name with Policy(kept_ops=...) instead"
+        )
+    kept = frozenset(policy.kept_overloads())
+    every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
+    calls: dict = {}
+
+    def decide(ctx, op, *args, **kwargs):
+        if op in kept:
+            return CheckpointPolicy.MUST_SAVE
+        n = every_nth.get(op)
+        if n is not None:
+            key = (ctx.is_recompute, op)
+            index = calls.get(key, 0)
+            calls[key] = index + 1
+            if index % n == 0:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
 def _compiled_contexts(policy: Policy):
     # Under torch.compile the contexts must be TorchDispatchModes that tag traced nodes; the
     # partitioner honours MUST_SAVE, so kept ops are saved in the compiled graph as in eager.
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if policy.kept_units:
-        raise RuntimeError(
-            f"sac_plugin: kept_units {sorted(policy.kept_units)} cannot be honoured inside torch.compile "
-            "yet; keep their ops by name (Policy(kept_ops=...)) for compiled regions"
-        )
-    kept = frozenset(policy.kept_overloads())
-
-    def decide(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(decide)
+    return create_selective_checkpoint_contexts(torch_policy_fn(policy))
 
 
 _NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())

@@ -62,44 +62,44 @@ TEST(PolicyDeclaration, EveryOverloadSpellingKeepsAllKeepableOverloads) {
 
 TEST(PolicyDecision, KeptOpIsKeptAnywhere) {
   auto policy = Policy::create({"aten::mm.default"}, {});
-  Decision decision = policy->decide(entryOf("aten::mm"), {}, false);
+  Decision decision = policy->decide(entryOf("aten::mm"), {}, CallFacts{});
   EXPECT_TRUE(decision.keep);
   EXPECT_EQ(decision.unit, kNoUnit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}, false).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).keep);
 }
 
 TEST(PolicyDecision, OpsInsideAKeptUnitAreKept) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   UnitId mlp = internUnit("mlp");
-  Decision inside = policy->decide(entryOf("aten::tanh"), {attn}, false);
+  Decision inside = policy->decide(entryOf("aten::tanh"), {attn}, CallFacts{});
   EXPECT_TRUE(inside.keep);
   EXPECT_EQ(inside.unit, attn);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}, false).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).keep);
 }
 
 TEST(PolicyDecision, NestedUnitsKeepWhenAnyEnclosingUnitIsKept) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   UnitId rope = internUnit("rope");
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}, false).keep);
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}, false).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}, CallFacts{}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}, CallFacts{}).keep);
 }
 
 TEST(PolicyDecision, InvariantsWinInsideAKeptUnit) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
-  Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn}, false);
+  Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn}, CallFacts{});
   EXPECT_FALSE(mutating.keep);
   EXPECT_TRUE(mutating.mutating_in_kept_unit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}, /*draws_random=*/true).keep);
-  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, false).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}, false).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, false).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}, CallFacts{true, 0}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, CallFacts{}).keep);
   // An out= op behaves like its functional twin.
-  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, false).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, CallFacts{}).keep);
 }
 
 TEST(PolicyDecision, MutationWarningIsClaimedOncePerPolicy) {
@@ -140,8 +140,8 @@ TEST(PolicyDecision, AttentionIsKeptOnlyInCallsWithoutDropout) {
   const OpEntry& attention = entryOf("aten::_scaled_dot_product_flash_attention_for_cpu");
   EXPECT_TRUE(attention.traits.is_random);
   EXPECT_TRUE(randomOnlyPerCall(attention.traits));
-  EXPECT_TRUE(policy->decide(attention, {}, /*draws_random=*/false).keep);
-  Decision with_dropout = policy->decide(attention, {}, /*draws_random=*/true);
+  EXPECT_TRUE(policy->decide(attention, {}, CallFacts{}).keep);
+  Decision with_dropout = policy->decide(attention, {}, CallFacts{true, 0});
   EXPECT_FALSE(with_dropout.keep);
   EXPECT_TRUE(with_dropout.random_call_of_kept_op);
 }
@@ -156,6 +156,45 @@ TEST(OpTraitsClassification, DropoutPDecidesWhetherACallDrawsRandomNumbers) {
   EXPECT_TRUE(drawsRandomNumbers(traits, arguments.data()));
   EXPECT_TRUE(drawsRandomNumbers(entryOf("aten::bernoulli").traits, arguments.data()));
   EXPECT_FALSE(drawsRandomNumbers(entryOf("aten::tanh").traits, arguments.data()));
+}
+
+TEST(PolicyDecision, EveryNthKeepsCallsOneThreeFive) {
+  PolicySpec spec;
+  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  auto policy = Policy::create(spec);
+  const OpEntry& mm = entryOf("aten::mm");
+  EXPECT_EQ(policy->everyNth(mm), 2u);
+  EXPECT_EQ(policy->everyNth(entryOf("aten::tanh")), 0u);
+  std::vector<bool> kept;
+  for (uint32_t i = 0; i < 5; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+  EXPECT_EQ(kept, (std::vector<bool>{true, false, true, false, true}));
+  EXPECT_FALSE(policy->keepsNothing());
+}
+
+TEST(PolicyDecision, RecomputedUnitWinsOverKeptOpsAndUnits) {
+  PolicySpec spec;
+  spec.kept_ops = {"aten::tanh"};
+  spec.kept_units = {"attn"};
+  spec.recomputed_units = {"router"};
+  auto policy = Policy::create(spec);
+  UnitId attn = internUnit("attn");
+  UnitId router = internUnit("router");
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {attn, router}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::sin"), {router, attn}, CallFacts{}).keep);
+  EXPECT_EQ(policy->recomputedUnitNames(), std::vector<std::string>{"router"});
+}
+
+TEST(PolicyDeclaration, EveryNthNeedsAPositiveN) {
+  PolicySpec spec;
+  spec.every_nth_ops = {{"aten::mm", 0}};
+  try {
+    Policy::create(spec);
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac: every_nth_op: 'aten::mm' needs n >= 1 (2 keeps every other call), got 0");
+  }
 }
 
 }  // namespace
