@@ -6,14 +6,23 @@ _library.load()
 
 from .audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
+from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
 from .units import in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
 __all__ = [
     "Audit",
     "AuditRow",
+    "ConfigError",
+    "KeptCallables",
+    "KeptOps",
     "Policy",
+    "RecomputeConfig",
+    "RecomputeTargetMap",
+    "RecomputeUnit",
     "Region",
+    "apply_recompute_config",
     "apply_selective_checkpointing",
     "audit",
     "context_fn",

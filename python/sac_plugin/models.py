@@ -89,9 +89,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        with recompute_unit("norm"):
-            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-            return normed.type_as(x) * self.weight
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
 
 
 def rotary_tables(head_dim: int, seq: int, theta: float = 10000.0, device=None):
@@ -119,12 +118,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         batch, seq, _ = x.shape
-        with recompute_unit("attn"):
-            q = self.wq(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-            k = self.wk(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = self.wv(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        q = self.wq(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -136,9 +134,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        with recompute_unit("mlp"):
-            h = F.silu(self.w1(x)) * self.w3(x)
-        return self.w2(h)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class LlamaBlock(nn.Module):
@@ -155,8 +151,8 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """A Llama-style dense decoder: RMSNorm ("norm"), rotary attention through SDPA ("attn"),
-    SwiGLU MLP ("mlp")."""
+    """A Llama-style dense decoder: RMSNorm, rotary attention through SDPA, SwiGLU MLP. Its
+    recompute units are declared by LLAMA_TARGETS (sac_plugin.targets), not opened in code."""
 
     def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
                  kv_heads: int | None = None):
@@ -168,6 +164,10 @@ class Llama(nn.Module):
         cos, sin = rotary_tables(dim // heads, seq)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def recompute_wrap_sites(self):
+        """Where checkpointing applies: every decoder layer."""
+        return list(self.layers)
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -190,19 +190,9 @@ class TopKRouter(nn.Module):
         self.experts, self.top_k = experts, top_k
 
     def forward(self, tokens):
-        with recompute_unit("moe_gate"):
-            scores = self.gate(tokens).softmax(dim=-1, dtype=torch.float32)
-            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        scores = self.gate(tokens).softmax(dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         return weights.type_as(tokens), chosen
-
-
-def dispatch_tokens(chosen, experts: int):
-    """Token dispatch: sort (token, slot) pairs by expert and count tokens per expert."""
-    with recompute_unit("moe_dispatch"):
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.histc(flat.float(), bins=experts, min=0, max=experts - 1)
-    return order, counts
 
 
 class MoE(nn.Module):
@@ -212,11 +202,19 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(experts))
         self.top_k = top_k
 
+    def dispatch(self, chosen):
+        """Token dispatch: sort (token, slot) pairs by expert and count the tokens of each expert.
+        With ties, a recompute could route differently: a reason to keep this step."""
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.histc(flat.float(), bins=len(self.experts), min=0, max=len(self.experts) - 1)
+        return order, counts
+
     def forward(self, x):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, chosen = self.router(tokens)
-        order, counts = dispatch_tokens(chosen, len(self.experts))
+        order, counts = self.dispatch(chosen)
         token_of_slot = order // self.top_k
         routed = tokens[token_of_slot]
         outputs = []
@@ -244,8 +242,8 @@ class MoEBlock(nn.Module):
 
 
 class MoEModel(Llama):
-    """A MoE decoder: Llama attention, and a top-k routed MoE ("moe_gate", "moe_dispatch") of
-    SwiGLU experts ("mlp")."""
+    """A MoE decoder: Llama attention, and a top-k routed MoE of SwiGLU experts. Its recompute
+    units are declared by MOE_TARGETS (sac_plugin.targets)."""
 
     def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
                  experts: int = 4, top_k: int = 2):

@@ -1,0 +1,253 @@
+"""Recompute configs: what a training config file says about checkpointing, and applying it.
+
+A config names units (from RecomputeUnit) rather than ops; the model's target map says what each
+unit means for that model. Everything unset keeps nothing: an unset config is full recompute of
+every layer, so it can never raise peak memory.
+
+    {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
+     "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from .checkpointing import apply_selective_checkpointing
+from .policy import Policy
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, default_target_map, run_in_unit
+
+_RECOMPUTE_UNIT_PREFIX = "recompute:"
+
+
+class ConfigError(ValueError):
+    """A recompute config that cannot be applied; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeConfig:
+    units: tuple[RecomputeUnit, ...] = ()
+    ops: tuple[str, ...] = ()
+    every_nth_op: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    every_nth_layer: int = 1
+    layer_ratio: float | None = None
+    force_recompute_modules: tuple[str, ...] = ()
+    preserve_rng_state: bool = True
+
+    def __post_init__(self):
+        _check_strings("units", self.units)
+        units = []
+        for i, unit in enumerate(self.units):
+            try:
+                units.append(RecomputeUnit(unit))
+            except ValueError:
+                known = ", ".join(u.value for u in RecomputeUnit)
+                raise ConfigError(f"recompute config: units[{i}]: unknown unit {unit!r}; known units: {known}") from None
+        if len(set(units)) != len(units):
+            raise ConfigError(f"recompute config: units: a unit is listed twice: {[u.value for u in units]}")
+        object.__setattr__(self, "units", tuple(units))
+        _check_strings("ops", self.ops)
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if not isinstance(self.every_nth_op, Mapping):
+            raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {self.every_nth_op!r}")
+        for op, n in self.every_nth_op.items():
+            if not isinstance(op, str) or not _is_int(n) or n < 1:
+                raise ConfigError(f"recompute config: every_nth_op[{op!r}]: n must be an int >= 1, got {n!r}")
+        object.__setattr__(self, "every_nth_op", dict(self.every_nth_op))
+        if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
+            raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {self.every_nth_layer!r}")
+        if self.layer_ratio is not None:
+            if isinstance(self.layer_ratio, bool) or not isinstance(self.layer_ratio, (int, float)) \
+                    or not 0 < self.layer_ratio <= 1:
+                raise ConfigError(f"recompute config: layer_ratio must be in (0, 1], got {self.layer_ratio!r}")
+            if self.every_nth_layer != 1:
+                raise ConfigError("recompute config: layer_ratio and every_nth_layer both select layers; set one")
+            object.__setattr__(self, "layer_ratio", float(self.layer_ratio))
+        _check_strings("force_recompute_modules", self.force_recompute_modules)
+        object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
+        if not isinstance(self.preserve_rng_state, bool):
+            raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {self.preserve_rng_state!r}")
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "units": [unit.value for unit in self.units],
+            "ops": list(self.ops),
+            "every_nth_op": dict(self.every_nth_op),
+            "every_nth_layer": self.every_nth_layer,
+            "layer_ratio": self.layer_ratio,
+            "force_recompute_modules": list(self.force_recompute_modules),
+            "preserve_rng_state": self.preserve_rng_state,
+        }
+
+    @classmethod
+    def from_dict(cls, data) -> RecomputeConfig:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"recompute config: expected a mapping of keys to values, got {type(data).__name__}")
+        known = [field.name for field in dataclasses.fields(cls)]
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"recompute config: unknown key {key!r}; known keys: {', '.join(known)}")
+        values = dict(data)
+        for key in ("units", "ops", "force_recompute_modules"):
+            if key in values:
+                _check_list(key, values[key])
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> RecomputeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"recompute config: not valid JSON: {error}") from None
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RecomputeConfig:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"recompute config: not valid YAML: {error}") from None
+        return cls.from_dict({} if data is None else data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RecomputeConfig:
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            return cls.from_json(text)
+        if path.suffix in (".yaml", ".yml"):
+            return cls.from_yaml(text)
+        raise ConfigError(f"recompute config: {path}: expected a .json, .yaml or .yml file")
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.suffix == ".json":
+            path.write_text(self.to_json())
+        elif path.suffix in (".yaml", ".yml"):
+            path.write_text(self.to_yaml())
+        else:
+            raise ConfigError(f"recompute config: {path}: expected a .json, .yaml or .yml file")
+
+    # --- applying ----------------------------------------------------------------------------------
+
+    def selected_layers(self, count: int) -> list[int]:
+        """Indices of the wrap sites that are checkpointed."""
+        if self.layer_ratio is not None:
+            chosen = max(1, round(count * self.layer_ratio)) if count else 0
+            return sorted({math.floor(i * count / chosen) for i in range(chosen)})
+        return [i for i in range(count) if i % self.every_nth_layer == 0]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_list(field: str, value) -> None:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"recompute config: {field} must be a list, got {value!r}")
+
+
+def _check_strings(field: str, values) -> None:
+    _check_list(field, values)
+    for i, value in enumerate(values):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"recompute config: {field}[{i}] must be a non-empty string, got {value!r}")
+
+
+def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | None = None) -> None:
+    """Every unit of the map resolves to at least one registered op or, given a wrap site, one
+    callable under it; a KeptOps unit names no collective (Policy refuses it)."""
+    for unit, target in target_map.items():
+        where = f"target map of {target_map.model_name}: unit '{unit.value}'"
+        if isinstance(target, KeptOps):
+            try:
+                ops = target.resolve()
+                Policy(kept_ops=ops)
+            except ValueError as error:
+                raise ConfigError(f"{where}: {error}") from None
+            if not ops:
+                raise ConfigError(f"{where} is empty: it names no op")
+        elif isinstance(target, KeptCallables):
+            if not target.paths:
+                raise ConfigError(f"{where} is empty: it names no callable")
+            if site is not None and not target.find(site):
+                raise ConfigError(f"{where}: {list(target.paths)} match nothing in {type(site).__name__}")
+        else:
+            raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
+
+
+def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Policy:
+    """The policy a config means for a model with this target map."""
+    kept_ops = set(config.ops)
+    kept_units = []
+    for i, unit in enumerate(config.units):
+        if unit not in target_map:
+            declared = ", ".join(u.value for u in target_map)
+            raise ConfigError(
+                f"recompute config: units[{i}]: {target_map.model_name} declares no unit '{unit.value}' "
+                f"(it declares {declared})"
+            )
+        target = target_map[unit]
+        if isinstance(target, KeptOps):
+            kept_ops |= target.resolve()
+        else:
+            kept_units.append(unit.value)
+    recomputed = [_RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
+    try:
+        return Policy(kept_ops=sorted(kept_ops), kept_units=kept_units, every_nth_op=config.every_nth_op,
+                      recomputed_units=recomputed)
+    except ValueError as error:
+        field = "ops" if any(op in str(error) for op in config.ops) else "every_nth_op"
+        raise ConfigError(f"recompute config: {field}: {error}") from None
+
+
+def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
+                           target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> nn.Module:
+    """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
+
+    Units that resolve to callables are installed on each checkpointed layer; force-recomputed
+    modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
+    """
+    config = RecomputeConfig() if config is None else config
+    target_map = default_target_map(model) if target_map is None else target_map
+    sites = list(model.recompute_wrap_sites() if wrap_sites is None else wrap_sites)
+    if not sites:
+        raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
+    check_target_map(target_map, sites[0])
+    policy = policy_for(config, target_map)
+    for index in config.selected_layers(len(sites)):
+        site = sites[index]
+        for unit in config.units:
+            target = target_map[unit]
+            if isinstance(target, KeptCallables):
+                for owner, name in target.find(site):
+                    run_in_unit(owner, name, unit.value)
+        for i, path in enumerate(config.force_recompute_modules):
+            found = KeptCallables([path]).find(site)
+            if not found:
+                raise ConfigError(
+                    f"recompute config: force_recompute_modules[{i}]: '{path}' matches nothing in "
+                    f"{type(site).__name__} (layer {index})"
+                )
+            for owner, name in found:
+                run_in_unit(owner, name, _RECOMPUTE_UNIT_PREFIX + path)
+        apply_selective_checkpointing(site, policy, preserve_rng_state=config.preserve_rng_state)
+    return model

@@ -1,0 +1,201 @@
+"""The vocabulary of recompute units, and how each model declares what a unit means for it.
+
+A unit is resolved, per model, either to op names (KeptOps: they survive compilation, since a
+compiled region keeps ops by name) or to callables (KeptCallables: submodules or methods that
+are run inside the unit, so every op they issue is kept). A RecomputeTargetMap binds a model's
+units to either kind.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from .policy import resolve_kept_ops
+from .units import recompute_unit
+
+
+class RecomputeUnit(enum.StrEnum):
+    """Named units a config can keep. Values are what config files spell."""
+
+    ATTN = "attn"
+    MLP = "mlp"
+    MOE_GATE = "moe_gate"
+    MOE_DISPATCH = "moe_dispatch"
+    NORM = "norm"
+
+
+@dataclass(frozen=True)
+class KeptOps:
+    """A unit resolved to op names. Spellings a build lacks are skipped (list the flash-attention
+    v2 and v3 spellings together); at least one must resolve."""
+
+    ops: tuple[str, ...]
+
+    def __init__(self, ops: Iterable[str]):
+        object.__setattr__(self, "ops", tuple(ops))
+
+    def resolve(self) -> frozenset[str]:
+        return resolve_kept_ops(self.ops) if self.ops else frozenset()
+
+
+@dataclass(frozen=True)
+class KeptCallables:
+    """A unit resolved to callables, by path from a wrap site (a layer): "feed_forward" (a
+    submodule: its forward runs inside the unit), "moe.dispatch" (a method), "moe.experts.*"
+    (every child of a container; fnmatch patterns per segment)."""
+
+    paths: tuple[str, ...]
+
+    def __init__(self, paths: Iterable[str]):
+        object.__setattr__(self, "paths", tuple(paths))
+
+    def find(self, site: nn.Module) -> list[tuple[object, str]]:
+        """(owner, attribute) of every callable the paths name under `site`."""
+        found = []
+        for path in self.paths:
+            found.extend(_find(site, path.split(".")))
+        return found
+
+
+UnitTarget = KeptOps | KeptCallables
+
+
+class RecomputeTargetMap(Mapping):
+    """A model's table: unit -> KeptOps or KeptCallables."""
+
+    def __init__(self, model_name: str, targets: Mapping[RecomputeUnit, UnitTarget]):
+        self.model_name = model_name
+        self._targets = {RecomputeUnit(unit): target for unit, target in targets.items()}
+
+    def __getitem__(self, unit) -> UnitTarget:
+        return self._targets[RecomputeUnit(unit)]
+
+    def __iter__(self):
+        return iter(self._targets)
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    def __repr__(self) -> str:
+        return f"RecomputeTargetMap({self.model_name!r}, {self._targets!r})"
+
+
+def _find(owner, segments: list[str]) -> list[tuple[object, str]]:
+    head, rest = segments[0], segments[1:]
+    if isinstance(owner, nn.Module):
+        names = [name for name, _ in owner.named_children()] if any(c in head for c in "*?[") else [head]
+        names = [name for name in names if fnmatch.fnmatchcase(name, head)]
+    else:
+        names = [head]
+    found = []
+    for name in names:
+        child = getattr(owner, name, None)
+        if child is None:
+            continue
+        if rest:
+            found.extend(_find(child, rest))
+        elif isinstance(child, nn.Module) or callable(child):
+            found.append((owner, name))
+    return found
+
+
+# --- running callables inside a unit ---------------------------------------------------------
+
+
+def _module_forward_in_units(self, *args, **kwargs):
+    return _call_in_units(self._sac_forward_units, type(self).forward, self, *args, **kwargs)
+
+
+def _call_in_units(units, function, *args, **kwargs):
+    if not units:
+        return function(*args, **kwargs)
+    with recompute_unit(units[0]):
+        return _call_in_units(units[1:], function, *args, **kwargs)
+
+
+class _MethodInUnits:
+    """A method of one instance run inside units; rebinds to the copy on deepcopy."""
+
+    def __init__(self, owner, name: str, units: tuple[str, ...]):
+        self._owner, self._name, self.units = owner, name, units
+
+    def __call__(self, *args, **kwargs):
+        return _call_in_units(self.units, getattr(type(self._owner), self._name), self._owner, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return _MethodInUnits(copy.deepcopy(self._owner, memo), self._name, self.units)
+
+
+def run_in_unit(owner, name: str, unit: str) -> None:
+    """Makes `owner.name` (a submodule, or a method of owner) run inside `unit`. Idempotent."""
+    target = getattr(owner, name)
+    if isinstance(target, nn.Module):
+        units = target.__dict__.get("_sac_forward_units", ())
+        if unit not in units:
+            target._sac_forward_units = (*units, unit)
+            target.forward = types.MethodType(_module_forward_in_units, target)
+        return
+    current = owner.__dict__.get(name)
+    units = current.units if isinstance(current, _MethodInUnits) else ()
+    if unit not in units:
+        setattr(owner, name, _MethodInUnits(owner, name, (*units, unit)))
+
+
+# --- the reference models' declarations ---------------------------------------------------------
+
+# Every spelling of attention a build may have; resolve_kept_ops keeps the ones that exist.
+ATTENTION_OPS = KeptOps([
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+])
+
+LLAMA_TARGETS = RecomputeTargetMap("Llama", {
+    RecomputeUnit.ATTN: ATTENTION_OPS,
+    RecomputeUnit.MLP: KeptCallables(["feed_forward"]),
+    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+})
+
+MOE_TARGETS = RecomputeTargetMap("MoEModel", {
+    RecomputeUnit.ATTN: ATTENTION_OPS,
+    RecomputeUnit.MOE_GATE: KeptCallables(["moe.router"]),
+    # Routing with ties must not change in the recompute: keep the sort and the counts.
+    RecomputeUnit.MOE_DISPATCH: KeptOps(["aten::sort.stable", "aten::histc"]),
+    RecomputeUnit.MLP: KeptCallables(["moe.experts.*"]),
+    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+})
+
+
+def default_target_map(model: nn.Module) -> RecomputeTargetMap:
+    from .models import Llama, MoEModel
+
+    if isinstance(model, MoEModel):
+        return MOE_TARGETS
+    if isinstance(model, Llama):
+        return LLAMA_TARGETS
+    declared = getattr(model, "recompute_targets", None)
+    if isinstance(declared, RecomputeTargetMap):
+        return declared
+    raise ValueError(
+        f"sac_plugin: {type(model).__name__} declares no recompute target map; pass target_map=RecomputeTargetMap(...) "
+        "or give the model a `recompute_targets` attribute"
+    )
+
+
+SHIPPED_TARGET_MAPS = (LLAMA_TARGETS, MOE_TARGETS)
+
+__all__ = [
+    "ATTENTION_OPS", "KeptCallables", "KeptOps", "LLAMA_TARGETS", "MOE_TARGETS", "RecomputeTargetMap",
+    "RecomputeUnit", "SHIPPED_TARGET_MAPS", "default_target_map", "run_in_unit",
+]
