@@ -1,9 +1,12 @@
-"""Trains a small GPT on CPU for a few steps in three modes and prints what each one costs.
+"""Trains a small model on CPU for a few steps in three modes and prints what each one costs.
 
-    bash tools/demo.sh [--steps N] [--dim D] [--layers L] [--seq S] [--batch B]
+    bash tools/demo.sh [--model gpt|dense|moe] [--config FILE] [--steps N] [--dim D] [--layers L] ...
 
-Modes: no checkpointing; full recompute (every block checkpointed, nothing kept); selective
-(every block checkpointed, the "attn" unit kept). The loss must be identical in every mode.
+Models: gpt (units opened in its code), dense (Llama-style) and moe, whose units come from their
+target maps. Modes: no checkpointing; full recompute (every layer checkpointed, nothing kept);
+selective: for gpt the "attn" unit kept, for dense and moe the recompute config given with
+--config (a .json or .yaml RecomputeConfig; default: units ["attn"]). The loss must be identical
+in every mode.
 """
 
 from __future__ import annotations
@@ -16,17 +19,13 @@ import torch
 
 import sac_plugin
 from sac_plugin.memory import track_activation_memory
-from sac_plugin.models import GPT
-
-MODES = {
-    "no checkpointing": None,
-    "full recompute": sac_plugin.Policy(),
-    "selective (attn kept)": sac_plugin.Policy(kept_units=["attn"]),
-}
-
+from sac_plugin import RecomputeConfig, apply_recompute_config
+from sac_plugin.models import GPT, Llama, MoEModel
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["gpt", "dense", "moe"], default="gpt")
+    parser.add_argument("--config", help="a RecomputeConfig file (.json, .yaml) for the selective mode")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -37,26 +36,53 @@ def parse_args():
     return parser.parse_args()
 
 
+def build(args):
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        return GPT(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
+    model_class = Llama if args.model == "dense" else MoEModel
+    return model_class(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
+
+
+def checkpointers(args):
+    """mode -> function that checkpoints a model copy (or None for no checkpointing)."""
+    if args.model == "gpt":
+        if args.config:
+            raise SystemExit("--config applies to --model dense or moe; gpt opens its units in code")
+
+        def gpt(policy):
+            def apply(model):
+                for block in model.blocks:
+                    sac_plugin.apply_selective_checkpointing(block, policy)
+            return apply
+
+        return {"no checkpointing": None, "full recompute": gpt(sac_plugin.Policy()),
+                "selective (attn kept)": gpt(sac_plugin.Policy(kept_units=["attn"]))}
+    config = RecomputeConfig.load(args.config) if args.config else RecomputeConfig(units=["attn"])
+    label = "selective (" + (", ".join(u.value for u in config.units) or "nothing") + " kept)"
+    return {"no checkpointing": None,
+            "full recompute": lambda model: apply_recompute_config(model, RecomputeConfig()),
+            label: lambda model: apply_recompute_config(model, config)}
+
+
 def main():
     args = parse_args()
-    torch.manual_seed(0)
-    base = GPT(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
+    base = build(args)
     batches = [
         (torch.randint(args.vocab, (args.batch, args.seq)), torch.randint(args.vocab, (args.batch, args.seq)))
         for _ in range(args.steps)
     ]
-    print(f"GPT: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
+    print(f"{type(base).__name__}: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads\n")
+          f"{torch.get_num_threads()} threads" + (f", config {args.config}" if args.config else "") + "\n")
     results = {}
-    for mode, policy in MODES.items():
+    for mode, checkpoint_model in checkpointers(args).items():
         model = copy.deepcopy(base)
-        if policy is not None:
-            for block in model.blocks:
-                sac_plugin.apply_selective_checkpointing(block, policy)
+        if checkpoint_model is not None:
+            checkpoint_model(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, times = [], []
-        for step, (tokens, targets) in enumerate(batches):
+        for tokens, targets in batches:
             optimizer.zero_grad(set_to_none=True)
             audit = sac_plugin.audit()
             started = time.perf_counter()
@@ -71,11 +97,11 @@ def main():
             served = sum(row.hits for row in audit.rows())
         results[mode] = (losses, held, sorted(times)[len(times) // 2], recomputed, served)
 
-    header = f"{'mode':<24}{'final loss':>12}{'activations held':>19}{'step (median)':>15}{'ops recomputed':>16}{'kept served':>13}"
+    header = f"{'mode':<48}{'final loss':>12}{'activations held':>19}{'step (median)':>15}{'ops recomputed':>16}{'kept served':>13}"
     print(header)
     print("-" * len(header))
     for mode, (losses, held, step, recomputed, served) in results.items():
-        print(f"{mode:<24}{losses[-1]:>12.6f}{held / 2**20:>15.1f} MiB{step * 1e3:>12.1f} ms{recomputed:>16}{served:>13}")
+        print(f"{mode:<48}{losses[-1]:>12.6f}{held / 2**20:>15.1f} MiB{step * 1e3:>12.1f} ms{recomputed:>16}{served:>13}")
     reference = results["no checkpointing"][0]
     identical = all(losses == reference for losses, *_ in results.values())
     print(f"\nlosses identical across modes at every step: {identical}")

@@ -25,6 +25,17 @@ def test_demo_prints_identical_losses():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model,config", [("dense", None), ("moe", "tools/configs/moe_routing.yaml"),
+                                          ("dense", "tools/configs/dense_attn.json")])
+def test_demo_takes_a_model_and_a_config(model, config):
+    args = ["tools/demo.py", "--model", model, "--steps", "1", "--dim", "64", "--layers", "2", "--seq", "32",
+            "--batch", "2"] + (["--config", config] if config else [])
+    out = run_tool(*args)
+    assert "losses identical across modes at every step: True" in out
+    assert ("moe_gate, moe_dispatch kept" in out) == (model == "moe")
+
+
+@pytest.mark.slow
 def test_overhead_benchmark_prints_its_ratios():
     out = run_tool("tools/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1")
     assert "plugin overhead / torch SAC overhead, same kept list" in out
