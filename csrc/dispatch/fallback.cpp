@@ -15,6 +15,7 @@
 
 #include <mutex>
 
+#include "dispatch/call_signature.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
@@ -46,23 +47,25 @@ class InterceptedCall {
     if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(writtenStorages());
 
     const Policy& policy = region->policy();
+    const size_t num_arguments = op_.schema().arguments().size();
+    const c10::IValue* arguments = &(*stack_)[stack_->size() - num_arguments];
     CallFacts call;
-    call.draws_random =
-        drawsRandomNumbers(entry_.traits, &(*stack_)[stack_->size() - op_.schema().arguments().size()]);
+    call.draws_random = drawsRandomNumbers(entry_.traits, arguments);
     if (policy.everyNth(entry_) > 0) call.call_index = region->nextCallIndex(entry_, recompute);
     Decision decision = policy.decide(entry_, UnitStack::current().units(), call);
     if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
     if (!decision.keep) return countAndRun(state.phase());
 
+    const uint64_t signature = callSignature(arguments, num_arguments);
     if (recompute) {
-      if (region->serve(entry_, op_, stack_, /*consume=*/!currentBackwardKeepsGraph())) {
+      if (region->serve(entry_, signature, op_, stack_, /*consume=*/!currentBackwardKeepsGraph())) {
         entry_.counters.recordHit();
         return;
       }
       return countAndRun(state.phase());
     }
     countAndRun(state.phase());
-    region->keep(entry_, decision.unit, *stack_, op_.schema().returns().size());
+    region->keep(entry_, signature, decision.unit, *stack_, op_.schema().returns().size());
   }
 
  private:

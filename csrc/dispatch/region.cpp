@@ -82,10 +82,24 @@ int64_t pendingVersionBumps(const OpEntry& op) {
   return op.traits.writes_out_arguments && in_place_kernel_above ? 1 : 0;
 }
 
-void Region::keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns) {
-  uint32_t index = forward_calls_[&op]++;
+// NOTE: [Matching kept calls]
+// The recompute re-runs the checkpointed function, so it calls the same ops in the same order,
+// and the n-th kept call of an op in the forward is the n-th in the recompute. Frameworks break
+// that: FSDP2 all-gathers a nested module's parameters in the forward but finds them gathered in
+// the recompute, profilers record in one pass only. Numbering calls per (op, call signature)
+// rather than per op confines such a shift to calls with the very same argument shapes, dtypes
+// and scalars; a recompute call the forward kept nothing for simply runs its kernel.
+Region::Key Region::keyOf(const OpEntry* op, uint64_t signature, uint32_t call) {
+  return Key{op, signature ^ (0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(call) + 1))};
+}
+
+void Region::keep(const OpEntry& op, uint64_t signature, UnitId unit, const torch::jit::Stack& stack,
+                  size_t num_returns) {
+  uint32_t index = forward_calls_[CallKind{&op, signature}]++;
+  const Key key = keyOf(&op, signature, index);
   KeptOutputs kept;
   kept.unit = unit;
+  kept.call = index;
   kept.outputs.reserve(num_returns);
   const int64_t pending = pendingVersionBumps(op);
   for (size_t i = stack.size() - num_returns; i < stack.size(); ++i) {
@@ -94,11 +108,11 @@ void Region::keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack
       int64_t version = versionOf(tensor);
       kept.versions.push_back(version < 0 ? version : version + pending);
       if (tensor.defined() && tensor.has_storage()) {
-        kept_storages_[tensor.storage().unsafeGetStorageImpl()].push_back(Key{&op, index});
+        kept_storages_[tensor.storage().unsafeGetStorageImpl()].push_back(key);
       }
     });
   }
-  kept_[Key{&op, index}] = std::move(kept);
+  kept_[key] = std::move(kept);
 }
 
 // NOTE: [Kept outputs written in the forward]
@@ -121,14 +135,12 @@ void Region::demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& wri
   }
 }
 
-bool Region::serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
-                   bool consume) {
+bool Region::serve(const OpEntry& op, uint64_t signature, const c10::OperatorHandle& handle,
+                   torch::jit::Stack* stack, bool consume) {
   const std::string& name = op.traits.qualified_name;
-  uint32_t index = recompute_calls_[&op]++;
-  auto it = kept_.find(Key{&op, index});
-  TORCH_CHECK(it != kept_.end(), "sac: the recompute called ", name, " more often than the forward (call ",
-              index + 1, ", the forward kept ", forward_calls_[&op],
-              "); the checkpointed function must run the same ops in both passes");
+  uint32_t index = recompute_calls_[CallKind{&op, signature}]++;
+  auto it = kept_.find(keyOf(&op, signature, index));
+  if (it == kept_.end()) return false;
   KeptOutputs& kept = it->second;
   if (kept.demoted) return false;
   TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", index + 1,

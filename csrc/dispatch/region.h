@@ -38,8 +38,9 @@ class Region {
   const Policy& policy() const { return *policy_; }
   bool intercepts() const { return !policy_->keepsNothing(); }
 
-  // Forward: the kept op's outputs are the last `num_returns` values on the stack.
-  void keep(const OpEntry& op, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
+  // Forward: the kept op's outputs are the last `num_returns` values on the stack; `signature`
+  // is its call's (callSignature, taken before the kernel consumed the arguments).
+  void keep(const OpEntry& op, uint64_t signature, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
 
   // Forward: an op is about to write these storages in place. Kept outputs living in them are
   // demoted: freed now and recomputed later, so that the recompute sees the value before the
@@ -48,8 +49,9 @@ class Region {
 
   // Recompute: replace the op's arguments on the stack with its kept outputs and return true.
   // `consume` frees them (a backward that will not run again); otherwise they stay for the next
-  // recompute. Returns false, leaving the stack alone, for a demoted call: the caller runs it.
-  bool serve(const OpEntry& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+  // recompute. Returns false, leaving the stack alone, when the forward kept nothing for this
+  // call (demoted, or a call the forward never made): the caller runs the kernel.
+  bool serve(const OpEntry& op, uint64_t signature, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
              bool consume);
 
   // The 0-based index of this call among the region's calls of `op` in the current pass
@@ -76,17 +78,21 @@ class Region {
     std::vector<c10::IValue> outputs;  // tensors stored detached (shallow copies)
     std::vector<int64_t> versions;     // version of each stored tensor, in output order
     UnitId unit = kNoUnit;
+    uint32_t call = 0;  // 0-based, among the region's calls of this op with this signature
     bool consumed = false;
     bool demoted = false;
   };
-  using Key = std::pair<const OpEntry*, uint32_t>;
+  // (op, signature): calls are numbered per pair. Key mixes the call number into the signature.
+  using CallKind = std::pair<const OpEntry*, uint64_t>;
+  using Key = std::pair<const OpEntry*, uint64_t>;
+  static Key keyOf(const OpEntry* op, uint64_t signature, uint32_t call);
 
   HashMap<const c10::StorageImpl*, std::vector<Key>> kept_storages_;
 
   std::shared_ptr<const Policy> policy_;
   HashMap<Key, KeptOutputs> kept_;
-  HashMap<const OpEntry*, uint32_t> forward_calls_;
-  HashMap<const OpEntry*, uint32_t> recompute_calls_;
+  HashMap<CallKind, uint32_t> forward_calls_;
+  HashMap<CallKind, uint32_t> recompute_calls_;
   HashMap<const OpEntry*, uint32_t> forward_nth_calls_;
   HashMap<const OpEntry*, uint32_t> recompute_nth_calls_;
   std::vector<UnitId> units_around_forward_;

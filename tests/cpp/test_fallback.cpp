@@ -192,16 +192,46 @@ TEST_F(FallbackTest, MutatedKeptTensorIsAnErrorNamingTheOpAndUnit) {
   }
 }
 
-TEST_F(FallbackTest, RecomputeCallingAKeptOpMoreOftenIsAnError) {
+TEST_F(FallbackTest, RecomputeCallTheForwardDidNotMakeRunsItsKernel) {
   Region region(Policy::create({"aten::tanh"}, {}));
-  at::Tensor x = at::ones({2});
+  at::Tensor x = at::full({2}, 0.5);
+  at::Tensor y = at::full({2}, 0.25);
   {
     ActivationScope forward(ActivationKind::kForward, &region);
     at::tanh(x);
   }
-  ActivationScope recompute(ActivationKind::kRecompute, &region);
-  at::tanh(x);
-  EXPECT_THROW(at::tanh(x), c10::Error);
+  CounterBaseline baseline = CounterBaseline::capture();
+  at::Tensor served, extra;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    served = at::tanh(y);  // served: the forward's tanh(x)
+    extra = at::tanh(y);   // the forward made one call only: this one runs
+  }
+  EXPECT_TRUE(at::allclose(served, at::tanh(x)));
+  EXPECT_TRUE(at::allclose(extra, at::tanh(y)));
+  std::vector<AuditRow> rows = baseline.changesSince();
+  EXPECT_EQ(countOf(rows, "aten::tanh", -1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", 1), 1u);
+}
+
+TEST_F(FallbackTest, OnePassCallWithOtherShapesDoesNotShiftServing) {
+  // A framework call of a kept op made in the forward only (FSDP2's all-gather path) must not
+  // make the model's own call be served the framework call's output.
+  Region region(Policy::create({"aten::mm"}, {}));
+  at::Tensor a = at::full({2, 3}, 0.5), b = at::full({3, 4}, 0.25);
+  at::Tensor framework = at::ones({5, 5});
+  at::Tensor expected = at::mm(a, b);
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::mm(framework, framework);  // forward only
+    at::mm(a, b);
+  }
+  at::Tensor served;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    served = at::mm(at::zeros({2, 3}), at::zeros({3, 4}));
+  }
+  EXPECT_TRUE(at::equal(served, expected));
 }
 
 TEST_F(FallbackTest, UnitsAroundTheForwardAreReopenedInTheRecompute) {
