@@ -1,6 +1,7 @@
 // The fallback: every op dispatched while the plugin's key is in the thread-local include set
 // lands here, under its own name, below autograd. It handles:
-//   - ops that never count (detach, metadata, profiler, sac's own): straight through;
+//   - ops that never count (detach, metadata, profiler, sac's own) and ops on meta tensors:
+//     straight through;
 //   - ops outside a region (audits only): counted, then run;
 //   - ops the region's policy recomputes: counted, then run;
 //   - kept ops in the forward: counted, run, outputs stored in the region;
@@ -35,10 +36,15 @@ const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey)
 class InterceptedCall {
  public:
   InterceptedCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack)
-      : op_(op), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
+      : op_(op), keys_(keys), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
 
   void run() {
-    if (entry_.traits.never_counts) return runKernel();
+    // NOTE: [Meta tensors are not activations]
+    // torch.compile traces with fake and meta tensors, and may do so in the middle of an eager
+    // region (a compiled submodule compiles on its first call). Those calls carry no data and
+    // never run again in the recompute: keeping or counting them would only pollute the region
+    // and the audit, so they pass straight through, like metadata queries.
+    if (entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit)) return runKernel();
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
     if (region == nullptr || !region->intercepts()) return countAndRun(state.phase());
@@ -121,6 +127,7 @@ class InterceptedCall {
   }
 
   const c10::OperatorHandle& op_;
+  c10::DispatchKeySet keys_;
   c10::DispatchKeySet below_;
   torch::jit::Stack* stack_;
   const OpEntry& entry_;

@@ -7,10 +7,12 @@ import functools
 import types
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
 from .audit import any_active as any_audit_active
 from .policy import Policy, overload_of
+from .units import UNIT_ANNOTATION_PREFIX
 
 
 class _RegionScope:
@@ -56,31 +58,73 @@ class Region:
 _region_observers: list = []
 
 
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+_NEVER_COUNTED = {"aten::detach", "prim::device", "prim::layout"}
+
+
+@functools.lru_cache(maxsize=None)
+def _python_traits(op) -> tuple[bool, bool, bool, bool, bool, int]:
+    """(collective, never counted, random, mutates an input, view, index of dropout_p or -1):
+    the C++ traits, read from the same schema and tags, for the policy function torch calls."""
+    schema = op._schema
+    namespace = schema.name.split("::")[0]
+    collective = namespace in _COLLECTIVE_NAMESPACES
+    never = schema.name in _NEVER_COUNTED or namespace in ("profiler", "sac")
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    mutates = any(not a.is_out for a in writes)
+    view = not writes and any(r.alias_info is not None for r in schema.returns)
+    dropout_p = next((i for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), -1)
+    return collective, never, random, mutates, view, dropout_p
+
+
+def _draws_random(random: bool, dropout_p: int, args, kwargs) -> bool:
+    if not random:
+        return False
+    if dropout_p < 0:
+        return True
+    value = args[dropout_p] if dropout_p < len(args) else kwargs.get("dropout_p", 0.0)
+    return not isinstance(value, (int, float)) or value != 0
+
+
 def torch_policy_fn(policy: Policy):
-    """The same selection as a policy function for torch's SAC (and so for torch.compile, whose
-    partitioner honours MUST_SAVE). Call it once per region: every-nth rules count per region."""
+    """The same selection as a policy function for torch's SAC, and so for torch.compile, whose
+    partitioner honours MUST_SAVE. Call it once per region: every-nth rules count per region.
+
+    Units come from node metadata (recompute_unit under torch.compile annotates nodes); eager
+    torch's SAC has no such metadata, so there only kept_ops and every-nth rules apply.
+    Collectives are MUST_RECOMPUTE, as the invariant says; torch's partitioner may still save
+    _c10d_functional outputs on its own (force_save_collectives), which is the compiler's call.
+    """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if policy.kept_units or policy.recomputed_units:
-        units = sorted(policy.kept_units | policy.recomputed_units)
-        raise RuntimeError(
-            f"sac_plugin: units {units} cannot be expressed as a torch policy function (inside torch.compile "
-            "they are not carried yet); keep their ops by name with Policy(kept_ops=...) instead"
-        )
     kept = frozenset(policy.kept_overloads())
     every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
+    kept_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.kept_units)
+    recomputed_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.recomputed_units)
     calls: dict = {}
 
     def decide(ctx, op, *args, **kwargs):
+        collective, never, random, mutates, view, dropout_p = _python_traits(op)
+        if collective:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if never:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        units = fx_traceback.current_meta.get("custom", {}).keys() if (kept_units or recomputed_units) else ()
+        if recomputed_units and not recomputed_units.isdisjoint(units):
+            return CheckpointPolicy.MUST_RECOMPUTE
+        draws = _draws_random(random, dropout_p, args, kwargs)
         if op in kept:
-            return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE if draws else CheckpointPolicy.MUST_SAVE
         n = every_nth.get(op)
         if n is not None:
             key = (ctx.is_recompute, op)
             index = calls.get(key, 0)
             calls[key] = index + 1
-            if index % n == 0:
+            if index % n == 0 and not draws:
                 return CheckpointPolicy.MUST_SAVE
+        if kept_units and not kept_units.isdisjoint(units) and not (mutates or view or draws):
+            return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide

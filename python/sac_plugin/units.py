@@ -13,36 +13,44 @@ def _check_name(name) -> str:
     return name
 
 
-def _reject_under_compile(name: str) -> None:
-    if torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"sac_plugin: recompute_unit('{name}') inside torch.compile is not supported: compiled "
-            "regions carry their selection as op tags, and a unit would be silently dropped there. "
-            "Keep the unit's ops by name (Policy(kept_ops=...)) or run the unit eagerly."
-        )
+# Under torch.compile a unit is carried as node metadata: torch.fx.traceback.annotate writes
+# node.meta["custom"], and the policy function that tags nodes for the partitioner reads it back
+# from fx_traceback.current_meta while AOTAutograd traces the checkpointed region (see
+# checkpointing.torch_policy_fn). One key per unit, so nested units accumulate.
+UNIT_ANNOTATION_PREFIX = "sac_unit:"
 
 
-class recompute_unit:
-    """Context manager: ops run inside are part of unit `name` (units nest).
-
-    with recompute_unit("attn"):
-        out = attention(q, k, v)
-    """
+class _UnitScope:
+    """Eager: opens the unit on this thread's C++ unit stack (units nest)."""
 
     __slots__ = ("_name", "_depths")
 
     def __init__(self, name: str):
-        self._name = _check_name(name)
+        self._name = name
         self._depths: list[int] = []
 
     def __enter__(self):
-        _reject_under_compile(self._name)
         self._depths.append(torch.ops.sac.push_unit(self._name))
         return self
 
     def __exit__(self, *exc_info):
         torch.ops.sac.pop_unit(self._name, self._depths.pop())
         return False
+
+
+def recompute_unit(name: str):
+    """Context manager: ops run inside are part of unit `name` (units nest).
+
+    with recompute_unit("attn"):
+        out = attention(q, k, v)
+
+    Eager code opens the unit in C++; inside torch.compile the unit becomes node metadata that
+    the compiled region's selection honours.
+    """
+    _check_name(name)
+    if torch.compiler.is_compiling():
+        return torch.fx.traceback.annotate({UNIT_ANNOTATION_PREFIX + name: True})
+    return _UnitScope(name)
 
 
 def in_recompute_unit(name: str, fn=None):

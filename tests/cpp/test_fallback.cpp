@@ -309,5 +309,17 @@ TEST_F(FallbackTest, KeptOutputWrittenInTheForwardIsRecomputedInstead) {
   EXPECT_EQ(countOf(rows, "aten::tanh", -1), 0u);
 }
 
+TEST_F(FallbackTest, MetaTensorsPassThroughUncounted) {
+  Region region(Policy::create({"aten::tanh"}, {}));
+  at::Tensor meta = at::empty({2}, at::TensorOptions().device(at::kMeta));
+  CounterBaseline baseline = CounterBaseline::capture();
+  {
+    ActivationScope forward(ActivationKind::kForward, &region);
+    at::tanh(meta);
+  }
+  EXPECT_EQ(region.keptCalls(), 0);
+  EXPECT_TRUE(baseline.changesSince().empty());
+}
+
 }  // namespace
 }  // namespace sac
