@@ -3,7 +3,7 @@
     PYTHONPATH=python python3 tools/bench_block.py --device cuda --dtype bfloat16 --dim 4096 --seq 4096
 
 Modes: no checkpointing, full recompute, attention kept (sac_plugin and torch's SAC, same op
-list), the "attn" unit kept (sac_plugin). Reported per mode: activation bytes held after the
+list), the "attn" and "mlp" units kept as LLAMA_TARGETS defines them (sac_plugin). Reported per mode: activation bytes held after the
 forward (sac_plugin.memory's unique-storage count), on CUDA the peak of
 torch.cuda.max_memory_allocated over forward+backward minus what was allocated before the step,
 and the median step time.
@@ -12,6 +12,7 @@ and the median step time.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import statistics
@@ -22,7 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 import sac_plugin
 from sac_plugin.memory import track_activation_memory
+from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import LlamaBlock, rotary_tables
+from sac_plugin.targets import LLAMA_TARGETS
 
 from bench_memory import cached_tensors, torch_sac
 
@@ -49,6 +52,11 @@ def main():
     x = torch.randn(args.batch, args.seq, args.dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     attention = sac_plugin.Policy(kept_ops=sac_plugin.resolve_kept_ops(ATTENTION))
+    # The units as a config means them for Llama: attention ops by name, the SwiGLU MLP as a
+    # callable run inside the "mlp" unit; on a copy, so the other modes see a plain block.
+    units_block = copy.deepcopy(block)
+    apply_recompute_config(units_block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS,
+                           wrap_sites=[units_block])
     torch_caches = []  # torch's SAC cache, counted as held memory like the plugin's store
     modes = {
         "no checkpointing": lambda: block(x, cos, sin),
@@ -57,9 +65,7 @@ def main():
             checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=torch_sac(attention, torch_caches)),
         "attention kept, sac_plugin": functools.partial(
             checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=sac_plugin.context_fn(attention)),
-        "attn unit kept, sac_plugin": functools.partial(
-            checkpoint, block, x, cos, sin, use_reentrant=False,
-            context_fn=sac_plugin.context_fn(sac_plugin.Policy(kept_units=["attn"]))),
+        "attn + mlp units kept, sac_plugin": functools.partial(units_block, x, cos, sin),
     }
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = {}
@@ -68,6 +74,7 @@ def main():
         for step in range(args.steps + 1):
             x.grad = None
             block.zero_grad(set_to_none=True)
+            units_block.zero_grad(set_to_none=True)
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

@@ -127,24 +127,21 @@ class RecomputeConfig:
             raise ConfigError(f"recompute config: not valid YAML: {error}") from None
         return cls.from_dict({} if data is None else data)
 
+    @staticmethod
+    def _format_of(path: Path) -> str:
+        formats = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+        if path.suffix not in formats:
+            raise ConfigError(f"recompute config: {path}: expected a .json, .yaml or .yml file")
+        return formats[path.suffix]
+
     @classmethod
     def load(cls, path: str | Path) -> RecomputeConfig:
         path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".json":
-            return cls.from_json(text)
-        if path.suffix in (".yaml", ".yml"):
-            return cls.from_yaml(text)
-        raise ConfigError(f"recompute config: {path}: expected a .json, .yaml or .yml file")
+        return getattr(cls, "from_" + cls._format_of(path))(path.read_text())
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        if path.suffix == ".json":
-            path.write_text(self.to_json())
-        elif path.suffix in (".yaml", ".yml"):
-            path.write_text(self.to_yaml())
-        else:
-            raise ConfigError(f"recompute config: {path}: expected a .json, .yaml or .yml file")
+        path.write_text(getattr(self, "to_" + self._format_of(path))())
 
     # --- applying ----------------------------------------------------------------------------------
 

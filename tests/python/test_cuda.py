@@ -11,35 +11,22 @@ from torch.utils.checkpoint import checkpoint
 import sac_plugin
 from sac_plugin import Policy
 from sac_plugin.models import Llama
-from toy_models import ToyModel, assert_same_gradients
+from sac_plugin.targets import ATTENTION_OPS
+from toy_models import assert_same_gradients, make_pair, run_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
 
-def _pair(policy, **kwargs):
-    torch.manual_seed(0)
-    model = ToyModel(**kwargs).cuda()
-    reference = copy.deepcopy(model)
-    for layer in model.layers:
-        sac_plugin.apply_selective_checkpointing(layer, policy)
-    return model, reference
-
-
-def _step(model, x, seed=7):
-    torch.manual_seed(seed)
-    out = model(x)
-    (out * out).mean().backward()
-    return out.detach()
 
 
 @pytest.mark.parametrize("policy", [Policy(kept_units=["attn"]), Policy(kept_ops=["aten::addmm", "aten::tanh"])])
 @pytest.mark.parametrize("dropout", [None, "inside", "after"])
 def test_cuda_gradients_bitwise_equal_with_rng_preserved(policy, dropout):
-    model, reference = _pair(policy, dropout=dropout)
+    model, reference = make_pair(policy=policy, device="cuda", dropout=dropout)
     x = torch.randn(8, 16, device="cuda")
     with sac_plugin.audit() as audit:
-        out = _step(model, x)
-    assert torch.equal(out, _step(reference, x))
+        loss = run_step(model, x)
+    assert torch.equal(loss, run_step(reference, x))
     assert_same_gradients(model, reference)
     assert audit.hits("aten::tanh") == 2
     # The recompute ran on the autograd device thread, which inherits the audit's key set.
@@ -50,15 +37,12 @@ def test_cuda_flash_attention_kept_without_dropout():
     torch.manual_seed(0)
     model = Llama(dim=256, heads=4, layers=2, seq=128).cuda().to(torch.bfloat16)
     reference = copy.deepcopy(model)
-    for layer in model.layers:
-        sac_plugin.apply_selective_checkpointing(layer, Policy(kept_units=["attn"]))
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["attn"]))
     tokens = torch.randint(512, (2, 128), device="cuda")
     with sac_plugin.audit() as audit:
         model.loss(tokens, tokens).backward()
     reference.loss(tokens, tokens).backward()
-    kept_attention = sum(audit.hits(op) for op in sac_plugin.resolve_kept_ops([
-        "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_cudnn_attention"]))
+    kept_attention = sum(audit.hits(op) for op in ATTENTION_OPS.resolve())
     assert kept_attention == 2
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         # Attention backward kernels may accumulate in a different order run to run.

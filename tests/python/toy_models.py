@@ -45,10 +45,10 @@ class ToyModel(nn.Module):
         return x
 
 
-def make_pair(seed=0, policy=None, checkpoint=True, **kwargs):
+def make_pair(seed=0, policy=None, checkpoint=True, device="cpu", **kwargs):
     """A model and an unmodified deepcopy of it; the first has each layer checkpointed."""
     torch.manual_seed(seed)
-    model = ToyModel(**kwargs)
+    model = ToyModel(**kwargs).to(device)
     reference = copy.deepcopy(model)
     if checkpoint:
         for layer in model.layers:
