@@ -99,10 +99,10 @@ def main():
     base = results["no checkpointing"]
     print(f"Llama block: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{device}, torch {torch.__version__}")
-    print(f"{'mode':<30}{'held MiB':>10}{'ratio':>7}{'peak MiB':>10}{'step ms':>9}{'vs none':>9}")
+    print(f"{'mode':<36}{'held MiB':>10}{'ratio':>7}{'peak MiB':>10}{'step ms':>9}{'vs none':>9}")
     for name, r in results.items():
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
-        print(f"{name:<30}{r['held_bytes'] / 2**20:>10.1f}{r['held_bytes'] / base['held_bytes']:>7.3f}{peak:>10}"
+        print(f"{name:<36}{r['held_bytes'] / 2**20:>10.1f}{r['held_bytes'] / base['held_bytes']:>7.3f}{peak:>10}"
               f"{r['step_s'] * 1e3:>9.1f}{r['step_s'] / base['step_s']:>9.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -15,32 +15,40 @@ build="$root/build-gpu"
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 
-step() {  # step NAME TIMEOUT COMMAND...: runs one part, keeps going when it fails
-  local name=$1 limit=$2
+step() {  # step NAME TIMEOUT COMMAND...: runs one part (an external command), keeps going when it fails
+  local name=$1 limit=$2 rc
   shift 2
   echo "== $name ($(date +%T))"
-  timeout "$limit" "$@" || { echo "!! $name failed (exit $?)"; status=1; }
+  timeout "$limit" "$@"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "!! $name failed (exit $rc)"
+    status=1
+  fi
 }
 
-configure() {
+configure() {  # configure [EXTRA CMAKE ARGS]: configures $build against this machine's torch
   local prefix
   prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAC_PYTHON="$(command -v "$python")" \
-    -DCMAKE_PREFIX_PATH="$prefix" "$@"
+  step "configure $*" 120 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DSAC_PYTHON="$(command -v "$python")" -DCMAKE_PREFIX_PATH="$prefix" "$@"
 }
 
 {
   echo "gpu_check: $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
   # A CUDA build's TorchConfig also looks for the CUDA toolkit; when that fails, build against
   # the same installed torch's headers and libraries directly (SAC_TORCH_FROM_PYTHON).
-  step "configure" 120 configure || true
-  if [ ! -f "$build/build.ninja" ]; then
+  configure
+  [ -f "$build/build.ninja" ] && step "build" 240 cmake --build "$build" -j "$(nproc)"
+  if [ "$status" -ne 0 ]; then
+    echo "-- TorchConfig did not give a build; plan B: the same torch's headers and libraries directly"
     rm -rf "$build"
-    step "configure (torch from python)" 120 configure -DSAC_TORCH_FROM_PYTHON=ON
+    status=0
+    configure -DSAC_TORCH_FROM_PYTHON=ON
+    step "build (torch from python)" 240 cmake --build "$build" -j "$(nproc)"
   fi
-  step "build" 240 cmake --build "$build" -j "$(nproc)"
   if [ -f "$build/CTestTestfile.cmake" ]; then
     step "C++ tests" 120 bash -c "cd '$build' && ctest --output-on-failure -j 8"
   else
@@ -54,5 +62,6 @@ configure() {
   step "Llama block, bf16, hidden 4096, seq 4096" 120 "$python" tools/bench_block.py --device cuda \
     --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 5 --json "$out_dir/block_cuda.json"
   echo "gpu_check: done, status $status"
+  exit "$status"
 } 2>&1 | tee "$log"
 exit "${PIPESTATUS[0]}"
