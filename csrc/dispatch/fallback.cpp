@@ -57,6 +57,7 @@ class InterceptedCall {
     const c10::IValue* arguments = &(*stack_)[stack_->size() - num_arguments];
     CallFacts call;
     call.draws_random = drawsRandomNumbers(entry_.traits, arguments);
+    call.casts_a_parameter = castsAParameter(entry_.traits, arguments);
     if (policy.everyNth(entry_) > 0) call.call_index = region->nextCallIndex(entry_, recompute);
     Decision decision = policy.decide(entry_, UnitStack::current().units(), call);
     if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);

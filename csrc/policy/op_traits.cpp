@@ -1,5 +1,6 @@
 #include "policy/op_traits.h"
 
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
@@ -71,6 +72,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   }
   traits.never_counts =
       contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
+  traits.is_copy_cast = traits.base_name == "aten::_to_copy";
   return traits;
 }
 
@@ -79,6 +81,12 @@ bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments) {
   if (traits.dropout_p_argument < 0) return true;
   const c10::IValue& dropout_p = arguments[traits.dropout_p_argument];
   return !dropout_p.isDouble() || dropout_p.toDouble() != 0.0;
+}
+
+bool castsAParameter(const OpTraits& traits, const c10::IValue* arguments) {
+  if (!traits.is_copy_cast || !arguments[0].isTensor()) return false;
+  const at::Tensor& source = arguments[0].toTensor();
+  return source.defined() && source.requires_grad() && source.is_leaf();
 }
 
 }  // namespace sac

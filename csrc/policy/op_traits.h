@@ -34,6 +34,9 @@ struct OpTraits {
   // Passed straight through, never counted: detach, prim::device, metadata queries,
   // profiler bookkeeping and this plugin's own ops.
   bool never_counts = false;
+  // aten::_to_copy: when it casts a parameter (autocast's weight casts) it is never kept, see
+  // castsAParameter.
+  bool is_copy_cast = false;
 };
 
 OpTraits classifyOp(const c10::OperatorHandle& op);
@@ -41,6 +44,15 @@ OpTraits classifyOp(const c10::OperatorHandle& op);
 // Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
 // points at the call's first argument on the dispatcher stack.
 bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
+
+// NOTE: [Autocast's weight casts]
+// Autocast caches the cast of a parameter (a leaf that requires grad) for as long as its
+// context is open. The forward and the recompute open different contexts, so a cast that hit
+// the cache in the forward (the weight was cast earlier, outside the region) misses it in the
+// recompute, and runs there only: a kept cast would then be matched to another weight's cast of
+// the same shape. Casting a parameter is cheap and its input is always at hand, so such calls
+// are never kept.
+bool castsAParameter(const OpTraits& traits, const c10::IValue* arguments);
 
 // A random op that can still be kept when it draws nothing (dropout_p == 0).
 inline bool randomOnlyPerCall(const OpTraits& traits) { return traits.is_random && traits.dropout_p_argument >= 0; }

@@ -93,7 +93,7 @@ std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kep
 Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const {
   Decision decision;
   const OpTraits& traits = op.traits;
-  if (traits.is_collective || traits.never_counts) return decision;
+  if (traits.is_collective || traits.never_counts || call.casts_a_parameter) return decision;
   if (!recomputed_units_.empty()) {
     for (UnitId unit : open_units) {
       if (recomputed_units_.count(unit) > 0) return decision;

@@ -11,7 +11,8 @@
 //   - ops that mutate an input are never kept; inside a kept unit they are recomputed, with one
 //     warning per policy and op; naming one is refused;
 //   - views inside a kept unit are recomputed (free, and keeping one would pin its base);
-//   - ops inside a recomputed unit are recomputed, whatever else would keep them.
+//   - ops inside a recomputed unit are recomputed, whatever else would keep them;
+//   - casts of parameters are recomputed (NOTE: [Autocast's weight casts] in op_traits.h).
 
 
 #include <cstdint>
@@ -57,6 +58,8 @@ struct CallFacts {
   bool draws_random = false;
   // For an op with an every-nth rule: this call's 0-based index among the region's calls of it.
   uint32_t call_index = 0;
+  // The call casts a parameter (castsAParameter): never kept.
+  bool casts_a_parameter = false;
 };
 
 class Policy {

@@ -190,3 +190,32 @@ def test_torch_policy_fn_matches_the_plugin_selection():
         # recomputed.
         counts[engine] = (audit.count("aten::mm"), audit.count("aten::tanh"))
     assert counts["plugin"] == counts["torch"] == (13, 4)
+
+
+def test_autocast_weight_cast_cached_in_the_forward_only():
+    """A weight cast before the region hits autocast's cache in the forward but not in the
+    recompute; a kept cast would be served to another weight of the same shape."""
+    torch.manual_seed(0)
+    w1 = torch.randn(8, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+
+    def region(x):
+        with sac_plugin.recompute_unit("attn"):
+            return torch.tanh(torch.tanh(x @ w1) @ w2)
+
+    def step(checkpointed):
+        w1.grad = w2.grad = None
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first = (x @ w1).float()  # caches w1's cast before the region
+            fn = region if not checkpointed else functools.partial(
+                checkpoint, region, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])))
+            out = fn(first)
+        out.float().sum().backward()
+        return w1.grad.clone(), w2.grad.clone()
+
+    expected = step(checkpointed=False)
+    with sac_plugin.audit() as audit:
+        got = step(checkpointed=True)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert audit.hits("aten::mm") == 2
