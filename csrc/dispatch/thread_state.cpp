@@ -15,6 +15,14 @@ namespace sac {
 // keys DispatchKeySet::remove clears only the functionality bit. Restoring a snapshot is
 // correct however activations nest, and after an exception as much as after a normal exit.
 
+// NOTE: [Autograd threads inherit the key set]
+// The autograd engine captures the caller's ThreadLocalState (the local dispatch key set
+// included) when backward starts and installs it on whichever thread evaluates each node: the
+// caller's on CPU, a device thread on CUDA. So an audit's key reaches backward ops on every
+// thread, with no code here. This activation stack is not part of that state: the recompute
+// context enters its own activation on the thread that runs the recompute, and the phase of
+// ops there with no activation is read from the thread's current graph task.
+
 namespace {
 
 const char* kindName(ActivationKind kind) {
