@@ -29,8 +29,7 @@ namespace {
 // NOTE: [Redispatching below our key]
 // redispatchBoxed uses exactly the key set we pass, while callBoxed would recompute it from
 // thread-local state and land here again. Masking with FULL_AFTER keeps every key below ours
-// (Python-free BackendSelect, the backend) and drops ours and everything above, which has
-// already run.
+// (BackendSelect, then the backend) and drops ours and everything above, which has already run.
 const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
 
 class InterceptedCall {
@@ -81,10 +80,10 @@ class InterceptedCall {
     // A kernel may dispatch further ops (addmm's CPU kernel calls copy_, randn calls normal_).
     // They are part of the op we are running, not calls of the checkpointed function: seeing
     // them would count them twice, warn about copy_ "mutating" in a kept unit, and, worst, let
-    // a kept op nested in a kept kernel advance the per-op index in the forward but not in the
-    // recompute (where the outer op is served and its kernel never runs), so a later call of
-    // the same op would be served the nested call's output. Torch's dispatch modes behave the
-    // same way: the mode is off while its handler runs the op.
+    // a kept op nested in a kept kernel be numbered in the forward but not in the recompute
+    // (where the outer op is served and its kernel never runs), so a later call of the same op
+    // would be served the nested call's output. Torch's dispatch modes behave the same way: the
+    // mode is off while its handler runs the op.
     c10::impl::ExcludeDispatchKeyGuard not_nested(kSacKey);
     op_.redispatchBoxed(below_, stack_);
   }
