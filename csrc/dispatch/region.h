@@ -1,9 +1,10 @@
 #pragma once
 // One checkpointed region instance: one call of checkpoint(fn, ...) and its recompute(s).
-// It owns the kept outputs of that call, keyed by (op overload, how many times this region
-// has kept that overload so far), so forward and recompute agree on which output belongs to
-// which call. Only kept calls advance the index: ops that run in one pass only (FSDP2's
-// all-gather copy-outs, profiler ops) cannot shift it unless they would be kept themselves.
+// It owns the kept outputs of that call, keyed by (op overload, call signature, how many such
+// calls this region has kept so far), so forward and recompute agree on which output belongs
+// to which call. Only kept calls are numbered, and per signature: calls that run in one pass
+// only (FSDP2's all-gather path, profiler ops) cannot shift the numbering unless they would be
+// kept themselves and have the very same argument shapes (NOTE: [Matching kept calls]).
 //
 // A region is used by one thread at a time: the forward on the caller's thread, the recompute
 // on whichever thread autograd runs the backward on (the autograd engine orders the two).
