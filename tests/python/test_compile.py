@@ -196,3 +196,24 @@ def test_eager_checkpointed_layer_inside_a_compiled_model():
     assert audit.hits("aten::tanh") == 1  # the eager layer's unit, served by the plugin
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **COMPILED_TOLERANCE)
+
+
+def test_config_units_survive_compilation():
+    """A config's units under torch.compile: KeptOps by name, KeptCallables through the unit
+    metadata their wrappers write."""
+    from sac_plugin import RecomputeConfig, apply_recompute_config
+    from sac_plugin.models import LlamaBlock, rotary_tables
+    from sac_plugin.targets import LLAMA_TARGETS
+
+    torch.manual_seed(0)
+    block = LlamaBlock(32, 4)
+    apply_recompute_config(block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[block])
+    cos, sin = rotary_tables(8, 16)
+    backend, seen = capture_graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    compiled(torch.randn(1, 16, 32, requires_grad=True), cos, sin).sum().backward()
+    attention = [op for op in seen["tags"] if "scaled_dot_product" in op and "backward" not in op]
+    assert attention and all(seen["tags"][op] == {CheckpointPolicy.MUST_SAVE} for op in attention)
+    assert CheckpointPolicy.MUST_SAVE in seen["tags"]["aten.silu.default"]  # inside the "mlp" unit
+    assert "aten.silu.default" not in seen["bw"]
