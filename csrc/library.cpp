@@ -50,15 +50,16 @@ struct PolicyHandle : torch::CustomClassHolder {
 };
 
 struct RegionHandle : torch::CustomClassHolder {
-  explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy) : region(policy->policy) {}
+  explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy)
+      : region(c10::make_intrusive<Region>(policy->policy)) {}
 
-  int64_t enter(ActivationKind kind) { return static_cast<int64_t>(ThreadState::current().enter(kind, &region)); }
+  int64_t enter(ActivationKind kind) { return static_cast<int64_t>(ThreadState::current().enter(kind, region.get())); }
   void exit(ActivationKind kind, int64_t depth) {
     TORCH_CHECK_VALUE(depth > 0, "sac: activation depth must be positive, got ", depth);
-    ThreadState::current().exit(kind, &region, static_cast<size_t>(depth));
+    ThreadState::current().exit(kind, region.get(), static_cast<size_t>(depth));
   }
 
-  Region region;
+  c10::intrusive_ptr<Region> region;
 };
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
@@ -137,10 +138,10 @@ TORCH_LIBRARY(sac, m) {
            [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
              self->exit(ActivationKind::kRecompute, depth);
            })
-      .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptBytes(); })
-      .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptCalls(); })
+      .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptBytes(); })
+      .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptCalls(); })
       .def("kept_tensors",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region.keptTensors(); });
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptTensors(); });
 
   m.class_<PolicyHandle>("Policy")
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,

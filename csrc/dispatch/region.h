@@ -11,6 +11,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
+#include <c10/util/intrusive_ptr.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
@@ -32,7 +33,9 @@ namespace sac {
 bool inAutogradGraphTask();
 bool currentBackwardKeepsGraph();
 
-class Region {
+// Regions are reference counted: the Python handle owns one reference, and every open
+// activation of the region owns another, so a region cannot be freed while it is active.
+class Region : public c10::intrusive_ptr_target {
  public:
   explicit Region(std::shared_ptr<const Policy> policy);
 

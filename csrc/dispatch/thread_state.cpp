@@ -69,14 +69,16 @@ size_t ThreadState::enter(ActivationKind kind, Region* region) {
     updated.included_ = updated.included_.add(kSacKey);
     c10::impl::_force_tls_local_dispatch_key_set(updated);
   }
-  stack_.push_back(Activation{kind, region, saved, std::move(saved_units)});
+  c10::intrusive_ptr<Region> owner =
+      region == nullptr ? c10::intrusive_ptr<Region>() : c10::intrusive_ptr<Region>::reclaim_copy(region);
+  stack_.push_back(Activation{kind, std::move(owner), saved, std::move(saved_units)});
   refreshInnermost();
   return stack_.size();
 }
 
 void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
   TORCH_CHECK(depth >= 1 && depth <= stack_.size() && stack_[depth - 1].kind == kind &&
-                  stack_[depth - 1].region == region,
+                  stack_[depth - 1].region.get() == region,
               "sac: exiting a ", kindName(kind), " that is not open on this thread (depth ", depth,
               ", ", stack_.size(), " open)");
   bool in_order = depth == stack_.size();
@@ -101,8 +103,8 @@ void ThreadState::refreshInnermost() {
   region_ = nullptr;
   any_recompute_ = false;
   for (const Activation& activation : stack_) {
-    if (activation.region == nullptr) continue;
-    region_ = activation.region;
+    if (!activation.region) continue;
+    region_ = activation.region.get();
     region_kind_ = activation.kind;
     any_recompute_ = any_recompute_ || activation.kind == ActivationKind::kRecompute;
   }

@@ -5,6 +5,7 @@
 // (see NOTE: [Restoring the whole key set] in thread_state.cpp).
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <vector>
 
@@ -19,7 +20,7 @@ enum class ActivationKind : uint8_t { kAudit, kForward, kRecompute };
 
 struct Activation {
   ActivationKind kind;
-  Region* region;  // nullptr for audits
+  c10::intrusive_ptr<Region> region;  // null for audits; keeps the region alive while open
   c10::impl::LocalDispatchKeySet saved_keys;
   std::vector<UnitId> saved_units;  // the unit stack to restore on exit
 };
@@ -28,7 +29,9 @@ class ThreadState {
  public:
   static ThreadState& current();
 
-  // Enter returns the depth to pass back to exit, which checks the nesting.
+  // Enter returns the depth to pass back to exit, which checks the nesting. A region must be
+  // owned by a c10::intrusive_ptr (c10::make_intrusive<Region>): the activation holds a
+  // reference until it exits.
   size_t enter(ActivationKind kind, Region* region);
   void exit(ActivationKind kind, Region* region, size_t depth);
 

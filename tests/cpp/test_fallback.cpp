@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "diagnostics/audit.h"
+#include "dispatch/call_signature.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
@@ -72,23 +73,23 @@ TEST_F(FallbackTest, InstallIsIdempotent) {
 }
 
 TEST_F(FallbackTest, KeyIsIncludedOnlyInsideAnInterceptingRegion) {
-  Region keeping(Policy::create({"aten::tanh"}, {}));
-  Region plain(Policy::create({}, {}));
+  auto keeping = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  auto plain = c10::make_intrusive<Region>(Policy::create({}, {}));
   {
-    ActivationScope forward(ActivationKind::kForward, &keeping);
+    ActivationScope forward(ActivationKind::kForward, keeping.get());
     EXPECT_TRUE(sacKeyIncluded());
   }
   EXPECT_FALSE(sacKeyIncluded());
   {
-    ActivationScope forward(ActivationKind::kForward, &plain);
+    ActivationScope forward(ActivationKind::kForward, plain.get());
     EXPECT_FALSE(sacKeyIncluded());
   }
 }
 
 TEST_F(FallbackTest, KeySetIsRestoredAfterAnException) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   try {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     UnitScope attn("attn");
     throw std::runtime_error("boom");
   } catch (const std::runtime_error&) {
@@ -96,8 +97,8 @@ TEST_F(FallbackTest, KeySetIsRestoredAfterAnException) {
 }
 
 TEST_F(FallbackTest, OtherThreadsAreUntouched) {
-  Region region(Policy::create({"aten::tanh"}, {}));
-  ActivationScope forward(ActivationKind::kForward, &region);
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  ActivationScope forward(ActivationKind::kForward, region.get());
   bool included_elsewhere = true;
   std::thread other([&] { included_elsewhere = sacKeyIncluded(); });
   other.join();
@@ -105,13 +106,13 @@ TEST_F(FallbackTest, OtherThreadsAreUntouched) {
 }
 
 TEST_F(FallbackTest, MisnestedExitUnwindsEverythingAndSaysSo) {
-  Region outer(Policy::create({"aten::tanh"}, {}));
-  Region inner(Policy::create({"aten::sin"}, {}));
+  auto outer = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  auto inner = c10::make_intrusive<Region>(Policy::create({"aten::sin"}, {}));
   ThreadState& state = ThreadState::current();
-  size_t outer_depth = state.enter(ActivationKind::kForward, &outer);
-  state.enter(ActivationKind::kForward, &inner);
+  size_t outer_depth = state.enter(ActivationKind::kForward, outer.get());
+  state.enter(ActivationKind::kForward, inner.get());
   try {
-    state.exit(ActivationKind::kForward, &outer, outer_depth);
+    state.exit(ActivationKind::kForward, outer.get(), outer_depth);
     FAIL() << "expected c10::Error";
   } catch (const c10::Error& error) {
     EXPECT_EQ(std::string(error.what_without_backtrace()),
@@ -121,24 +122,24 @@ TEST_F(FallbackTest, MisnestedExitUnwindsEverythingAndSaysSo) {
 }
 
 TEST_F(FallbackTest, KeptOutputIsServedInTheRecompute) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor x = at::full({3}, 0.5);
   at::Tensor forward_out;
   CounterBaseline baseline = CounterBaseline::capture();
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     forward_out = at::sin(at::tanh(x));
   }
-  EXPECT_EQ(region.keptCalls(), 1);
-  EXPECT_EQ(region.keptBytes(), 3 * 4);
+  EXPECT_EQ(region->keptCalls(), 1);
+  EXPECT_EQ(region->keptBytes(), 3 * 4);
   at::Tensor recomputed;
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     // Different input: a served output proves the kernel did not run.
     recomputed = at::tanh(at::full({3}, 2.0));
   }
   EXPECT_TRUE(at::equal(recomputed, at::tanh(x)));
-  EXPECT_EQ(region.keptCalls(), 0);  // consumed and freed
+  EXPECT_EQ(region->keptCalls(), 0);  // consumed and freed
   std::vector<AuditRow> rows = baseline.changesSince();
   EXPECT_EQ(countOf(rows, "aten::tanh", 0), 1u);
   EXPECT_EQ(countOf(rows, "aten::tanh", 1), 0u);
@@ -147,17 +148,17 @@ TEST_F(FallbackTest, KeptOutputIsServedInTheRecompute) {
 }
 
 TEST_F(FallbackTest, SecondRecomputeAfterConsumptionIsAnError) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor x = at::ones({2});
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::tanh(x);
   }
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     at::tanh(x);
   }
-  ActivationScope again(ActivationKind::kRecompute, &region);
+  ActivationScope again(ActivationKind::kRecompute, region.get());
   try {
     at::tanh(x);
     FAIL() << "expected c10::Error";
@@ -170,16 +171,16 @@ TEST_F(FallbackTest, SecondRecomputeAfterConsumptionIsAnError) {
 }
 
 TEST_F(FallbackTest, MutatedKeptTensorIsAnErrorNamingTheOpAndUnit) {
-  Region region(Policy::create({}, {"attn"}));
+  auto region = c10::make_intrusive<Region>(Policy::create({}, {"attn"}));
   at::Tensor x = at::ones({2});
   at::Tensor kept;
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     UnitScope attn("attn");
     kept = at::tanh(x);
   }
   kept.add_(1);
-  ActivationScope recompute(ActivationKind::kRecompute, &region);
+  ActivationScope recompute(ActivationKind::kRecompute, region.get());
   UnitScope attn("attn");
   try {
     at::tanh(x);
@@ -193,17 +194,17 @@ TEST_F(FallbackTest, MutatedKeptTensorIsAnErrorNamingTheOpAndUnit) {
 }
 
 TEST_F(FallbackTest, RecomputeCallTheForwardDidNotMakeRunsItsKernel) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor x = at::full({2}, 0.5);
   at::Tensor y = at::full({2}, 0.25);
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::tanh(x);
   }
   CounterBaseline baseline = CounterBaseline::capture();
   at::Tensor served, extra;
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     served = at::tanh(y);  // served: the forward's tanh(x)
     extra = at::tanh(y);   // the forward made one call only: this one runs
   }
@@ -217,56 +218,56 @@ TEST_F(FallbackTest, RecomputeCallTheForwardDidNotMakeRunsItsKernel) {
 TEST_F(FallbackTest, OnePassCallWithOtherShapesDoesNotShiftServing) {
   // A framework call of a kept op made in the forward only (FSDP2's all-gather path) must not
   // make the model's own call be served the framework call's output.
-  Region region(Policy::create({"aten::mm"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::mm"}, {}));
   at::Tensor a = at::full({2, 3}, 0.5), b = at::full({3, 4}, 0.25);
   at::Tensor framework = at::ones({5, 5});
   at::Tensor expected = at::mm(a, b);
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::mm(framework, framework);  // forward only
     at::mm(a, b);
   }
   at::Tensor served;
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     served = at::mm(at::zeros({2, 3}), at::zeros({3, 4}));
   }
   EXPECT_TRUE(at::equal(served, expected));
 }
 
 TEST_F(FallbackTest, UnitsAroundTheForwardAreReopenedInTheRecompute) {
-  Region region(Policy::create({}, {"attn"}));
+  auto region = c10::make_intrusive<Region>(Policy::create({}, {"attn"}));
   at::Tensor x = at::ones({2});
   {
     UnitScope attn("attn");
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::tanh(x);  // kept: the unit was opened outside the checkpointed function
   }
-  EXPECT_EQ(region.keptCalls(), 1);
+  EXPECT_EQ(region->keptCalls(), 1);
   at::Tensor other_input = at::zeros({2});
   at::Tensor expected = at::tanh(x);
   at::Tensor served;
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     EXPECT_EQ(UnitStack::current().depth(), 1u);
     served = at::tanh(other_input);
   }
   EXPECT_TRUE(at::equal(served, expected));
-  EXPECT_EQ(region.keptCalls(), 0);
+  EXPECT_EQ(region->keptCalls(), 0);
 }
 
 TEST_F(FallbackTest, OutVariantIsServedIntoTheOutArgument) {
-  Region region(Policy::create({"aten::tanh.out"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh.out"}, {}));
   at::Tensor x = at::full({2}, 0.25);
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::Tensor out = at::empty({2});
     at::tanh_out(out, x);
   }
   at::Tensor fresh = at::zeros({2});
   at::Tensor other_input = at::full({2}, 3.0);
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     at::tanh_out(fresh, other_input);
   }
   EXPECT_TRUE(at::equal(fresh, at::tanh(x)));
@@ -274,10 +275,10 @@ TEST_F(FallbackTest, OutVariantIsServedIntoTheOutArgument) {
 
 TEST_F(FallbackTest, OpsInsideAKernelAreNotIntercepted) {
   // randn's kernel calls empty and normal_; only randn is a call of the checkpointed function.
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   CounterBaseline baseline = CounterBaseline::capture();
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::randn({2});
   }
   std::vector<AuditRow> rows = baseline.changesSince();
@@ -286,19 +287,19 @@ TEST_F(FallbackTest, OpsInsideAKernelAreNotIntercepted) {
 }
 
 TEST_F(FallbackTest, KeptOutputWrittenInTheForwardIsRecomputedInstead) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor x = at::full({2}, 0.5);
   CounterBaseline baseline = CounterBaseline::capture();
   at::Tensor forward_out;
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     forward_out = at::tanh(x);
     forward_out.view({2}).add_(1);  // a write through a view of the kept output
   }
-  EXPECT_EQ(region.keptCalls(), 0);
+  EXPECT_EQ(region->keptCalls(), 0);
   at::Tensor recomputed;
   {
-    ActivationScope recompute(ActivationKind::kRecompute, &region);
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
     recomputed = at::tanh(x);
     recomputed.view({2}).add_(1);
   }
@@ -310,15 +311,40 @@ TEST_F(FallbackTest, KeptOutputWrittenInTheForwardIsRecomputedInstead) {
 }
 
 TEST_F(FallbackTest, MetaTensorsPassThroughUncounted) {
-  Region region(Policy::create({"aten::tanh"}, {}));
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor meta = at::empty({2}, at::TensorOptions().device(at::kMeta));
   CounterBaseline baseline = CounterBaseline::capture();
   {
-    ActivationScope forward(ActivationKind::kForward, &region);
+    ActivationScope forward(ActivationKind::kForward, region.get());
     at::tanh(meta);
   }
-  EXPECT_EQ(region.keptCalls(), 0);
+  EXPECT_EQ(region->keptCalls(), 0);
   EXPECT_TRUE(baseline.changesSince().empty());
+}
+
+TEST_F(FallbackTest, AnOpenActivationKeepsItsRegionAlive) {
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  c10::weak_intrusive_ptr<Region> observer(region);
+  ThreadState& state = ThreadState::current();
+  Region* raw = region.get();
+  size_t depth = state.enter(ActivationKind::kForward, raw);
+  region.reset();  // the owner lets go while the region is open
+  EXPECT_FALSE(observer.expired());
+  at::tanh(at::ones({2}));
+  EXPECT_EQ(raw->keptCalls(), 1);
+  state.exit(ActivationKind::kForward, raw, depth);
+  EXPECT_TRUE(observer.expired());
+}
+
+TEST(CallSignatureTest, ShapesDtypesAndScalarsMatterValuesDoNot) {
+  auto signature = [](std::vector<c10::IValue> arguments) { return callSignature(arguments.data(), arguments.size()); };
+  at::Tensor a = at::zeros({2, 3}), b = at::ones({2, 3});
+  EXPECT_EQ(signature({a, 1.0}), signature({b, 1.0}));
+  EXPECT_NE(signature({a, 1.0}), signature({at::zeros({3, 2}), 1.0}));
+  EXPECT_NE(signature({a, 1.0}), signature({a.to(at::kDouble), 1.0}));
+  EXPECT_NE(signature({a, 1.0}), signature({a, 2.0}));
+  EXPECT_NE(signature({a, std::vector<int64_t>{1, 2}}), signature({a, std::vector<int64_t>{2, 1}}));
+  EXPECT_NE(signature({a}), signature({a, c10::IValue()}));
 }
 
 }  // namespace
