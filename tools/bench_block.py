@@ -18,16 +18,14 @@ import json
 import statistics
 import time
 
-import torch
-from torch.utils.checkpoint import checkpoint
-
 import sac_plugin
-from sac_plugin.memory import track_activation_memory
+import torch
+from bench_memory import cached_tensors, torch_sac
 from sac_plugin import RecomputeConfig, apply_recompute_config
+from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, rotary_tables
 from sac_plugin.targets import LLAMA_TARGETS
-
-from bench_memory import cached_tensors, torch_sac
+from torch.utils.checkpoint import checkpoint
 
 ATTENTION = ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
              "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"]

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-from torch.utils._pytree import tree_leaves
-
 import sac_plugin
+import torch
 from sac_plugin.checkpointing import torch_policy_fn
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import GPTBlock
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 ATTENTION = ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
              "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"]

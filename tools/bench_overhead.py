@@ -23,10 +23,9 @@ import random
 import statistics
 import time
 
+import sac_plugin
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-import sac_plugin
 
 KEPT_OPS = ["aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu",
             "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"]

@@ -15,12 +15,12 @@ import argparse
 import copy
 import time
 
-import torch
-
 import sac_plugin
-from sac_plugin.memory import track_activation_memory
+import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
+from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import GPT, Llama, MoEModel
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,9 +1,8 @@
 import threading
 
 import pytest
-import torch
-
 import sac_plugin
+import torch
 
 
 def _thread_state():

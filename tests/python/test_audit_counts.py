@@ -1,9 +1,8 @@
 """The observability table: exact op counts per mode, through the audit API."""
 
 import pytest
-import torch
-
 import sac_plugin
+import torch
 from toy_models import assert_same_gradients, make_pair, run_step
 
 MODES = {

@@ -13,12 +13,11 @@ code, with and without checkpointing, they are compared bitwise.
 import copy
 
 import pytest
+import sac_plugin
 import torch
+from sac_plugin import Policy, in_recompute_unit, recompute_unit
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
-
-import sac_plugin
-from sac_plugin import Policy, in_recompute_unit, recompute_unit
 
 pytestmark = pytest.mark.slow
 

@@ -4,13 +4,12 @@ import copy
 import json
 
 import pytest
-import torch
-
 import sac_plugin
+import torch
 from sac_plugin import ConfigError, RecomputeConfig, RecomputeUnit, apply_recompute_config
 from sac_plugin.config import policy_for
 from sac_plugin.models import Llama, MoEModel
-from sac_plugin.targets import LLAMA_TARGETS, MOE_TARGETS, KeptOps, RecomputeTargetMap
+from sac_plugin.targets import LLAMA_TARGETS, KeptOps, RecomputeTargetMap
 
 FULL = RecomputeConfig(
     units=(RecomputeUnit.ATTN, RecomputeUnit.MOE_GATE),

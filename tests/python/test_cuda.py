@@ -5,13 +5,12 @@ import copy
 import warnings
 
 import pytest
-import torch
-from torch.utils.checkpoint import checkpoint
-
 import sac_plugin
+import torch
 from sac_plugin import Policy
 from sac_plugin.models import Llama
 from sac_plugin.targets import ATTENTION_OPS
+from torch.utils.checkpoint import checkpoint
 from toy_models import assert_same_gradients, make_pair, run_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")

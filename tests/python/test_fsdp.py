@@ -6,7 +6,6 @@ across different world sizes it would not be."""
 import json
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

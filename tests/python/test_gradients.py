@@ -3,11 +3,10 @@
 import functools
 
 import pytest
-import torch
-from torch.utils.checkpoint import checkpoint
-
 import sac_plugin
+import torch
 from sac_plugin import Policy
+from torch.utils.checkpoint import checkpoint
 from toy_models import assert_same_gradients, make_pair, run_step
 
 POLICIES = {
@@ -171,9 +170,8 @@ def test_recomputed_unit_forces_ops_back_to_recompute():
 
 
 def test_torch_policy_fn_matches_the_plugin_selection():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     from sac_plugin.checkpointing import torch_policy_fn
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     policy = Policy(kept_ops=["aten::tanh.default"], every_nth_op={"aten::mm": 2})
     torch.manual_seed(0)

@@ -5,14 +5,13 @@ import pickle
 import warnings
 
 import pytest
+import sac_plugin
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.utils.checkpoint import checkpoint
-
-import sac_plugin
 from sac_plugin import Policy, recompute_unit
-from toy_models import assert_same_gradients, make_pair, run_step
+from torch.utils.checkpoint import checkpoint
+from toy_models import assert_same_gradients, make_pair
 
 COLLECTIVE_REFUSAL = (
     "sac: kept_ops: '{spelling}' names {name}, which is a collective; collectives are never kept, "

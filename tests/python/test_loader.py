@@ -1,9 +1,8 @@
 """Loading the compiled library: clear errors for a missing build or another torch."""
 
 import pytest
-import torch
-
 import sac_plugin
+import torch
 from sac_plugin import _library
 
 

@@ -2,7 +2,6 @@
 renamed op or method cannot silently make a unit keep nothing."""
 
 import pytest
-
 from sac_plugin import ConfigError
 from sac_plugin.config import check_target_map
 from sac_plugin.models import Llama, MoEModel

@@ -2,11 +2,10 @@
 
 import copy
 
-import torch
-from torch import nn
-
 import sac_plugin
+import torch
 from sac_plugin import recompute_unit
+from torch import nn
 
 
 class AttnLayer(nn.Module):
