@@ -315,3 +315,25 @@ def test_attention_is_kept_only_without_dropout(dropout_p):
         assert audit.count("aten::bernoulli_", phase="recompute") == 1
         assert audit.hits("aten::bernoulli_") == 0
         assert audit.count(attention) == 0
+
+
+def test_closing_units_out_of_order_is_refused_and_changes_nothing():
+    outer = torch.ops.sac.push_unit("attn")
+    inner = torch.ops.sac.push_unit("rope")
+    try:
+        with pytest.raises(RuntimeError, match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
+                                               r"the innermost open unit is 'rope' at depth 2"):
+            torch.ops.sac.pop_unit("attn", outer)
+        assert sac_plugin.open_units() == ["attn", "rope"]
+    finally:
+        torch.ops.sac.pop_unit("rope", inner)
+        torch.ops.sac.pop_unit("attn", outer)
+
+
+def test_a_refused_policy_leaves_nothing_behind():
+    with pytest.raises(ValueError):
+        Policy(kept_ops=["aten::tanh", "c10d::allreduce_"], kept_units=["attn"])
+    # The thread's key sets and units are checked by the autouse fixture; an audit shows no op ran.
+    with sac_plugin.audit() as audit:
+        pass
+    assert audit.rows() == []
