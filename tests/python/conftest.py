@@ -1,7 +1,12 @@
+import os
 import threading
 
 import pytest
 import sac_plugin
+
+# Gloo process groups in these tests (one rank, or two spawned ranks) talk over loopback only;
+# spawned ranks inherit the environment.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import torch
 
 
