@@ -2,12 +2,13 @@ import os
 import threading
 
 import pytest
+import torch
+
 import sac_plugin
 
 # Gloo process groups in these tests (one rank, or two spawned ranks) talk over loopback only;
 # spawned ranks inherit the environment.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-import torch
 
 
 def _thread_state():
