@@ -53,10 +53,6 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
   return keepable;
 }
 
-}  // namespace
-
-namespace {
-
 UnitId internUnitOf(const char* field, const std::string& unit) {
   TORCH_CHECK_VALUE(!unit.empty(), "sac: ", field, ": a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
   return internUnit(unit);
