@@ -67,5 +67,7 @@ def main(rank, world_size, init_file, result_file):
 
             with open(result_file, "w") as f:
                 json.dump(results, f)
+        # Both ranks leave their last collective before either tears gloo down.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
