@@ -54,10 +54,11 @@ def torch_sac(policy, caches):
 
 
 def cached_tensors(caches):
-    """Tensors in torch's SAC cache: {op: {call index: outputs of _VersionWrapper, or a marker}}."""
+    """Tensors in torch's SAC cache: {op: {call index: outputs}} in torch 2.13, {op: [outputs]} in
+    2.11; outputs are _VersionWrapper trees (or a marker for recomputed calls)."""
     for cache in caches:
         for calls in cache.values():
-            for outputs in calls.values():
+            for outputs in (calls.values() if isinstance(calls, dict) else calls):
                 for leaf in tree_leaves(outputs):
                     value = getattr(leaf, "val", leaf)
                     if isinstance(value, torch.Tensor):
