@@ -337,3 +337,25 @@ def test_a_refused_policy_leaves_nothing_behind():
     with sac_plugin.audit() as audit:
         pass
     assert audit.rows() == []
+
+
+def test_kept_outputs_are_freed_by_the_backward_and_regions_are_collected():
+    import gc
+
+    from sac_plugin import checkpointing
+
+    model, _ = make_pair(policy=Policy(kept_units=["attn"]))
+    regions = []
+    checkpointing._region_observers.append(regions.append)
+    try:
+        out = model(torch.randn(4, 16))
+        held = [region.kept_bytes for region in regions]
+        out.pow(2).mean().backward()
+    finally:
+        checkpointing._region_observers.remove(regions.append)
+    assert len(regions) == 2 and all(bytes_ > 0 for bytes_ in held)
+    assert [region.kept_calls for region in regions] == [0, 0]
+    assert [region.kept_bytes for region in regions] == [0, 0]
+    del regions, out
+    gc.collect()
+    assert not any(isinstance(o, checkpointing.Region) for o in gc.get_objects())
