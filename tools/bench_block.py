@@ -24,11 +24,8 @@ from bench_memory import cached_tensors, torch_sac
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, rotary_tables
-from sac_plugin.targets import LLAMA_TARGETS
+from sac_plugin.targets import ATTENTION_OPS, LLAMA_TARGETS
 from torch.utils.checkpoint import checkpoint
-
-ATTENTION = ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
-             "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"]
 
 
 def main():
@@ -49,7 +46,7 @@ def main():
     cos, sin = rotary_tables(args.dim // args.heads, args.seq, device=device)
     x = torch.randn(args.batch, args.seq, args.dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    attention = sac_plugin.Policy(kept_ops=sac_plugin.resolve_kept_ops(ATTENTION))
+    attention = sac_plugin.Policy(kept_ops=ATTENTION_OPS.resolve())
     # The units as a config means them for Llama: attention ops by name, the SwiGLU MLP as a
     # callable run inside the "mlp" unit; on a copy, so the other modes see a plain block.
     units_block = copy.deepcopy(block)

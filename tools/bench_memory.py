@@ -20,16 +20,15 @@ import torch
 from sac_plugin.checkpointing import torch_policy_fn
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import GPTBlock
+from sac_plugin.targets import ATTENTION_OPS
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-ATTENTION = ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
-             "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"]
 MATMULS = ["aten::addmm", "aten::mm"]
 
 
 def policies():
-    attention = sac_plugin.resolve_kept_ops(ATTENTION)
+    attention = ATTENTION_OPS.resolve()
     return {
         "no checkpointing": None,
         "full recompute": sac_plugin.Policy(),

@@ -25,10 +25,8 @@ import time
 
 import sac_plugin
 import torch
+from sac_plugin.targets import ATTENTION_OPS
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-KEPT_OPS = ["aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-            "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"]
 
 
 def make_block(num_ops: int, dim: int, device):
@@ -112,7 +110,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     block, _ = make_attention_block(size, dim, device)
     x = torch.randn(16, dim, device=device)
     grad = torch.ones(16, dim, device=device)
-    policy = sac_plugin.Policy(kept_ops=sac_plugin.resolve_kept_ops(KEPT_OPS))
+    policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
     modes = run_modes(block, x, grad, policy)
     ops = intercepted_ops(modes["sac_plugin"])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
