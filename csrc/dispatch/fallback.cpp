@@ -17,6 +17,7 @@
 #include <mutex>
 
 #include "dispatch/call_signature.h"
+#include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
@@ -104,12 +105,7 @@ class InterceptedCall {
     for (size_t i = 0; i < arguments.size(); ++i) {
       const c10::AliasInfo* alias = arguments[i].alias_info();
       if (alias == nullptr || !alias->isWrite() || arguments[i].is_out()) continue;
-      const c10::IValue& value = (*stack_)[first + i];
-      if (value.isTensor()) {
-        add(value.toTensor());
-      } else if (value.isTensorList()) {
-        for (const at::Tensor& tensor : value.toTensorList().vec()) add(tensor);
-      }
+      forEachTensor((*stack_)[first + i], add);
     }
     return storages;
   }

@@ -6,6 +6,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
 #include "hash_containers.h"
 
@@ -46,15 +47,6 @@ c10::IValue detachedValue(const c10::IValue& value) {
     return copies;
   }
   return value;
-}
-
-template <typename Visit>
-void forEachTensor(const c10::IValue& value, Visit visit) {
-  if (value.isTensor()) {
-    visit(value.toTensor());
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& tensor : value.toTensorList().vec()) visit(tensor);
-  }
 }
 
 int64_t versionOf(const at::Tensor& tensor) {
@@ -215,13 +207,10 @@ void Region::endRecompute(bool keep_entries) {
 int64_t Region::keptBytes() const {
   HashSet<const void*> storages;
   int64_t bytes = 0;
-  for (const auto& [key, kept] : kept_) {
-    for (const c10::IValue& value : kept.outputs) {
-      forEachTensor(value, [&](const at::Tensor& tensor) {
-        if (!tensor.defined() || !tensor.has_storage()) return;
-        const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-        if (storages.insert(storage).second) bytes += static_cast<int64_t>(tensor.storage().nbytes());
-      });
+  for (const at::Tensor& tensor : keptTensors()) {
+    if (!tensor.has_storage()) continue;
+    if (storages.insert(tensor.storage().unsafeGetStorageImpl()).second) {
+      bytes += static_cast<int64_t>(tensor.storage().nbytes());
     }
   }
   return bytes;

@@ -1,0 +1,18 @@
+#pragma once
+// Op arguments and results hold tensors as a Tensor or a Tensor[] (split, _foreach_*); every
+// place that looks at "the tensors of a value" goes through this one visitor.
+
+#include <ATen/core/ivalue.h>
+
+namespace sac {
+
+template <typename Visit>
+void forEachTensor(const c10::IValue& value, Visit visit) {
+  if (value.isTensor()) {
+    visit(value.toTensor());
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& tensor : value.toTensorList().vec()) visit(tensor);
+  }
+}
+
+}  // namespace sac
