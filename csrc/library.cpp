@@ -14,6 +14,7 @@
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/thread_state.h"
+#include "policy/op_catalog.h"
 #include "policy/op_resolution.h"
 #include "policy/op_traits.h"
 #include "policy/policy.h"
@@ -121,6 +122,19 @@ std::vector<std::string> overloadNames(const std::string& spelling) {
   return names;
 }
 
+using OpTraitsTuple = std::tuple<bool, bool, bool, bool, bool, int64_t>;
+
+// The traits the fallback decides with, for Python's policy function under torch.compile, so the
+// compiled and the eager selection read one classification.
+OpTraitsTuple opTraits(const std::string& spelling) {
+  std::vector<c10::OperatorHandle> handles = resolveOpSpelling(spelling);
+  TORCH_CHECK_VALUE(handles.size() == 1, "sac: op_traits needs one overload such as 'aten::mm.default', got '",
+                    spelling, "' (", handles.size(), " overloads)");
+  const OpTraits& traits = lookupOp(handles.front()).traits;
+  return {traits.is_collective, traits.never_counts, traits.is_random, traits.mutates_inputs, traits.is_view,
+          traits.dropout_p_argument};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sac, m) {
@@ -180,6 +194,7 @@ TORCH_LIBRARY(sac, m) {
   m.def("open_units() -> str[]", &openUnits);
   m.def("resolvable_op_names(str[] names) -> str[]", &resolvableOpNames);
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
+  m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
 }
 
 }  // namespace sac

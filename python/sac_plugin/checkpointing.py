@@ -11,7 +11,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
 from .audit import any_active as any_audit_active
-from .policy import Policy, overload_of
+from .policy import Policy, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
 
 
@@ -58,24 +58,11 @@ class Region:
 _region_observers: list = []
 
 
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_NEVER_COUNTED = {"aten::detach", "prim::device", "prim::layout"}
-
-
 @functools.lru_cache(maxsize=None)
-def _python_traits(op) -> tuple[bool, bool, bool, bool, bool, int]:
-    """(collective, never counted, random, mutates an input, view, index of dropout_p or -1):
-    the C++ traits, read from the same schema and tags, for the policy function torch calls."""
-    schema = op._schema
-    namespace = schema.name.split("::")[0]
-    collective = namespace in _COLLECTIVE_NAMESPACES
-    never = schema.name in _NEVER_COUNTED or namespace in ("profiler", "sac")
-    random = torch.Tag.nondeterministic_seeded in op.tags
-    writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    mutates = any(not a.is_out for a in writes)
-    view = not writes and any(r.alias_info is not None for r in schema.returns)
-    dropout_p = next((i for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), -1)
-    return collective, never, random, mutates, view, dropout_p
+def _op_traits(op) -> tuple[bool, bool, bool, bool, bool, int]:
+    """(collective, never counted, random, mutates an input, view, index of dropout_p or -1): the
+    very traits the C++ fallback decides with, for the policy function torch calls."""
+    return tuple(torch.ops.sac.op_traits(op_spelling(op)))
 
 
 def _draws_random(random: bool, dropout_p: int, args, kwargs) -> bool:
@@ -105,7 +92,7 @@ def torch_policy_fn(policy: Policy):
     calls: dict = {}
 
     def decide(ctx, op, *args, **kwargs):
-        collective, never, random, mutates, view, dropout_p = _python_traits(op)
+        collective, never, random, mutates, view, dropout_p = _op_traits(op)
         if collective:
             return CheckpointPolicy.MUST_RECOMPUTE
         if never:

@@ -216,3 +216,13 @@ def test_config_units_survive_compilation():
     assert attention and all(seen["tags"][op] == {CheckpointPolicy.MUST_SAVE} for op in attention)
     assert CheckpointPolicy.MUST_SAVE in seen["tags"]["aten.silu.default"]  # inside the "mlp" unit
     assert "aten.silu.default" not in seen["bw"]
+
+
+def test_compiled_policy_reads_the_fallbacks_classification():
+    from sac_plugin.checkpointing import _op_traits
+
+    assert _op_traits(torch.ops.aten.add_.Tensor) == (False, False, False, True, False, -1)
+    assert _op_traits(torch.ops._c10d_functional.all_reduce.default)[0] is True
+    assert _op_traits(torch.ops.aten.sym_size.int)[1] is True  # metadata query: never counted
+    with pytest.raises(ValueError, match=r"op_traits needs one overload such as 'aten::mm.default', got 'aten::mm'"):
+        torch.ops.sac.op_traits("aten::mm")
