@@ -36,8 +36,6 @@ bool contains(const std::array<std::string_view, N>& values, std::string_view va
 
 }  // namespace
 
-bool isCollectiveNamespace(const std::string& ns) { return contains(kCollectiveNamespaces, ns); }
-
 std::string qualifiedOpName(const std::string& name, const std::string& overload) {
   return overload.empty() ? name : name + "." + overload;
 }
@@ -48,7 +46,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.base_name = schema.name();
   traits.qualified_name = qualifiedOpName(schema.name(), schema.overload_name());
   traits.ns = traits.base_name.substr(0, traits.base_name.find("::"));
-  traits.is_collective = isCollectiveNamespace(traits.ns);
+  traits.is_collective = contains(kCollectiveNamespaces, traits.ns);
   traits.is_random = op.hasTag(at::Tag::nondeterministic_seeded);
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const c10::Argument& arg = schema.arguments()[i];

@@ -60,6 +60,5 @@ inline bool randomOnlyPerCall(const OpTraits& traits) { return traits.is_random 
 // "aten::add.Tensor" / "aten::tanh" for a schema name and overload name.
 std::string qualifiedOpName(const std::string& name, const std::string& overload);
 
-bool isCollectiveNamespace(const std::string& ns);
 
 }  // namespace sac

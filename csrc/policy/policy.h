@@ -73,7 +73,6 @@ class Policy {
   Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
 
   bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty(); }
-  bool keepsOp(const OpEntry& op) const { return kept_ops_.count(&op) > 0; }
   // n of the op's every-nth rule, or 0: the caller then need not count its calls.
   uint32_t everyNth(const OpEntry& op) const {
     if (every_nth_.empty()) return 0;
