@@ -16,7 +16,7 @@
 
 #include <mutex>
 
-#include "dispatch/call_signature.h"
+#include "dispatch/data_flow.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
@@ -49,30 +49,44 @@ class InterceptedCall {
     Region* region = state.region();
     if (region == nullptr || !region->intercepts()) return countAndRun(state.phase());
 
-    const bool recompute = state.regionInRecompute();
-    if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(writtenStorages());
-
     const Policy& policy = region->policy();
-    const size_t num_arguments = op_.schema().arguments().size();
-    const c10::IValue* arguments = &(*stack_)[stack_->size() - num_arguments];
-    CallFacts call;
-    call.draws_random = drawsRandomNumbers(entry_.traits, arguments);
-    call.casts_a_parameter = castsAParameter(entry_.traits, arguments);
-    if (policy.everyNth(entry_) > 0) call.call_index = region->nextCallIndex(entry_, recompute);
-    Decision decision = policy.decide(entry_, UnitStack::current().units(), call);
-    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
-    if (!decision.keep) return countAndRun(state.phase());
+    // A view makes no storage and writes none: the data flow names its output by its base's
+    // storage and its geometry, so a view needs no record unless the policy names the op itself.
+    if (entry_.traits.is_view && !policy.namesOp(entry_)) return countAndRun(state.phase());
 
-    const uint64_t signature = callSignature(arguments, num_arguments);
-    if (recompute) {
-      if (region->serve(entry_, signature, op_, stack_, /*consume=*/!currentBackwardKeepsGraph())) {
-        entry_.counters.recordHit();
-        return;
-      }
-      return countAndRun(state.phase());
+    const bool recompute = state.regionInRecompute();
+    const c10::FunctionSchema& schema = op_.schema();
+    const size_t num_arguments = schema.arguments().size();
+    const size_t num_returns = schema.returns().size();
+    const c10::IValue* arguments = &(*stack_)[stack_->size() - num_arguments];
+    std::vector<WrittenStorage> written;
+    if (entry_.traits.mutates_inputs || entry_.traits.writes_out_arguments) {
+      written = writtenStorages();
+      if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(written);
     }
+    DataFlow& flow = region->flow();
+    const uint64_t call = flow.identify(entry_, arguments, num_arguments);
+
+    if (recompute) {
+      const bool consume = !currentBackwardKeepsGraph();
+      if (region->keptAnything() && region->serve(entry_, call, op_, stack_, consume)) {
+        entry_.counters.recordHit();
+      } else {
+        countAndRun(state.phase());
+      }
+      flow.recordCall(call, schema, *stack_, num_returns, written);
+      return;
+    }
+
+    CallFacts facts;
+    facts.draws_random = drawsRandomNumbers(entry_.traits, arguments);
+    facts.casts_a_parameter = castsAParameter(entry_.traits, arguments);
+    if (policy.everyNth(entry_) > 0) facts.call_index = region->nextCallIndex(entry_);
+    Decision decision = policy.decide(entry_, UnitStack::current().units(), facts);
+    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
     countAndRun(state.phase());
-    region->keep(entry_, signature, decision.unit, *stack_, op_.schema().returns().size());
+    if (decision.keep) region->keep(entry_, call, decision.unit, *stack_, num_returns);
+    flow.recordCall(call, schema, *stack_, num_returns, written);
   }
 
  private:
@@ -94,18 +108,20 @@ class InterceptedCall {
     runKernel();
   }
 
-  // Storages of the arguments this op writes in place (not its out= arguments).
-  std::vector<const c10::StorageImpl*> writtenStorages() const {
-    std::vector<const c10::StorageImpl*> storages;
+  // Storages of the arguments this op writes (in place or as out= arguments), noted before the
+  // kernel consumes the arguments.
+  std::vector<WrittenStorage> writtenStorages() const {
+    std::vector<WrittenStorage> storages;
     const auto& arguments = op_.schema().arguments();
     const size_t first = stack_->size() - arguments.size();
-    auto add = [&](const at::Tensor& tensor) {
-      if (tensor.defined() && tensor.has_storage()) storages.push_back(tensor.storage().unsafeGetStorageImpl());
-    };
     for (size_t i = 0; i < arguments.size(); ++i) {
       const c10::AliasInfo* alias = arguments[i].alias_info();
-      if (alias == nullptr || !alias->isWrite() || arguments[i].is_out()) continue;
-      forEachTensor((*stack_)[first + i], add);
+      if (alias == nullptr || !alias->isWrite()) continue;
+      forEachTensor((*stack_)[first + i], [&](const at::Tensor& tensor) {
+        if (tensor.defined() && tensor.has_storage()) {
+          storages.push_back(WrittenStorage{tensor.storage(), static_cast<uint32_t>(i)});
+        }
+      });
     }
     return storages;
   }

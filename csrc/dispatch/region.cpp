@@ -74,24 +74,16 @@ int64_t pendingVersionBumps(const OpEntry& op) {
   return op.traits.writes_out_arguments && in_place_kernel_above ? 1 : 0;
 }
 
-// NOTE: [Matching kept calls]
-// The recompute re-runs the checkpointed function, so it calls the same ops in the same order,
-// and the n-th kept call of an op in the forward is the n-th in the recompute. Frameworks break
-// that: FSDP2 all-gathers a nested module's parameters in the forward but finds them gathered in
-// the recompute, profilers record in one pass only. Numbering calls per (op, call signature)
-// rather than per op confines such a shift to calls with the very same argument shapes, dtypes
-// and scalars; a recompute call the forward kept nothing for simply runs its kernel.
-Region::Key Region::keyOf(const OpEntry* op, uint64_t signature, uint32_t call) {
-  return Key{op, signature ^ (0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(call) + 1))};
-}
-
-void Region::keep(const OpEntry& op, uint64_t signature, UnitId unit, const torch::jit::Stack& stack,
+void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack,
                   size_t num_returns) {
-  uint32_t index = forward_calls_[CallKind{&op, signature}]++;
-  const Key key = keyOf(&op, signature, index);
-  KeptOutputs kept;
+  auto [it, inserted] = kept_.try_emplace(call);
+  // Identities are unique within a pass; a repeat would be a 64-bit hash collision: keep the
+  // first and let the second run again in the recompute.
+  if (!inserted) return;
+  KeptOutputs& kept = it->second;
+  kept.op = &op;
   kept.unit = unit;
-  kept.call = index;
+  kept.ordinal = ++kept_per_op_[&op];
   kept.outputs.reserve(num_returns);
   const int64_t pending = pendingVersionBumps(op);
   for (size_t i = stack.size() - num_returns; i < stack.size(); ++i) {
@@ -100,11 +92,10 @@ void Region::keep(const OpEntry& op, uint64_t signature, UnitId unit, const torc
       int64_t version = versionOf(tensor);
       kept.versions.push_back(version < 0 ? version : version + pending);
       if (tensor.defined() && tensor.has_storage()) {
-        kept_storages_[tensor.storage().unsafeGetStorageImpl()].push_back(key);
+        kept_storages_[tensor.storage().unsafeGetStorageImpl()].push_back(call);
       }
     });
   }
-  kept_[key] = std::move(kept);
 }
 
 // NOTE: [Kept outputs written in the forward]
@@ -114,12 +105,12 @@ void Region::keep(const OpEntry& op, uint64_t signature, UnitId unit, const torc
 // value. torch's SAC raises an error at backward; we instead demote the call to recompute as
 // soon as the write is seen, which is always correct and frees the memory early. Writes that
 // happen after the forward cannot be undone this way, and serve() reports them.
-void Region::demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& written) {
-  for (const c10::StorageImpl* storage : written) {
-    auto found = kept_storages_.find(storage);
+void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
+  for (const WrittenStorage& write : written) {
+    auto found = kept_storages_.find(write.storage.unsafeGetStorageImpl());
     if (found == kept_storages_.end()) continue;
-    for (const Key& key : found->second) {
-      KeptOutputs& kept = kept_.at(key);
+    for (uint64_t call : found->second) {
+      KeptOutputs& kept = kept_.at(call);
       kept.outputs.clear();
       kept.demoted = true;
     }
@@ -127,14 +118,13 @@ void Region::demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& wri
   }
 }
 
-bool Region::serve(const OpEntry& op, uint64_t signature, const c10::OperatorHandle& handle,
+bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle,
                    torch::jit::Stack* stack, bool consume) {
-  const std::string& name = op.traits.qualified_name;
-  uint32_t index = recompute_calls_[CallKind{&op, signature}]++;
-  auto it = kept_.find(keyOf(&op, signature, index));
-  if (it == kept_.end()) return false;
+  auto it = kept_.find(call);
+  if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
   KeptOutputs& kept = it->second;
-  if (kept.demoted) return false;
+  const std::string& name = op.traits.qualified_name;
+  const uint32_t index = kept.ordinal - 1;
   TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", index + 1,
               " of this region, was already used by an earlier backward and freed. Trying to backward an "
               "extra time: a selectively checkpointed region supports a second backward only when the "
@@ -189,13 +179,15 @@ bool Region::serve(const OpEntry& op, uint64_t signature, const c10::OperatorHan
   return true;
 }
 
-void Region::beginRecompute() {
-  recompute_calls_.clear();
-  recompute_nth_calls_.clear();
-  ++recomputes_;
-}
+// Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
+void Region::beginForward() { flow_.reset(++passes_); }
+
+void Region::endForward() { flow_.reset(++passes_); }
+
+void Region::beginRecompute() { flow_.reset(++passes_); }
 
 void Region::endRecompute(bool keep_entries) {
+  flow_.reset(++passes_);
   if (keep_entries) return;
   for (auto& [key, kept] : kept_) {
     kept.outputs.clear();

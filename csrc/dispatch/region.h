@@ -1,10 +1,8 @@
 #pragma once
 // One checkpointed region instance: one call of checkpoint(fn, ...) and its recompute(s).
-// It owns the kept outputs of that call, keyed by (op overload, call signature, how many such
-// calls this region has kept so far), so forward and recompute agree on which output belongs
-// to which call. Only kept calls are numbered, and per signature: calls that run in one pass
-// only (FSDP2's all-gather path, profiler ops) cannot shift the numbering unless they would be
-// kept themselves and have the very same argument shapes (NOTE: [Matching kept calls]).
+// It owns the kept outputs of that call, keyed by the data-flow identity of the call that
+// produced them (NOTE: [Matching kept calls by data flow] in data_flow.cpp), so a recompute call
+// is served only the output of its own twin in the forward, whatever ran in one pass only.
 //
 // A region is used by one thread at a time: the forward on the caller's thread, the recompute
 // on whichever thread autograd runs the backward on (the autograd engine orders the two).
@@ -19,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "dispatch/data_flow.h"
 #include "hash_containers.h"
 #include "policy/policy.h"
 
@@ -42,28 +41,36 @@ class Region : public c10::intrusive_ptr_target {
   const Policy& policy() const { return *policy_; }
   bool intercepts() const { return !policy_->keepsNothing(); }
 
-  // Forward: the kept op's outputs are the last `num_returns` values on the stack; `signature`
-  // is its call's (callSignature, taken before the kernel consumed the arguments).
-  void keep(const OpEntry& op, uint64_t signature, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
+  // The data flow of the pass under way (forward or recompute).
+  DataFlow& flow() { return flow_; }
+
+  // Forward: the kept call's outputs are the last `num_returns` values on the stack; `call` is
+  // its data-flow identity.
+  void keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
 
   // Forward: an op is about to write these storages in place. Kept outputs living in them are
   // demoted: freed now and recomputed later, so that the recompute sees the value before the
   // write and applies the write again (see NOTE: [Kept outputs written in the forward]).
-  void demoteKeptOutputsIn(const std::vector<const c10::StorageImpl*>& written);
+  void demoteKeptOutputsIn(const std::vector<WrittenStorage>& written);
 
-  // Recompute: replace the op's arguments on the stack with its kept outputs and return true.
-  // `consume` frees them (a backward that will not run again); otherwise they stay for the next
-  // recompute. Returns false, leaving the stack alone, when the forward kept nothing for this
-  // call (demoted, or a call the forward never made): the caller runs the kernel.
-  bool serve(const OpEntry& op, uint64_t signature, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
+  // Whether the forward kept anything (the recompute skips the lookup otherwise). Entries that
+  // were consumed stay, so that a backward that runs an extra time is told so.
+  bool keptAnything() const { return !kept_.empty(); }
+
+  // Recompute: replace the op's arguments on the stack with the outputs the forward kept for the
+  // call with identity `call` and return true. `consume` frees them (a backward that will not
+  // run again); otherwise they stay for the next recompute. Returns false, leaving the stack
+  // alone, when the forward kept nothing for this call (not kept, demoted, or a call the forward
+  // never made): the caller runs the kernel.
+  bool serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
              bool consume);
 
-  // The 0-based index of this call among the region's calls of `op` in the current pass
-  // (forward and recompute counted apart), for every-nth rules.
-  uint32_t nextCallIndex(const OpEntry& op, bool recompute) {
-    return (recompute ? recompute_nth_calls_ : forward_nth_calls_)[&op]++;
-  }
+  // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.
+  uint64_t nextCallIndex(const OpEntry& op) { return forward_nth_calls_[&op]++; }
 
+  void beginForward();
+  // Drops the forward's data-flow records; the kept outputs stay for the recompute.
+  void endForward();
   void beginRecompute();
   // Frees every kept output unless the backward keeps its graph (retain_graph=True).
   void endRecompute(bool keep_entries);
@@ -79,28 +86,23 @@ class Region : public c10::intrusive_ptr_target {
 
  private:
   struct KeptOutputs {
+    const OpEntry* op = nullptr;
     std::vector<c10::IValue> outputs;  // tensors stored detached (shallow copies)
     std::vector<int64_t> versions;     // version of each stored tensor, in output order
     UnitId unit = kNoUnit;
-    uint32_t call = 0;  // 0-based, among the region's calls of this op with this signature
+    uint32_t ordinal = 0;  // 1-based, among the calls of this op the forward kept (for messages)
     bool consumed = false;
     bool demoted = false;
   };
-  // (op, signature): calls are numbered per pair. Key mixes the call number into the signature.
-  using CallKind = std::pair<const OpEntry*, uint64_t>;
-  using Key = std::pair<const OpEntry*, uint64_t>;
-  static Key keyOf(const OpEntry* op, uint64_t signature, uint32_t call);
-
-  HashMap<const c10::StorageImpl*, std::vector<Key>> kept_storages_;
 
   std::shared_ptr<const Policy> policy_;
-  HashMap<Key, KeptOutputs> kept_;
-  HashMap<CallKind, uint32_t> forward_calls_;
-  HashMap<CallKind, uint32_t> recompute_calls_;
-  HashMap<const OpEntry*, uint32_t> forward_nth_calls_;
-  HashMap<const OpEntry*, uint32_t> recompute_nth_calls_;
+  DataFlow flow_;
+  HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
+  HashMap<const c10::StorageImpl*, std::vector<uint64_t>> kept_storages_;
+  HashMap<const OpEntry*, uint32_t> kept_per_op_;
+  HashMap<const OpEntry*, uint64_t> forward_nth_calls_;
   std::vector<UnitId> units_around_forward_;
-  int recomputes_ = 0;
+  uint64_t passes_ = 0;
 };
 
 }  // namespace sac

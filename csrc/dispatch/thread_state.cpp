@@ -56,6 +56,7 @@ size_t ThreadState::enter(ActivationKind kind, Region* region) {
   UnitStack& units = UnitStack::current();
   if (kind == ActivationKind::kForward) {
     region->setUnitsAroundForward(units.units());
+    region->beginForward();
   } else if (kind == ActivationKind::kRecompute) {
     // The recompute re-runs the wrapped function, which re-opens its own units; the units that
     // were open around the checkpoint call in the forward are re-opened here.
@@ -90,6 +91,8 @@ void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
     units.truncate(0);
     units.pushAll(target.saved_units);
     region->endRecompute(/*keep_entries=*/currentBackwardKeepsGraph());
+  } else if (kind == ActivationKind::kForward) {
+    region->endForward();
   }
   ActivationKind innermost_kind = stack_.back().kind;
   stack_.erase(stack_.begin() + static_cast<std::ptrdiff_t>(depth - 1), stack_.end());

@@ -79,6 +79,8 @@ class Policy {
     auto it = every_nth_.find(&op);
     return it == every_nth_.end() ? 0 : it->second;
   }
+  // Whether the op's overload is named by the kept-op set or an every-nth rule (not by a unit).
+  bool namesOp(const OpEntry& op) const { return kept_ops_.count(&op) > 0 || everyNth(op) > 0; }
   std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
   std::vector<std::string> keptUnitNames() const;  // sorted
   std::vector<std::string> recomputedUnitNames() const;  // sorted

@@ -8,11 +8,12 @@
 #include <thread>
 
 #include "diagnostics/audit.h"
-#include "dispatch/call_signature.h"
+#include "dispatch/data_flow.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
+#include "policy/op_catalog.h"
 #include "policy/unit_stack.h"
 
 namespace sac {
@@ -135,8 +136,7 @@ TEST_F(FallbackTest, KeptOutputIsServedInTheRecompute) {
   at::Tensor recomputed;
   {
     ActivationScope recompute(ActivationKind::kRecompute, region.get());
-    // Different input: a served output proves the kernel did not run.
-    recomputed = at::tanh(at::full({3}, 2.0));
+    recomputed = at::tanh(x);
   }
   EXPECT_TRUE(at::equal(recomputed, at::tanh(x)));
   EXPECT_EQ(region->keptCalls(), 0);  // consumed and freed
@@ -202,37 +202,93 @@ TEST_F(FallbackTest, RecomputeCallTheForwardDidNotMakeRunsItsKernel) {
     at::tanh(x);
   }
   CounterBaseline baseline = CounterBaseline::capture();
-  at::Tensor served, extra;
+  at::Tensor other, served, again;
   {
     ActivationScope recompute(ActivationKind::kRecompute, region.get());
-    served = at::tanh(y);  // served: the forward's tanh(x)
-    extra = at::tanh(y);   // the forward made one call only: this one runs
+    other = at::tanh(y);   // another input: not the forward's call, runs
+    served = at::tanh(x);  // the forward's call: served
+    again = at::tanh(x);   // a second identical call the forward never made: runs
   }
-  EXPECT_TRUE(at::allclose(served, at::tanh(x)));
-  EXPECT_TRUE(at::allclose(extra, at::tanh(y)));
+  EXPECT_TRUE(at::equal(other, at::tanh(y)));
+  EXPECT_TRUE(at::equal(served, at::tanh(x)));
+  EXPECT_TRUE(at::equal(again, at::tanh(x)));
   std::vector<AuditRow> rows = baseline.changesSince();
   EXPECT_EQ(countOf(rows, "aten::tanh", -1), 1u);
-  EXPECT_EQ(countOf(rows, "aten::tanh", 1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh", 1), 2u);
 }
 
-TEST_F(FallbackTest, OnePassCallWithOtherShapesDoesNotShiftServing) {
-  // A framework call of a kept op made in the forward only (FSDP2's all-gather path) must not
-  // make the model's own call be served the framework call's output.
+// A call of a kept op that the forward makes and the recompute does not (a no_grad cache filled
+// on the first step, FSDP2's all-gather path) must not move what the model's own calls are
+// served, whatever its shapes: the forward keeps both, the recompute is served only its own.
+TEST_F(FallbackTest, OnePassCallsDoNotShiftServing) {
   auto region = c10::make_intrusive<Region>(Policy::create({"aten::mm"}, {}));
   at::Tensor a = at::full({2, 3}, 0.5), b = at::full({3, 4}, 0.25);
+  at::Tensor cache_input = at::full({2, 3}, 2.0);  // same shapes as the model's call
   at::Tensor framework = at::ones({5, 5});
-  at::Tensor expected = at::mm(a, b);
+  at::Tensor forward_out;
   {
     ActivationScope forward(ActivationKind::kForward, region.get());
-    at::mm(framework, framework);  // forward only
-    at::mm(a, b);
+    at::mm(framework, framework);  // forward only, other shapes
+    at::mm(cache_input, b);        // forward only, same shapes and the same weight
+    forward_out = at::mm(a, b);
   }
+  EXPECT_EQ(region->keptCalls(), 3);
+  CounterBaseline baseline = CounterBaseline::capture();
   at::Tensor served;
   {
     ActivationScope recompute(ActivationKind::kRecompute, region.get());
-    served = at::mm(at::zeros({2, 3}), at::zeros({3, 4}));
+    served = at::mm(a, b);
   }
-  EXPECT_TRUE(at::equal(served, expected));
+  EXPECT_TRUE(at::equal(served, at::mm(a, b)));
+  EXPECT_EQ(served.data_ptr(), forward_out.data_ptr());  // the forward's own output, not a twin
+  EXPECT_EQ(countOf(baseline.changesSince(), "aten::mm", -1), 1u);
+}
+
+// The chain matters, not only the op: mm(tanh(a), b) in the recompute is served only if its tanh
+// input descends from the same call as in the forward.
+TEST_F(FallbackTest, ProvenanceFollowsTheChainOfCalls) {
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::mm"}, {}));
+  at::Tensor a = at::full({2, 3}, 0.5), c = at::full({2, 3}, -0.5), b = at::full({3, 4}, 0.25);
+  at::Tensor forward_out;
+  {
+    ActivationScope forward(ActivationKind::kForward, region.get());
+    forward_out = at::mm(at::tanh(a), b);
+  }
+  CounterBaseline baseline = CounterBaseline::capture();
+  at::Tensor from_other_chain, served;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
+    from_other_chain = at::mm(at::tanh(c), b);  // same shapes, other origin: runs
+    served = at::mm(at::tanh(a), b);
+  }
+  EXPECT_TRUE(at::equal(from_other_chain, at::mm(at::tanh(c), b)));
+  EXPECT_EQ(served.data_ptr(), forward_out.data_ptr());
+  std::vector<AuditRow> rows = baseline.changesSince();
+  EXPECT_EQ(countOf(rows, "aten::mm", -1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::mm", 1), 1u);
+}
+
+// A read before an in-place write and a read after it name different values.
+TEST_F(FallbackTest, InPlaceWritesChangeProvenance) {
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::sin"}, {}));
+  at::Tensor x = at::full({2}, 0.5);
+  at::Tensor before_write, after_write;
+  {
+    ActivationScope forward(ActivationKind::kForward, region.get());
+    at::Tensor h = at::tanh(x);
+    before_write = at::sin(h);
+    h.mul_(2);
+    after_write = at::sin(h);
+  }
+  at::Tensor first, second;
+  {
+    ActivationScope recompute(ActivationKind::kRecompute, region.get());
+    at::Tensor h = at::tanh(x);
+    h.mul_(2);  // the write now comes first: sin(h) is the forward's second call, not its first
+    second = at::sin(h);
+  }
+  EXPECT_EQ(second.data_ptr(), after_write.data_ptr());
+  EXPECT_TRUE(at::equal(second, at::sin(at::tanh(x) * 2)));
 }
 
 TEST_F(FallbackTest, UnitsAroundTheForwardAreReopenedInTheRecompute) {
@@ -244,13 +300,12 @@ TEST_F(FallbackTest, UnitsAroundTheForwardAreReopenedInTheRecompute) {
     at::tanh(x);  // kept: the unit was opened outside the checkpointed function
   }
   EXPECT_EQ(region->keptCalls(), 1);
-  at::Tensor other_input = at::zeros({2});
   at::Tensor expected = at::tanh(x);
   at::Tensor served;
   {
     ActivationScope recompute(ActivationKind::kRecompute, region.get());
     EXPECT_EQ(UnitStack::current().depth(), 1u);
-    served = at::tanh(other_input);
+    served = at::tanh(x);
   }
   EXPECT_TRUE(at::equal(served, expected));
   EXPECT_EQ(region->keptCalls(), 0);
@@ -264,13 +319,17 @@ TEST_F(FallbackTest, OutVariantIsServedIntoTheOutArgument) {
     at::Tensor out = at::empty({2});
     at::tanh_out(out, x);
   }
-  at::Tensor fresh = at::zeros({2});
-  at::Tensor other_input = at::full({2}, 3.0);
+  CounterBaseline baseline = CounterBaseline::capture();
+  at::Tensor fresh;
   {
     ActivationScope recompute(ActivationKind::kRecompute, region.get());
-    at::tanh_out(fresh, other_input);
+    fresh = at::empty({2});
+    at::tanh_out(fresh, x);
   }
   EXPECT_TRUE(at::equal(fresh, at::tanh(x)));
+  std::vector<AuditRow> rows = baseline.changesSince();
+  EXPECT_EQ(countOf(rows, "aten::tanh.out", -1), 1u);
+  EXPECT_EQ(countOf(rows, "aten::tanh.out", 1), 0u);
 }
 
 TEST_F(FallbackTest, OpsInsideAKernelAreNotIntercepted) {
@@ -336,15 +395,51 @@ TEST_F(FallbackTest, AnOpenActivationKeepsItsRegionAlive) {
   EXPECT_TRUE(observer.expired());
 }
 
-TEST(CallSignatureTest, ShapesDtypesAndScalarsMatterValuesDoNot) {
-  auto signature = [](std::vector<c10::IValue> arguments) { return callSignature(arguments.data(), arguments.size()); };
-  at::Tensor a = at::zeros({2, 3}), b = at::ones({2, 3});
-  EXPECT_EQ(signature({a, 1.0}), signature({b, 1.0}));
-  EXPECT_NE(signature({a, 1.0}), signature({at::zeros({3, 2}), 1.0}));
-  EXPECT_NE(signature({a, 1.0}), signature({a.to(at::kDouble), 1.0}));
-  EXPECT_NE(signature({a, 1.0}), signature({a, 2.0}));
-  EXPECT_NE(signature({a, std::vector<int64_t>{1, 2}}), signature({a, std::vector<int64_t>{2, 1}}));
-  EXPECT_NE(signature({a}), signature({a, c10::IValue()}));
+TEST(DataFlowTest, IdentityNamesOriginsNotValues) {
+  const OpEntry& tanh = lookupOp(*c10::Dispatcher::singleton().findSchema({"aten::tanh", ""}));
+  auto identify = [&](DataFlow& flow, std::vector<c10::IValue> arguments) {
+    return flow.identify(tanh, arguments.data(), arguments.size());
+  };
+  at::Tensor a = at::zeros({2, 3}), b = at::zeros({2, 3});
+  DataFlow first, second;
+  first.reset(1);
+  second.reset(2);
+  // The same external tensor in two passes: the same identity; a same-shaped other tensor: not.
+  uint64_t first_a = identify(first, {a});
+  EXPECT_EQ(first_a, identify(second, {a}));
+  EXPECT_NE(identify(first, {b}), identify(second, {at::zeros({2, 3})}));
+  // A repeat of the same call in one pass is told apart by order, the same way in both passes.
+  uint64_t first_a_again = identify(first, {a});
+  EXPECT_NE(first_a_again, first_a);
+  EXPECT_EQ(first_a_again, identify(second, {a}));
+  // Views are named by geometry, scalars and int lists by value.
+  DataFlow flow;
+  flow.reset(3);
+  EXPECT_NE(identify(flow, {a.view({3, 2})}), identify(flow, {a.view({6})}));
+  EXPECT_NE(identify(flow, {a, 1.0}), identify(flow, {a, 2.0}));
+  EXPECT_NE(identify(flow, {a, std::vector<int64_t>{1, 2}}), identify(flow, {a, std::vector<int64_t>{2, 1}}));
+}
+
+TEST(DataFlowTest, GradModeIsPartOfTheIdentity) {
+  const OpEntry& tanh = lookupOp(*c10::Dispatcher::singleton().findSchema({"aten::tanh", ""}));
+  at::Tensor a = at::zeros({2});
+  std::vector<c10::IValue> arguments{a};
+  DataFlow with_grad, without_grad;
+  with_grad.reset(1);
+  without_grad.reset(2);
+  uint64_t enabled = with_grad.identify(tanh, arguments.data(), 1);
+  c10::AutoGradMode no_grad(false);
+  EXPECT_NE(without_grad.identify(tanh, arguments.data(), 1), enabled);
+}
+
+TEST(DataFlowTest, TensorsWithoutANameableOriginNeverMatchAcrossPasses) {
+  const OpEntry& tanh = lookupOp(*c10::Dispatcher::singleton().findSchema({"aten::tanh", ""}));
+  at::Tensor sparse = at::zeros({2, 2}).to_sparse();
+  std::vector<c10::IValue> arguments{sparse};
+  DataFlow first, second;
+  first.reset(1);
+  second.reset(2);
+  EXPECT_NE(first.identify(tanh, arguments.data(), 1), second.identify(tanh, arguments.data(), 1));
 }
 
 }  // namespace

@@ -216,4 +216,8 @@ def test_autocast_weight_cast_cached_in_the_forward_only():
     with sac_plugin.audit() as audit:
         got = step(checkpointed=True)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert audit.hits("aten::mm") == 2
+    # The forward's first mm read the cast cached before the region; the recompute's reads a cast
+    # made in the recompute. Their inputs have different origins, so neither mm is served: the
+    # data flow cannot prove them the same call, and recomputing is always right.
+    assert audit.hits("aten::mm") == 0
+    assert audit.count("aten::mm", phase="recompute") == 2

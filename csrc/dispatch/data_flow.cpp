@@ -1,0 +1,204 @@
+#include "dispatch/data_flow.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
+#include <c10/core/GradMode.h>
+
+#include <cstring>
+#include <functional>
+
+#include "dispatch/ivalue_tensors.h"
+
+namespace sac {
+
+// NOTE: [Matching kept calls by data flow]
+// The forward keeps the outputs of some calls; the recompute must hand each of them back to the
+// call that produced it and to no other. Counting calls ("the 3rd mm") breaks as soon as a call
+// runs in one pass only: a no_grad cache filled on the first step, a lazy init, FSDP2's
+// all-gather of a nested module's parameters, a profiler. So a call is named by what it
+// computes:
+//   identity = hash(op overload, grad mode, non-tensor arguments, provenance of each tensor
+//                   argument) mixed with the number of earlier calls in this pass with the same
+//                   description (two identical calls are told apart by order, and only then).
+// The provenance of a tensor is the origin of its storage plus where in that storage it looks
+// (offset, sizes, strides, dtype):
+//   - a storage first produced in this pass takes the identity of the call that produced it and
+//     the output's position; views and detach share their base's storage, so they need no record
+//     and are named by their geometry;
+//   - a storage written in place in this pass (in-place ops, out= arguments) takes a new origin
+//     mixed from its old one and the writing call, so a read before a write and a read after it
+//     differ;
+//   - any other storage is the region's input, a parameter or a buffer: the same object in the
+//     forward and in the recompute (torch's checkpoint hands the recompute the very tensors it
+//     saved), named by its address.
+// A call made in one pass only therefore produces origins that nothing in the other pass
+// carries, and cannot move what any other call is served. Two calls with equal identities
+// compute the same value from the same inputs (random calls are never kept, and the recompute
+// restores the generator), so serving one's output to the other is exact. Where the origin of a
+// tensor cannot be named (no storage, symbolic shapes, a storage created outside any
+// intercepted call during the pass), the identity differs between passes and the call simply
+// runs: the match can only fail towards recomputing, never towards a wrong tensor.
+//
+// Storage records pin the StorageImpl's memory with a weak reference, so its address is not
+// reused by another storage while the record names it; the data itself is freed as usual. The
+// records live for one pass and are dropped when it ends.
+
+namespace {
+
+inline void mix(uint64_t& seed, uint64_t value) {
+  // boost::hash_combine's mixing, widened to 64 bits.
+  seed ^= value + 0x9e3779b97f4a7c15ULL + (seed << 12) + (seed >> 4);
+}
+
+inline uint64_t mixed(uint64_t a, uint64_t b) {
+  mix(a, b);
+  return a;
+}
+
+inline uint64_t bitsOf(double value) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// Scalars that Python passes as tensors (`x * 0.5` becomes mul.Tensor with a wrapped number) are
+// made anew, outside the dispatcher, for every call: they are named by their value.
+uint64_t wrappedNumberValue(const at::Tensor& tensor) {
+  const void* data = tensor.const_data_ptr();
+  uint64_t seed = static_cast<uint64_t>(tensor.scalar_type());
+  switch (tensor.scalar_type()) {
+    case at::kDouble:
+      mix(seed, bitsOf(*static_cast<const double*>(data)));
+      break;
+    case at::kLong:
+      mix(seed, static_cast<uint64_t>(*static_cast<const int64_t*>(data)));
+      break;
+    case at::kBool:
+      mix(seed, *static_cast<const bool*>(data) ? 2 : 1);
+      break;
+    case at::kComplexDouble: {
+      const double* parts = static_cast<const double*>(data);
+      mix(seed, bitsOf(parts[0]));
+      mix(seed, bitsOf(parts[1]));
+      break;
+    }
+    default:
+      return 0;  // not a kind Python wraps: the caller names it by its storage instead
+  }
+  return seed;
+}
+
+constexpr uint64_t kUndefinedTensor = 0x7e57;
+constexpr uint64_t kWrittenTag = 0x5772697465ULL;  // "Write"
+constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
+
+}  // namespace
+
+void DataFlow::reset(uint64_t salt) {
+  storages_.clear();
+  occurrences_.clear();
+  salt_ = salt;
+}
+
+uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
+  if (!tensor.defined()) return kUndefinedTensor;
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (impl->is_wrapped_number() && tensor.device().is_cpu()) {
+    if (uint64_t value = wrappedNumberValue(tensor)) return value;
+  }
+  if (!tensor.has_storage() || impl->has_symbolic_sizes_strides()) {
+    // No origin to name: unique to this pass and to this tensor.
+    return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
+  }
+  const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  auto found = storages_.find(storage);
+  uint64_t seed = found != storages_.end() ? found->second.origin : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
+  mix(seed, static_cast<uint64_t>(tensor.scalar_type()));
+  mix(seed, static_cast<uint64_t>(impl->storage_offset()));
+  for (int64_t size : impl->sizes()) mix(seed, static_cast<uint64_t>(size));
+  for (int64_t stride : impl->strides()) mix(seed, static_cast<uint64_t>(stride));
+  return seed;
+}
+
+void DataFlow::mixValue(uint64_t& seed, const c10::IValue& value) const {
+  if (value.isTensor()) {
+    mix(seed, 1);
+    mix(seed, provenanceOf(value.toTensor()));
+  } else if (value.isTensorList()) {
+    mix(seed, 2);
+    for (const at::Tensor& tensor : value.toTensorList()) mix(seed, provenanceOf(tensor));
+  } else if (value.isInt()) {
+    mix(seed, 3);
+    mix(seed, static_cast<uint64_t>(value.toInt()));
+  } else if (value.isDouble()) {
+    mix(seed, 4);
+    mix(seed, bitsOf(value.toDouble()));
+  } else if (value.isBool()) {
+    mix(seed, value.toBool() ? 6 : 5);
+  } else if (value.isIntList()) {
+    mix(seed, 7);
+    for (int64_t element : value.toIntList()) mix(seed, static_cast<uint64_t>(element));
+  } else if (value.isString()) {
+    mix(seed, 8);
+    mix(seed, std::hash<std::string>{}(value.toStringRef()));
+  } else if (value.isList()) {
+    mix(seed, 9);
+    for (const c10::IValue& element : value.toListRef()) mixValue(seed, element);
+  } else if (value.isNone()) {
+    mix(seed, 10);
+  } else if (value.isComplexDouble()) {
+    mix(seed, 11);
+    c10::complex<double> number = value.toComplexDouble();
+    mix(seed, bitsOf(number.real()));
+    mix(seed, bitsOf(number.imag()));
+  } else {
+    // Devices, dtypes, layouts and memory formats arrive as ints; generators, objects and other
+    // rare kinds are named by kind only.
+    mix(seed, 12 + static_cast<uint64_t>(value.isDevice()));
+    if (value.isDevice()) mix(seed, static_cast<uint64_t>(value.toDevice().type()) * 256 + value.toDevice().index() + 1);
+  }
+}
+
+uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, size_t count) {
+  uint64_t description = reinterpret_cast<uintptr_t>(&op);
+  mix(description, c10::GradMode::is_enabled() ? 2 : 1);
+  for (size_t i = 0; i < count; ++i) mixValue(description, arguments[i]);
+  uint32_t earlier = occurrences_[description]++;
+  return mixed(description, earlier);
+}
+
+void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  auto found = storages_.find(impl);
+  if (found != storages_.end()) {
+    found->second.origin = was_written ? mixed(found->second.origin, origin) : origin;
+    return;
+  }
+  // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
+  // the origin: that address is the same in both passes.
+  uint64_t named = was_written ? mixed(mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)), origin) : origin;
+  storages_.emplace(impl, StorageRecord{storage.getWeakStorageImpl(), named});
+}
+
+void DataFlow::recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                          size_t num_returns, const std::vector<WrittenStorage>& written) {
+  for (const WrittenStorage& write : written) {
+    originate(write.storage, mixed(mixed(call, kWrittenTag), write.argument), /*was_written=*/true);
+  }
+  const auto& returns = schema.returns();
+  const size_t first = stack.size() - num_returns;
+  for (size_t i = 0; i < num_returns; ++i) {
+    // Returns annotated as aliases (views, in-place and out= results) share an argument's
+    // storage, already named by the argument or by the write above.
+    if (i < returns.size() && returns[i].alias_info() != nullptr) continue;
+    uint64_t position = i;
+    forEachTensor(stack[first + i], [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.has_storage()) {
+        originate(tensor.storage(), mixed(call, position), /*was_written=*/false);
+      }
+      position += 0x100000000ULL;  // the next element of a Tensor[] return
+    });
+  }
+}
+
+}  // namespace sac

@@ -1,0 +1,67 @@
+#pragma once
+// Data-flow identity of the op calls of one pass of a checkpointed region (its forward, or one
+// recompute): a call is named by what it computes, not by when it runs, so that the recompute
+// finds the forward's kept output for exactly the call that produced it. See
+// NOTE: [Matching kept calls by data flow] in data_flow.cpp.
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
+#include <c10/core/Storage.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "hash_containers.h"
+
+namespace c10 {
+struct FunctionSchema;
+}
+
+namespace sac {
+
+struct OpEntry;
+
+// A storage an op is about to write in place (an in-place op's self, an out= argument), noted
+// before the kernel consumes its arguments.
+struct WrittenStorage {
+  c10::Storage storage;
+  uint32_t argument;
+};
+
+class DataFlow {
+ public:
+  // Forgets the pass: records, pins and occurrence counts. `salt` makes tensors whose origin
+  // cannot be named (no storage) unique to this pass, so such calls never match another pass.
+  void reset(uint64_t salt);
+
+  // The identity of one call: its op, grad mode, non-tensor arguments, the provenance of every
+  // tensor argument, and how many calls with the same description came before it in this pass.
+  uint64_t identify(const OpEntry& op, const c10::IValue* arguments, size_t count);
+
+  // After the call ran (or was served): its fresh outputs (the last `num_returns` values on
+  // `stack`, those the schema does not declare as aliases of an argument) now originate from
+  // `call`, and so do the storages it wrote.
+  void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                  size_t num_returns, const std::vector<WrittenStorage>& written);
+
+  size_t trackedStorages() const { return storages_.size(); }
+
+ private:
+  uint64_t provenanceOf(const at::Tensor& tensor) const;
+  void mixValue(uint64_t& seed, const c10::IValue& value) const;
+  void originate(const c10::Storage& storage, uint64_t origin, bool was_written);
+
+  struct StorageRecord {
+    // Holds the StorageImpl's memory (not its data) so that its address cannot be reused by
+    // another storage while this pass still names it.
+    c10::weak_intrusive_ptr<c10::StorageImpl> pin;
+    uint64_t origin;
+  };
+  HashMap<const c10::StorageImpl*, StorageRecord> storages_;
+  HashMap<uint64_t, uint32_t> occurrences_;
+  uint64_t salt_ = 0;
+};
+
+}  // namespace sac

@@ -1,0 +1,132 @@
+"""Kept calls are matched by data flow: a call that runs in one pass only (a no_grad cache filled
+on the first step, a lazy init) never changes what another call is served. Each case compares
+loss and gradients bitwise with the same model without checkpointing, over several steps, so
+that the first step (cache filled in the forward only) and later steps (cache already there)
+are both covered."""
+
+import copy
+
+import pytest
+import sac_plugin
+import torch
+from sac_plugin import Policy, recompute_unit
+from torch import nn
+
+
+class LazyCacheLayer(nn.Module):
+    """Fills a cache with the same op, the same weight and the same shapes as its real call, in
+    the first forward only (so the recompute of step 1 and every later pass skip it)."""
+
+    def __init__(self, unit: str | None = None, cache_shape=(4, 8)):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.unit = unit
+        self.cache_shape = cache_shape
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            with torch.no_grad():
+                if self.cache_shape == "other":
+                    self.cache = torch.ones(2, 3) @ torch.ones(3, 5)
+                else:
+                    self.cache = torch.ones(*self.cache_shape) @ self.w1
+        if self.unit is None:
+            return self._body(x)
+        with recompute_unit(self.unit):
+            return self._body(x)
+
+    def _body(self, x):
+        h = torch.tanh(x @ self.w1)
+        return torch.sin(h @ self.w2)
+
+
+def train_pair(policy, steps=3, **layer_kwargs):
+    torch.manual_seed(0)
+    model = LazyCacheLayer(**layer_kwargs)
+    reference = copy.deepcopy(model)
+    sac_plugin.apply_selective_checkpointing(model, policy)
+    audits = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m in (model, reference):
+            m.zero_grad()
+        with sac_plugin.audit() as audit:
+            loss = model(x).pow(2).sum()
+            loss.backward()
+        audits.append(audit)
+        ref_loss = reference(x).pow(2).sum()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss), f"step {step}: loss differs"
+        for name in ("w1", "w2"):
+            got, expected = getattr(model, name).grad, getattr(reference, name).grad
+            assert torch.equal(got, expected), (
+                f"step {step}: gradient of {name} differs by {(got - expected).abs().max().item()}")
+    return audits
+
+
+def test_kept_op_with_a_same_shape_call_made_in_the_forward_only():
+    audits = train_pair(Policy(kept_ops=["aten::mm"]))
+    # Step 1: the forward made three mm (cache, x@w1, h@w2), the recompute two, both served.
+    assert audits[0].count("aten::mm", phase="forward") == 3
+    assert audits[0].hits("aten::mm") == 2
+    assert audits[0].count("aten::mm", phase="recompute") == 0
+    # Later steps: no cache call at all.
+    assert audits[1].count("aten::mm", phase="forward") == 2
+    assert audits[1].hits("aten::mm") == 2
+
+
+@pytest.mark.parametrize("cache_shape", [(4, 8), "other"], ids=["same_shapes", "other_shapes"])
+def test_every_nth_op_with_a_call_made_in_the_forward_only(cache_shape):
+    audits = train_pair(Policy(every_nth_op={"aten::mm": 2}), cache_shape=cache_shape)
+    # Step 1: the forward keeps calls 1 and 3 (the cache and h@w2); x@w1 is recomputed, and
+    # h@w2 is served to its own twin.
+    assert audits[0].hits("aten::mm") == 1
+    assert audits[0].count("aten::mm", phase="recompute") == 1
+    # Later steps: calls 1 (x@w1) is kept and served, call 2 recomputed.
+    assert audits[1].hits("aten::mm") == 1
+    assert audits[1].count("aten::mm", phase="recompute") == 1
+
+
+def test_kept_unit_with_a_same_shape_call_made_in_the_forward_only():
+    audits = train_pair(Policy(kept_units=["attn"]), unit="attn")
+    assert audits[0].hits("aten::mm") == 2 and audits[0].hits("aten::tanh") == 1
+    assert audits[1].hits("aten::mm") == 2 and audits[1].hits("aten::tanh") == 1
+
+
+def test_repeated_identical_calls_are_served_in_order():
+    """Two identical calls (same op, same inputs) are told apart by their order; both are served."""
+    w = torch.randn(8, 8, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    x = torch.randn(4, 8)
+
+    def body(weight, v):
+        return torch.tanh(v @ weight) * torch.tanh(v @ weight).sin()
+
+    fn = sac_plugin.context_fn(Policy(kept_ops=["aten::mm", "aten::tanh"]))
+    with sac_plugin.audit() as audit:
+        torch.utils.checkpoint.checkpoint(body, w, x, use_reentrant=False, context_fn=fn).sum().backward()
+    body(w_ref, x).sum().backward()
+    assert torch.equal(w.grad, w_ref.grad)
+    assert audit.hits("aten::mm") == 2 and audit.hits("aten::tanh") == 2
+
+
+def test_a_value_read_before_and_after_an_in_place_write_is_not_confused():
+    """tanh(h) before h.mul_(2) and tanh(h) after it have different inputs, though the same tensor."""
+    w = torch.randn(8, 8, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    x = torch.randn(4, 8)
+
+    def body(weight, v):
+        h = v @ weight
+        first = torch.tanh(h)
+        h.mul_(2)  # mm saves its inputs, not its output: autograd allows this write
+        return first * torch.tanh(h)
+
+    fn = sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"]))
+    with sac_plugin.audit() as audit:
+        torch.utils.checkpoint.checkpoint(body, w, x, use_reentrant=False, context_fn=fn).sum().backward()
+    body(w_ref, x).sum().backward()
+    assert torch.equal(w.grad, w_ref.grad)
+    assert audit.hits("aten::tanh") == 2
