@@ -187,7 +187,8 @@ TORCH_LIBRARY(sac, m) {
       .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->rowsAsColumns(); })
       .def("table", [](const c10::intrusive_ptr<AuditHandle>& self) { return formatAuditTable(self->rows()); });
 
-  m.def("install_fallback() -> ()", &installFallback);
+  m.def("install_fallback() -> str", []() { return std::string(interceptionPathName(installInterception())); });
+  m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });
   m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });
   m.def("push_unit(str name) -> int", &pushUnit);
   m.def("pop_unit(str name, int depth) -> ()", &popUnit);

@@ -1,7 +1,10 @@
-// The fallback: every op dispatched while the plugin's key is in the thread-local include set
-// lands here, under its own name, below autograd. It handles:
-//   - ops that never count (detach, metadata, profiler, sac's own) and ops on meta tensors:
-//     straight through;
+// The interception: every op dispatched while the plugin's key is in the thread-local include
+// set lands here, under its own name, below autograd, through the native fallback or through the
+// per-op kernels of the coexisting path (NOTE: [Sharing the key with another owner] in
+// coexistence.cpp). It handles:
+//   - ops that never count (detach, metadata, profiler, sac's own), ops on meta tensors and
+//     calls on tensors that carry the key themselves (another owner's fake tensors): straight
+//     through, uncounted;
 //   - ops outside a region (audits only): counted, then run;
 //   - ops the region's policy recomputes: counted, then run;
 //   - kept ops in the forward: counted, run, outputs stored in the region;
@@ -9,6 +12,8 @@
 // Redispatch always goes to the keys below ours, with the key set the dispatcher gave us.
 
 #include "dispatch/fallback.h"
+
+#include "dispatch/interception.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -32,6 +37,28 @@ namespace {
 // thread-local state and land here again. Masking with FULL_AFTER keeps every key below ours
 // (BackendSelect, then the backend) and drops ours and everything above, which has already run.
 const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
+
+}  // namespace
+
+// NOTE: [Calls that are not ours]
+// The key in a call's key set does not always make the call ours. The key's other owner (a C++
+// FakeTensor mode) puts it in the key set of its own tensors and, while its mode is on, in the
+// thread-local include set. Calls on tensors that carry the key are never ours: they pass
+// through, uncounted. On the native path nothing else can have included the key, so every
+// other call is ours (autograd threads inherit an activation's key set: NOTE: [Autograd threads
+// inherit the key set]). On the coexisting path a call is ours only on a thread where an
+// activation of ours added the key (ThreadState::intercepts).
+bool carriesOurKey(const torch::jit::Stack& stack, size_t num_arguments) {
+  bool carried = false;
+  for (size_t i = stack.size() - num_arguments; i < stack.size() && !carried; ++i) {
+    forEachTensor(stack[i], [&](const at::Tensor& tensor) {
+      carried = carried || (tensor.defined() && tensor.unsafeGetTensorImpl()->key_set().has(kSacKey));
+    });
+  }
+  return carried;
+}
+
+namespace {
 
 class InterceptedCall {
  public:
@@ -146,31 +173,51 @@ class InterceptedCall {
 };
 
 void sacFallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (carriesOurKey(*stack, op.schema().arguments().size())) return op.redispatchBoxed(keys & kBelowSacKey, stack);
   InterceptedCall(op, keys, stack).run();
 }
 
 std::mutex install_mutex;
+InterceptionPath installed_path = InterceptionPath::kNotInstalled;
 c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long as the process
 
 }  // namespace
 
-void installFallback() {
-  std::lock_guard<std::mutex> lock(install_mutex);
-  if (registration != nullptr) return;
-  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
-  TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(kSacKey),
-              "sac_plugin cannot load: the dispatch key ", c10::toString(kSacKey),
-              " already holds a backend fallback in this torch, registered by torch itself or "
-              "another library. sac_plugin intercepts ops through a fallback on that key and needs it free "
-              "(see NOTE: [The dispatch key sac_plugin intercepts on] in csrc/dispatch/sac_key.h)");
-  registration = new c10::RegistrationHandleRAII(dispatcher.registerFallback(
-      kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
-      "sac_plugin: selective activation checkpointing"));
+void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  InterceptedCall(op, keys, stack).run();
 }
 
-bool fallbackInstalled() {
+InterceptionPath installInterception() {
   std::lock_guard<std::mutex> lock(install_mutex);
-  return registration != nullptr;
+  if (installed_path != InterceptionPath::kNotInstalled) return installed_path;
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  if (dispatcher.hasBackendFallbackForDispatchKey(kSacKey)) {
+    installCoexistingKernels();
+    installed_path = InterceptionPath::kCoexisting;
+  } else {
+    registration = new c10::RegistrationHandleRAII(dispatcher.registerFallback(
+        kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
+        "sac_plugin: selective activation checkpointing"));
+    installed_path = InterceptionPath::kNative;
+  }
+  return installed_path;
+}
+
+InterceptionPath interceptionPath() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  return installed_path;
+}
+
+const char* interceptionPathName(InterceptionPath path) {
+  switch (path) {
+    case InterceptionPath::kNotInstalled:
+      return "not installed";
+    case InterceptionPath::kNative:
+      return "native";
+    case InterceptionPath::kCoexisting:
+      return "coexisting";
+  }
+  return "unknown";
 }
 
 }  // namespace sac

@@ -26,9 +26,9 @@ namespace sac {
 // GPU machines' build) `Fake` sits just above `Python` instead: still below autograd and above
 // BackendSelect, but there a tensor subclass (DTensor) reaches us before its __torch_dispatch__.
 //
-// If a future torch registers a fallback on `Fake`, installFallback() refuses to load with a
-// message naming the key, instead of failing with the dispatcher's generic "multiple backend
-// fallbacks" error.
+// Upstream is claiming the key for a C++ FakeTensor. When a fallback is already on it at load,
+// installInterception() shares the key through per-op kernels instead of registering a fallback
+// (NOTE: [Sharing the key with another owner] in coexistence.cpp).
 inline constexpr c10::DispatchKey kSacKey = c10::DispatchKey::Fake;
 
 }  // namespace sac

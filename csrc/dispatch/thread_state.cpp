@@ -2,18 +2,21 @@
 
 #include <c10/util/Exception.h>
 
+#include "dispatch/interception.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 
 namespace sac {
 
-// NOTE: [Restoring the whole key set]
-// An activation never removes "its" key on exit; it puts back the exact LocalDispatchKeySet it
-// found on entry (what c10::impl::ForceDispatchKeyGuard does, split over enter/exit so Python
-// context managers can drive it). Removing a delta would be wrong twice over: a key that was
-// already included by an enclosing activation would be dropped too early, and for per-backend
-// keys DispatchKeySet::remove clears only the functionality bit. Restoring a snapshot is
-// correct however activations nest, and after an exception as much as after a normal exit.
+// NOTE: [Only our own bit]
+// The key may have another owner (NOTE: [Sharing the key with another owner]), which turns the
+// same thread-local bit on and off for its own mode. So an activation never restores a snapshot
+// of the whole key set, which would undo a bit the other owner set or cleared in between: it
+// adds the key only if it is absent, remembers that it did, and on exit clears that one bit and
+// nothing else. Nested activations find the key present and leave it alone; misnested exits
+// unwind every activation above the one exiting and clear the bit if any of them added it. If
+// the key was already included when the first activation began, another owner's mode is on:
+// the calls are its own, and this thread's activations do not intercept until they all close.
 
 // NOTE: [Autograd threads inherit the key set]
 // The autograd engine captures the caller's ThreadLocalState (the local dispatch key set
@@ -51,7 +54,20 @@ ThreadState& ThreadState::current() {
 }
 
 size_t ThreadState::enter(ActivationKind kind, Region* region) {
-  c10::impl::LocalDispatchKeySet saved = c10::impl::tls_local_dispatch_key_set();
+  const bool intercept = needsInterception(kind, region);
+  bool added_key = false;
+  if (intercept) {
+    // Ops defined since the last activation get the coexisting path's kernels before any op of
+    // this one runs (a no-op on the native path).
+    installKernelsForNewOps();
+    const bool included = c10::impl::tls_is_dispatch_key_included(kSacKey);
+    if (intercepting_ == 0) key_included_by_another_owner_ = included;
+    if (!included) {
+      c10::impl::tls_set_dispatch_key_included(kSacKey, true);
+      added_key = true;
+    }
+    ++intercepting_;
+  }
   std::vector<UnitId> saved_units;
   UnitStack& units = UnitStack::current();
   if (kind == ActivationKind::kForward) {
@@ -65,14 +81,9 @@ size_t ThreadState::enter(ActivationKind kind, Region* region) {
     units.pushAll(region->unitsAroundForward());
     region->beginRecompute();
   }
-  if (needsInterception(kind, region)) {
-    c10::impl::LocalDispatchKeySet updated = saved;
-    updated.included_ = updated.included_.add(kSacKey);
-    c10::impl::_force_tls_local_dispatch_key_set(updated);
-  }
   c10::intrusive_ptr<Region> owner =
       region == nullptr ? c10::intrusive_ptr<Region>() : c10::intrusive_ptr<Region>::reclaim_copy(region);
-  stack_.push_back(Activation{kind, std::move(owner), saved, std::move(saved_units)});
+  stack_.push_back(Activation{kind, std::move(owner), intercept, added_key, std::move(saved_units)});
   refreshInnermost();
   return stack_.size();
 }
@@ -84,8 +95,14 @@ void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
               ", ", stack_.size(), " open)");
   bool in_order = depth == stack_.size();
   // Unwind everything above it as well, so nothing leaks even when scopes were misnested.
+  bool clear_key = false;
+  for (size_t i = depth - 1; i < stack_.size(); ++i) {
+    clear_key = clear_key || stack_[i].added_key;
+    intercepting_ -= stack_[i].intercepts ? 1 : 0;
+  }
+  if (clear_key) c10::impl::tls_set_dispatch_key_included(kSacKey, false);
+  if (intercepting_ == 0) key_included_by_another_owner_ = false;
   Activation& target = stack_[depth - 1];
-  c10::impl::_force_tls_local_dispatch_key_set(target.saved_keys);
   if (kind == ActivationKind::kRecompute) {
     UnitStack& units = UnitStack::current();
     units.truncate(0);

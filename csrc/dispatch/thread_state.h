@@ -1,8 +1,9 @@
 #pragma once
 // Per-thread interception state: a stack of activations (checkpointed regions in their forward
-// or recompute, and audits). Each activation saves the whole thread-local dispatch key set on
-// entry and restores it on exit, so the plugin's key can never outlive the scope that added it
-// (see NOTE: [Restoring the whole key set] in thread_state.cpp).
+// or recompute, and audits). An activation that adds the plugin's key to the thread-local
+// include set removes exactly that bit on exit, and changes no other bit, so the key can never
+// outlive the scope that added it and another owner's bits are never touched (see NOTE: [Only
+// our own bit] in thread_state.cpp).
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
@@ -21,7 +22,8 @@ enum class ActivationKind : uint8_t { kAudit, kForward, kRecompute };
 struct Activation {
   ActivationKind kind;
   c10::intrusive_ptr<Region> region;  // null for audits; keeps the region alive while open
-  c10::impl::LocalDispatchKeySet saved_keys;
+  bool intercepts;  // wants the plugin's key in the include set
+  bool added_key;   // found it absent and added it: removes it on exit
   std::vector<UnitId> saved_units;  // the unit stack to restore on exit
 };
 
@@ -41,6 +43,9 @@ class ThreadState {
   // The pass to count an op in.
   Phase phase() const;
   size_t depth() const { return stack_.size(); }
+  // Whether calls carrying the key on this thread are ours: an activation of ours wants the
+  // key, and the key was not already included by another owner when the first of them began.
+  bool intercepts() const { return intercepting_ > 0 && !key_included_by_another_owner_; }
 
  private:
   void refreshInnermost();
@@ -49,6 +54,8 @@ class ThreadState {
   Region* region_ = nullptr;
   ActivationKind region_kind_ = ActivationKind::kForward;
   bool any_recompute_ = false;
+  size_t intercepting_ = 0;
+  bool key_included_by_another_owner_ = false;
 };
 
 // RAII form for C++ callers and tests.

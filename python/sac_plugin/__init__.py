@@ -4,6 +4,7 @@ from . import _library
 
 _library.load()
 
+from ._library import interception_path  # noqa: E402
 from .audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
 from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
@@ -27,6 +28,7 @@ __all__ = [
     "audit",
     "context_fn",
     "in_recompute_unit",
+    "interception_path",
     "open_units",
     "recompute_unit",
     "resolve_kept_ops",

@@ -46,6 +46,12 @@ def load() -> None:
             f"is installed; {_REBUILD_HINT}"
         )
     try:
-        torch.ops.sac.install_fallback()
+        torch.ops.sac.install_fallback()  # the native fallback, or per-op kernels beside another owner
     except RuntimeError as error:
         raise ImportError(str(error)) from error
+
+
+def interception_path() -> str:
+    """How the plugin receives ops: "native" (its own fallback on the dispatch key) or
+    "coexisting" (per-op kernels beside another library's fallback on the same key)."""
+    return torch.ops.sac.interception_path()

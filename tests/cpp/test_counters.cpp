@@ -53,7 +53,7 @@ TEST(OpCountersTest, ConcurrentIncrementsAreExact) {
 }
 
 TEST(AuditTest, CountsOpsRunUnderAnAuditActivation) {
-  installFallback();
+  installInterception();
   at::Tensor x = at::ones({4});
   CounterBaseline baseline = CounterBaseline::capture();
   {

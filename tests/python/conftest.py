@@ -4,7 +4,12 @@ import threading
 import pytest
 import torch
 
-import sac_plugin
+# The engine suite also runs with another owner of the plugin's dispatch key loaded first (the
+# coexisting path): SAC_TEST_PRELOAD_FOREIGN_OWNER names the test library that registers it.
+if os.environ.get("SAC_TEST_PRELOAD_FOREIGN_OWNER"):
+    torch.ops.load_library(os.environ["SAC_TEST_PRELOAD_FOREIGN_OWNER"])
+
+import sac_plugin  # noqa: E402
 
 # Gloo process groups in these tests (one rank, or two spawned ranks) talk over loopback only;
 # spawned ranks inherit the environment.
