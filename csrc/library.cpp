@@ -190,6 +190,12 @@ TORCH_LIBRARY(sac, m) {
   m.def("install_fallback() -> str", []() { return std::string(interceptionPathName(installInterception())); });
   m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });
   m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });
+  // The dispatch-mode engine reports the calls torch's SAC served, so audits count them as hits.
+  m.def("record_hits(str[] ops) -> ()", [](const std::vector<std::string>& ops) {
+    for (const std::string& spelling : ops) {
+      for (const c10::OperatorHandle& op : resolveOpSpelling(spelling)) lookupOp(op).counters.recordHit();
+    }
+  });
   m.def("push_unit(str name) -> int", &pushUnit);
   m.def("pop_unit(str name, int depth) -> ()", &popUnit);
   m.def("open_units() -> str[]", &openUnits);

@@ -7,6 +7,7 @@ _library.load()
 from ._library import interception_path  # noqa: E402
 from .audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
+from .dispatch_mode import engine  # noqa: E402
 from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
@@ -27,6 +28,7 @@ __all__ = [
     "apply_selective_checkpointing",
     "audit",
     "context_fn",
+    "engine",
     "in_recompute_unit",
     "interception_path",
     "open_units",

@@ -45,10 +45,16 @@ def load() -> None:
             f"sac_plugin: {path} was built for torch {compiled_for}, but torch {torch.__version__} "
             f"is installed; {_REBUILD_HINT}"
         )
+    # The native fallback, or per-op kernels beside another owner of the key; if neither can be
+    # installed, the dispatch-mode engine runs instead (dispatch_mode.choose_engine says so once).
+    install_error = None
     try:
-        torch.ops.sac.install_fallback()  # the native fallback, or per-op kernels beside another owner
+        torch.ops.sac.install_fallback()
     except RuntimeError as error:
-        raise ImportError(str(error)) from error
+        install_error = str(error).splitlines()[0]
+    from .dispatch_mode import choose_engine
+
+    choose_engine(install_error)
 
 
 def interception_path() -> str:

@@ -10,6 +10,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
+from . import dispatch_mode
 from .audit import any_active as any_audit_active
 from .policy import Policy, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
@@ -126,6 +127,9 @@ def _compiled_contexts(policy: Policy):
 
 
 _NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())
+# A region that keeps nothing intercepts nothing: in the dispatch-mode engine it only labels the
+# forward and the recompute for audits and re-opens the units around the forward.
+_PHASE_MARKER_POLICY = Policy()
 
 
 def _selective_contexts(policy: Policy):
@@ -135,6 +139,9 @@ def _selective_contexts(policy: Policy):
         # Plain full recompute: nothing to intercept, and no audit that wants its recompute
         # labelled as such, so no plugin state at all.
         return _NO_CONTEXTS
+    if dispatch_mode.engine() == "dispatch_mode":
+        marker = Region(_PHASE_MARKER_POLICY)
+        return dispatch_mode.dispatch_mode_contexts(policy, marker)
     region = Region(policy)
     for observe in _region_observers:
         observe(region)

@@ -44,3 +44,9 @@ def other_thread_state():
         return seen["state"]
 
     return read
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("native_engine")
+    if marker is not None and sac_plugin.engine() != "native":
+        pytest.skip(f"native engine only ({sac_plugin.engine()} engine running): {marker.args[0]}")

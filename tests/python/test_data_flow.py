@@ -12,6 +12,10 @@ import torch
 from sac_plugin import Policy, recompute_unit
 from torch import nn
 
+pytestmark = pytest.mark.native_engine(
+    "matching by data flow is the native engine's; the dispatch-mode engine matches kept calls per op in order, "
+    "as torch's SAC does")
+
 
 class LazyCacheLayer(nn.Module):
     """Fills a cache with the same op, the same weight and the same shapes as its real call, in

@@ -1,0 +1,81 @@
+"""Choosing the engine: native by default, the dispatch-mode engine when the C++ interception
+cannot be installed (with one warning saying why and what it costs) or when asked for."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import sac_plugin
+import torch
+from sac_plugin import _library, dispatch_mode
+
+
+def run_python(code, **env):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SAC_")} | env
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+
+
+def test_the_native_engine_runs_by_default():
+    done = run_python("import sac_plugin; print(sac_plugin.engine(), sac_plugin.interception_path())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["native", "native"]
+
+
+def test_the_environment_variable_forces_the_dispatch_mode_engine():
+    code = """
+import torch, sac_plugin
+from torch.utils.checkpoint import checkpoint
+x = torch.randn(3, requires_grad=True)
+with sac_plugin.audit() as audit:
+    fn = sac_plugin.context_fn(sac_plugin.Policy(kept_ops=["aten::tanh"]))
+    checkpoint(lambda v: torch.tanh(v).sin(), x, use_reentrant=False, context_fn=fn).sum().backward()
+print(sac_plugin.engine(), audit.hits("aten::tanh"), audit.count("aten::tanh", phase="recompute"))
+"""
+    done = run_python(code, SAC_PLUGIN_ENGINE="dispatch_mode")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["dispatch_mode", "1", "0"]
+    assert "sac_plugin" not in done.stderr  # chosen on purpose: no warning
+
+
+def test_an_unknown_engine_is_refused_by_name():
+    done = run_python("import sac_plugin", SAC_PLUGIN_ENGINE="cuda")
+    assert done.returncode != 0
+    assert ("ImportError: sac_plugin: SAC_PLUGIN_ENGINE='cuda' is not an engine; expected one of native, "
+            "dispatch_mode (or unset, to let the plugin choose)") in done.stderr
+
+
+@pytest.fixture
+def restores_the_engine(monkeypatch):
+    # The engine is chosen once per process; these tests choose again and put it back.
+    monkeypatch.setattr(dispatch_mode, "_chosen", dispatch_mode.engine())
+
+
+def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_engine):
+    def refuse():
+        raise RuntimeError("the dispatch key Fake cannot be shared in this torch")
+
+    monkeypatch.delenv("SAC_PLUGIN_ENGINE", raising=False)
+    monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _library.load()
+    messages = [str(w.message) for w in caught if "sac_plugin" in str(w.message)]
+    assert messages == [
+        "sac_plugin: the native engine cannot run in this torch (the dispatch key Fake cannot be shared in this "
+        "torch); using the dispatch-mode engine, which makes the same decisions through torch's own selective "
+        "checkpointing at about 25x the per-op cost. Set SAC_PLUGIN_ENGINE=dispatch_mode to choose it explicitly."
+    ]
+    assert sac_plugin.engine() == "dispatch_mode"
+
+
+def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatch, restores_the_engine):
+    def refuse():
+        raise RuntimeError("no key")
+
+    monkeypatch.setenv("SAC_PLUGIN_ENGINE", "native")
+    monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
+    with pytest.raises(ImportError, match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
+                                          r"here: no key$"):
+        _library.load()
