@@ -361,6 +361,45 @@ TEST_F(FallbackTest, MetaTensorsPassThroughUncounted) {
   EXPECT_TRUE(baseline.changesSince().empty());
 }
 
+// Tensors that carry the key in their own key set belong to another owner of the key (a C++
+// FakeTensor): they pass through, uncounted and never kept.
+TEST_F(FallbackTest, TensorsCarryingTheKeyPassThroughUncounted) {
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  at::Tensor real = at::full({3}, 0.5);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(real.storage()), real.key_set().add(kSacKey),
+                                                   real.dtype());
+  impl->set_sizes_and_strides(real.sizes(), real.strides(), real.storage_offset());
+  at::Tensor carrying(std::move(impl));
+  CounterBaseline baseline = CounterBaseline::capture();
+  at::Tensor out;
+  {
+    ActivationScope forward(ActivationKind::kForward, region.get());
+    out = at::tanh(carrying);
+  }
+  EXPECT_TRUE(at::equal(out, at::tanh(real)));
+  EXPECT_EQ(region->keptCalls(), 0);
+  EXPECT_TRUE(baseline.changesSince().empty());
+}
+
+// An activation that finds the key already included neither adds nor removes it, and leaves
+// every other bit as it is on exit.
+TEST_F(FallbackTest, OnlyTheBitAnActivationAddedIsCleared) {
+  auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
+  {
+    ActivationScope forward(ActivationKind::kForward, region.get());
+    c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::PythonTLSSnapshot, true);
+  }
+  EXPECT_FALSE(sacKeyIncluded());
+  EXPECT_TRUE(c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::PythonTLSSnapshot));
+  c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::PythonTLSSnapshot, false);
+  c10::impl::tls_set_dispatch_key_included(kSacKey, true);
+  {
+    ActivationScope forward(ActivationKind::kForward, region.get());
+  }
+  EXPECT_TRUE(sacKeyIncluded());  // not ours to clear
+  c10::impl::tls_set_dispatch_key_included(kSacKey, false);
+}
+
 TEST_F(FallbackTest, AnOpenActivationKeepsItsRegionAlive) {
   auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   c10::weak_intrusive_ptr<Region> observer(region);
