@@ -23,7 +23,11 @@ struct Activation {
   c10::intrusive_ptr<Region> region;  // null for audits; keeps the region alive while open
   c10::impl::LocalDispatchKeySet saved_keys;
   std::vector<UnitId> saved_units;  // the unit stack to restore on exit
+  uint64_t serial = 0;              // unique on this thread: tells a reopened depth from the old one
 };
+
+// "an audit", "a checkpointed forward": for messages.
+const char* describeActivation(ActivationKind kind);
 
 class ThreadState {
  public:
@@ -41,6 +45,12 @@ class ThreadState {
   // The pass to count an op in.
   Phase phase() const;
   size_t depth() const { return stack_.size(); }
+  // The serial of the activation open at `depth` (1-based), and whether the activation with that
+  // serial is still open there: an enclosing activation exited out of order unwinds it.
+  uint64_t serialAt(size_t depth) const { return stack_.at(depth - 1).serial; }
+  bool isOpen(size_t depth, uint64_t serial) const {
+    return depth >= 1 && depth <= stack_.size() && stack_[depth - 1].serial == serial;
+  }
 
  private:
   void refreshInnermost();
@@ -49,6 +59,7 @@ class ThreadState {
   Region* region_ = nullptr;
   ActivationKind region_kind_ = ActivationKind::kForward;
   bool any_recompute_ = false;
+  uint64_t next_serial_ = 1;
 };
 
 // RAII form for C++ callers and tests.
