@@ -4,8 +4,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "diagnostics/audit.h"
 #include "dispatch/call_signature.h"
@@ -33,8 +39,14 @@ uint64_t countOf(const std::vector<AuditRow>& rows, const std::string& op, int p
 
 void dummyFallback(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack*) {}
 
-// Runs in its own process (gtest_discover_tests), before anything installs the real fallback.
-TEST(FallbackInstall, RefusesAKeyThatAlreadyHoldsAFallback) {
+// The refusal can only be observed in a process where sac's fallback is not installed yet:
+// installFallback() is idempotent once it succeeded. ctest runs each test in its own process,
+// but the binary run as one process (or with --gtest_shuffle) may run FallbackTest first. So
+// when the fallback is already installed here, the same test is run again in a fresh child
+// process (this executable, filtered to this one test) and must pass there.
+constexpr char kFreshProcessVariable[] = "SAC_TEST_FRESH_PROCESS";
+
+void checkRefusalInThisProcess() {
   ASSERT_FALSE(fallbackInstalled());
   auto other = c10::Dispatcher::singleton().registerFallback(
       kSacKey, c10::KernelFunction::makeFromBoxedFunction<&dummyFallback>(), "another library");
@@ -49,6 +61,39 @@ TEST(FallbackInstall, RefusesAKeyThatAlreadyHoldsAFallback) {
               "csrc/dispatch/sac_key.h)");
   }
   EXPECT_FALSE(fallbackInstalled());
+}
+
+// Runs this executable again with only the current test selected; returns its exit status.
+int runThisTestInAFreshProcess() {
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string filter = std::string("--gtest_filter=") + test->test_suite_name() + "." + test->name();
+  std::string marker = std::string(kFreshProcessVariable) + "=1";
+  // Everything the child needs is built before fork: between fork and exec a child of a
+  // multithreaded process may only make async-signal-safe calls.
+  std::vector<char*> environment;
+  for (char** variable = environ; *variable != nullptr; ++variable) environment.push_back(*variable);
+  environment.push_back(marker.data());
+  environment.push_back(nullptr);
+  char* const argv[] = {const_cast<char*>("sac_cpp_tests"), filter.data(), nullptr};
+  pid_t child = fork();
+  if (child == 0) {
+    execve("/proc/self/exe", argv, environment.data());
+    _exit(127);  // exec failed
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(FallbackInstall, RefusesAKeyThatAlreadyHoldsAFallback) {
+  if (!fallbackInstalled()) {
+    checkRefusalInThisProcess();
+    return;
+  }
+  // Already installed here by an earlier test; a child that finds it installed too would fail
+  // its ASSERT, never recurse.
+  ASSERT_EQ(std::getenv(kFreshProcessVariable), nullptr) << "the fallback is installed in a fresh process";
+  EXPECT_EQ(runThisTestInAFreshProcess(), 0) << "the refusal check failed in a fresh process (its output is above)";
 }
 
 class FallbackTest : public ::testing::Test {
@@ -116,7 +161,7 @@ TEST_F(FallbackTest, MisnestedExitUnwindsEverythingAndSaysSo) {
     FAIL() << "expected c10::Error";
   } catch (const c10::Error& error) {
     EXPECT_EQ(std::string(error.what_without_backtrace()),
-              "sac: a checkpointed forward exited while an inner checkpointed forward was still open; both were "
+              "sac: a checkpointed forward exited while a checkpointed forward inside it was still open; both were "
               "closed and the dispatch key set restored");
   }
 }
