@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -50,34 +51,122 @@ struct PolicyHandle : torch::CustomClassHolder {
   std::shared_ptr<const Policy> policy;
 };
 
+// NOTE: [Scopes are checked before they change anything]
+// Python drives every scope (a region's forward and recompute, an audit, a unit) through
+// separate enter and exit calls, so nothing guarantees they pair up: an exit may come from
+// another thread, twice, never, or after an enclosing scope closed out of order. Each handle
+// therefore records which thread opened it, at which depth and with which activation serial,
+// and every refusal happens before any state changes, so a refused call can be retried
+// correctly on the right thread. The dispatch key set is thread-local: only the thread that
+// opened a scope can restore it, so an exit from another thread is refused, never applied.
+// A scope that an enclosing scope's out-of-order exit already unwound (which raised then)
+// closes quietly. A handle destroyed while its scope is open closes it when that happens on
+// the opening thread (the usual case: CPython frees an object where its last reference dies).
+struct OpenScope {
+  bool open = false;
+  std::thread::id thread;
+  size_t depth = 0;
+  uint64_t serial = 0;
+
+  void enter(ActivationKind kind, Region* region) {
+    ThreadState& state = ThreadState::current();
+    depth = state.enter(kind, region);
+    serial = state.serialAt(depth);
+    thread = std::this_thread::get_id();
+    open = true;
+  }
+
+  // Refuses (changing nothing) an exit from another thread or of a scope that is not open.
+  void checkExit(const char* what) const {
+    TORCH_CHECK(open, "sac: exiting ", what, " that is not open; nothing was changed");
+    TORCH_CHECK(thread == std::this_thread::get_id(), "sac: exiting ", what,
+                " on a thread that did not enter it; exit it on the thread that entered it (it is still open there, "
+                "and nothing was changed)");
+  }
+
+  // After checkExit: closes the activation if an out-of-order exit has not unwound it already.
+  // ThreadState::exit may still throw after closing (inner scopes were open); the scope is
+  // closed either way.
+  void exit(ActivationKind kind, Region* region) {
+    open = false;
+    ThreadState& state = ThreadState::current();
+    if (state.isOpen(depth, serial)) state.exit(kind, region, depth);
+  }
+
+  // For destructors: closes the scope if it is open on this thread; never throws.
+  void abandon(ActivationKind kind, Region* region) noexcept {
+    if (!open || thread != std::this_thread::get_id()) return;
+    try {
+      exit(kind, region);
+    } catch (...) {
+      // Inner scopes were open too: they were unwound with it, which is all that can be done.
+    }
+  }
+};
+
 struct RegionHandle : torch::CustomClassHolder {
   explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy)
       : region(c10::make_intrusive<Region>(policy->policy)) {}
-
-  int64_t enter(ActivationKind kind) { return static_cast<int64_t>(ThreadState::current().enter(kind, region.get())); }
-  void exit(ActivationKind kind, int64_t depth) {
-    TORCH_CHECK_VALUE(depth > 0, "sac: activation depth must be positive, got ", depth);
-    ThreadState::current().exit(kind, region.get(), static_cast<size_t>(depth));
+  ~RegionHandle() override {
+    forward.abandon(ActivationKind::kForward, region.get());
+    recompute.abandon(ActivationKind::kRecompute, region.get());
   }
 
+  // A region serves one call of checkpoint(fn, ...): its forward runs once; its recompute runs
+  // once per backward, one at a time (retain_graph=True allows more than one).
+  int64_t enter(ActivationKind kind) {
+    if (kind == ActivationKind::kForward) {
+      TORCH_CHECK(!forward.open && !forward_done,
+                  "sac: this region's forward was already entered; a region serves one checkpoint call, so make a "
+                  "new one per call (the function context_fn(policy) returns does)");
+    } else {
+      TORCH_CHECK(!recompute.open, "sac: this region's recompute is already open; it runs once per backward");
+    }
+    OpenScope& scope = scopeOf(kind);
+    scope.enter(kind, region.get());
+    if (kind == ActivationKind::kForward) forward_done = true;
+    return static_cast<int64_t>(scope.depth);
+  }
+
+  void exit(ActivationKind kind, int64_t depth) {
+    OpenScope& scope = scopeOf(kind);
+    const char* what = kind == ActivationKind::kForward ? "this region's forward" : "this region's recompute";
+    scope.checkExit(what);
+    TORCH_CHECK_VALUE(depth == static_cast<int64_t>(scope.depth), "sac: exiting ", what, " with depth ", depth,
+                      ", but it was entered at depth ", scope.depth, "; pass the depth its enter returned");
+    scope.exit(kind, region.get());
+  }
+
+  OpenScope& scopeOf(ActivationKind kind) { return kind == ActivationKind::kForward ? forward : recompute; }
+
   c10::intrusive_ptr<Region> region;
+  // Touched by one thread at a time: the forward by the caller, the recompute by the thread
+  // autograd runs it on, which the engine orders after the forward.
+  OpenScope forward;
+  OpenScope recompute;
+  bool forward_done = false;
 };
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
                              std::vector<int64_t>, std::vector<int64_t>>;
 
 struct AuditHandle : torch::CustomClassHolder {
+  ~AuditHandle() override { scope.abandon(ActivationKind::kAudit, nullptr); }
+
   void start() {
-    TORCH_CHECK(depth == 0 && !stopped, "sac: an audit can be started once");
+    TORCH_CHECK(!started, "sac: an audit can be started once; create a new audit()");
     baseline = CounterBaseline::capture();
-    depth = ThreadState::current().enter(ActivationKind::kAudit, nullptr);
+    scope.enter(ActivationKind::kAudit, nullptr);
+    started = true;
   }
   void stop() {
-    TORCH_CHECK(depth != 0 && !stopped, "sac: stopping an audit that is not running");
+    TORCH_CHECK(started && !stopped, "sac: stopping an audit that is not running; nothing was changed");
+    scope.checkExit("an audit");
     final_rows = baseline.changesSince();
     stopped = true;
-    ThreadState::current().exit(ActivationKind::kAudit, nullptr, depth);
+    scope.exit(ActivationKind::kAudit, nullptr);
   }
+  bool running() const { return started && !stopped; }
   std::vector<AuditRow> rows() const { return stopped ? final_rows : baseline.changesSince(); }
 
   AuditRows rowsAsColumns() const {
@@ -93,7 +182,8 @@ struct AuditHandle : torch::CustomClassHolder {
   }
 
   CounterBaseline baseline;
-  size_t depth = 0;
+  OpenScope scope;
+  bool started = false;
   bool stopped = false;
   std::vector<AuditRow> final_rows;
 };
@@ -184,6 +274,7 @@ TORCH_LIBRARY(sac, m) {
       .def(torch::init<>())
       .def("start", [](const c10::intrusive_ptr<AuditHandle>& self) { self->start(); })
       .def("stop", [](const c10::intrusive_ptr<AuditHandle>& self) { self->stop(); })
+      .def("running", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->running(); })
       .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->rowsAsColumns(); })
       .def("table", [](const c10::intrusive_ptr<AuditHandle>& self) { return formatAuditTable(self->rows()); });
 
@@ -202,6 +293,8 @@ TORCH_LIBRARY(sac, m) {
   m.def("resolvable_op_names(str[] names) -> str[]", &resolvableOpNames);
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
   m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
+  // How often op resolution rescanned the dispatcher (for tests: resolution is cached).
+  m.def("op_index_rebuilds() -> int", []() { return static_cast<int64_t>(opIndexRebuilds()); });
 }
 
 }  // namespace sac

@@ -28,18 +28,6 @@ namespace sac {
 
 namespace {
 
-const char* kindName(ActivationKind kind) {
-  switch (kind) {
-    case ActivationKind::kAudit:
-      return "audit";
-    case ActivationKind::kForward:
-      return "checkpointed forward";
-    case ActivationKind::kRecompute:
-      return "checkpointed recompute";
-  }
-  return "activation";
-}
-
 bool needsInterception(ActivationKind kind, Region* region) {
   // A region whose policy keeps nothing is plain full recompute: it only marks the phase for
   // counters, and ops reach the fallback only if an audit included the key.
@@ -47,6 +35,18 @@ bool needsInterception(ActivationKind kind, Region* region) {
 }
 
 }  // namespace
+
+const char* describeActivation(ActivationKind kind) {
+  switch (kind) {
+    case ActivationKind::kAudit:
+      return "an audit";
+    case ActivationKind::kForward:
+      return "a checkpointed forward";
+    case ActivationKind::kRecompute:
+      return "a checkpointed recompute";
+  }
+  return "an activation";
+}
 
 ThreadState& ThreadState::current() {
   thread_local ThreadState state;
@@ -83,7 +83,7 @@ size_t ThreadState::enter(ActivationKind kind, Region* region) {
   }
   c10::intrusive_ptr<Region> owner =
       region == nullptr ? c10::intrusive_ptr<Region>() : c10::intrusive_ptr<Region>::reclaim_copy(region);
-  stack_.push_back(Activation{kind, std::move(owner), intercept, added_key, std::move(saved_units)});
+  stack_.push_back(Activation{kind, std::move(owner), intercept, added_key, std::move(saved_units), next_serial_++});
   refreshInnermost();
   return stack_.size();
 }
@@ -91,8 +91,8 @@ size_t ThreadState::enter(ActivationKind kind, Region* region) {
 void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
   TORCH_CHECK(depth >= 1 && depth <= stack_.size() && stack_[depth - 1].kind == kind &&
                   stack_[depth - 1].region.get() == region,
-              "sac: exiting a ", kindName(kind), " that is not open on this thread (depth ", depth,
-              ", ", stack_.size(), " open)");
+              "sac: exiting ", describeActivation(kind), " that is not open on this thread (depth ", depth, ", ",
+              stack_.size(), " open); nothing was changed");
   bool in_order = depth == stack_.size();
   // Unwind everything above it as well, so nothing leaks even when scopes were misnested.
   bool clear_key = false;
@@ -114,9 +114,8 @@ void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
   ActivationKind innermost_kind = stack_.back().kind;
   stack_.erase(stack_.begin() + static_cast<std::ptrdiff_t>(depth - 1), stack_.end());
   refreshInnermost();
-  TORCH_CHECK(in_order, "sac: a ", kindName(kind), " exited while an inner ",
-              kindName(innermost_kind),
-              " was still open; both were closed and the dispatch key set restored");
+  TORCH_CHECK(in_order, "sac: ", describeActivation(kind), " exited while ", describeActivation(innermost_kind),
+              " inside it was still open; both were closed and the dispatch key set restored");
 }
 
 void ThreadState::refreshInnermost() {

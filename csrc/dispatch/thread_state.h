@@ -25,7 +25,11 @@ struct Activation {
   bool intercepts;  // wants the plugin's key in the include set
   bool added_key;   // found it absent and added it: removes it on exit
   std::vector<UnitId> saved_units;  // the unit stack to restore on exit
+  uint64_t serial = 0;              // unique on this thread: tells a reopened depth from the old one
 };
+
+// "an audit", "a checkpointed forward": for messages.
+const char* describeActivation(ActivationKind kind);
 
 class ThreadState {
  public:
@@ -46,6 +50,12 @@ class ThreadState {
   // Whether calls carrying the key on this thread are ours: an activation of ours wants the
   // key, and the key was not already included by another owner when the first of them began.
   bool intercepts() const { return intercepting_ > 0 && !key_included_by_another_owner_; }
+  // The serial of the activation open at `depth` (1-based), and whether the activation with that
+  // serial is still open there: an enclosing activation exited out of order unwinds it.
+  uint64_t serialAt(size_t depth) const { return stack_.at(depth - 1).serial; }
+  bool isOpen(size_t depth, uint64_t serial) const {
+    return depth >= 1 && depth <= stack_.size() && stack_[depth - 1].serial == serial;
+  }
 
  private:
   void refreshInnermost();
@@ -56,6 +66,7 @@ class ThreadState {
   bool any_recompute_ = false;
   size_t intercepting_ = 0;
   bool key_included_by_another_owner_ = false;
+  uint64_t next_serial_ = 1;
 };
 
 // RAII form for C++ callers and tests.

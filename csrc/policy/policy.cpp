@@ -68,7 +68,13 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
   for (const auto& [spelling, n] : spec.every_nth_ops) {
     TORCH_CHECK_VALUE(n >= 1, "sac: every_nth_op: '", spelling, "' needs n >= 1 (2 keeps every other call), got ", n);
     for (const OpEntry* entry : resolveKeptSpelling("every_nth_op", spelling)) {
-      policy->every_nth_[entry] = static_cast<uint32_t>(n);
+      // n is stored exactly (it used to be cut to 32 bits: 2**32 kept nothing, 2**32 + 1 kept
+      // every call). Two spellings of one overload ("aten::mm", "aten.mm.default") must agree,
+      // or one rule would silently replace the other.
+      auto [it, inserted] = policy->every_nth_.try_emplace(entry, static_cast<uint64_t>(n));
+      TORCH_CHECK_VALUE(inserted || it->second == static_cast<uint64_t>(n), "sac: every_nth_op: '", spelling,
+                        "' gives ", entry->traits.qualified_name, " n = ", n,
+                        ", but another entry already gave it n = ", it->second, "; give each op one n");
     }
   }
   for (const std::string& unit : spec.kept_units) policy->kept_units_.insert(internUnitOf("kept_units", unit));
@@ -100,7 +106,7 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     decision.random_call_of_kept_op = call.draws_random;
     return decision;
   }
-  if (uint32_t n = everyNth(op); n > 0 && call.call_index % n == 0) {
+  if (uint64_t n = everyNth(op); n > 0 && call.call_index % n == 0) {
     decision.keep = !call.draws_random;
     decision.random_call_of_kept_op = call.draws_random;
     return decision;
@@ -144,7 +150,7 @@ std::vector<std::string> Policy::recomputedUnitNames() const {
 
 std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
   std::vector<std::pair<std::string, int64_t>> rules;
-  for (const auto& [entry, n] : every_nth_) rules.emplace_back(entry->traits.qualified_name, n);
+  for (const auto& [entry, n] : every_nth_) rules.emplace_back(entry->traits.qualified_name, static_cast<int64_t>(n));
   std::sort(rules.begin(), rules.end());
   return rules;
 }

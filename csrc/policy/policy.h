@@ -65,7 +65,8 @@ struct CallFacts {
 class Policy {
  public:
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
-  // registered names), a collective, a random or mutating op, an empty unit name, n < 1.
+  // registered names), a collective, a random or mutating op, an empty unit name, n < 1, two
+  // every-nth rules that give one overload different n.
   static std::shared_ptr<const Policy> create(const PolicySpec& spec);
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
@@ -73,8 +74,9 @@ class Policy {
   Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
 
   bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty(); }
-  // n of the op's every-nth rule, or 0: the caller then need not count its calls.
-  uint32_t everyNth(const OpEntry& op) const {
+  // n of the op's every-nth rule, or 0: the caller then need not count its calls. Stored as
+  // given (any n >= 1 that fits int64): an n beyond the calls a region makes keeps only the first.
+  uint64_t everyNth(const OpEntry& op) const {
     if (every_nth_.empty()) return 0;
     auto it = every_nth_.find(&op);
     return it == every_nth_.end() ? 0 : it->second;
@@ -94,7 +96,7 @@ class Policy {
 
   HashSet<const OpEntry*> kept_ops_;
   HashSet<UnitId> kept_units_;
-  HashMap<const OpEntry*, uint32_t> every_nth_;
+  HashMap<const OpEntry*, uint64_t> every_nth_;
   HashSet<UnitId> recomputed_units_;
   mutable std::mutex warned_mutex_;
   mutable HashSet<const OpEntry*> warned_;

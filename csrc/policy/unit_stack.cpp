@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "hash_containers.h"
+#include "policy/op_resolution.h"
 
 namespace sac {
 namespace {
@@ -14,6 +15,8 @@ struct UnitNames {
   std::mutex mutex;
   HashMap<std::string, UnitId> ids;
   std::deque<std::string> names;  // deque: references stay valid as it grows
+  // 65,536 names of at most 256 characters bound the table to ~20 MiB in the worst case.
+  size_t limit = 65536;
 };
 
 UnitNames& unitNames() {
@@ -25,11 +28,43 @@ UnitNames& unitNames() {
 
 UnitId internUnit(const std::string& name) {
   TORCH_CHECK_VALUE(!name.empty(), "sac: a recompute unit needs a non-empty name, e.g. 'attn'");
+  TORCH_CHECK_VALUE(name.size() <= kMaxUnitNameLength, "sac: a recompute unit name has at most ", kMaxUnitNameLength,
+                    " characters (names are kept for the life of the process), got one of ", name.size(), ": '",
+                    printableName(name), "'");
+  TORCH_CHECK_VALUE(name.find('\0') == std::string::npos, "sac: a recompute unit name cannot contain a NUL character, got '",
+                    printableName(name), "'");
   UnitNames& table = unitNames();
   std::lock_guard<std::mutex> lock(table.mutex);
-  auto [it, inserted] = table.ids.try_emplace(name, static_cast<UnitId>(table.names.size()));
-  if (inserted) table.names.push_back(name);
-  return it->second;
+  auto it = table.ids.find(name);
+  if (it != table.ids.end()) return it->second;
+  TORCH_CHECK_VALUE(table.names.size() < table.limit, "sac: recompute unit '", printableName(name),
+                    "' is refused: this process already holds ", table.limit,
+                    " distinct unit names, the limit (names are kept for the life of the process). Unit names are a "
+                    "small vocabulary such as 'attn' or 'moe_gate', not per-call values");
+  UnitId id = static_cast<UnitId>(table.names.size());
+  table.ids.emplace(name, id);
+  table.names.push_back(name);
+  return id;
+}
+
+size_t internedUnitCount() {
+  UnitNames& table = unitNames();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  return table.names.size();
+}
+
+size_t maxInternedUnits() {
+  UnitNames& table = unitNames();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  return table.limit;
+}
+
+size_t setMaxInternedUnitsForTesting(size_t limit) {
+  UnitNames& table = unitNames();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  size_t previous = table.limit;
+  table.limit = limit;
+  return previous;
 }
 
 const std::string& unitName(UnitId unit) {

@@ -12,9 +12,17 @@ namespace sac {
 
 using UnitId = uint32_t;
 
-// Unit names are interned once; the hot path compares small integers.
+// Unit names are interned once, for the life of the process; the hot path compares small
+// integers. Because they are never freed, names are bounded: at most kMaxUnitNameLength
+// characters, no NUL, and at most maxInternedUnits() distinct names (a vocabulary such as
+// 'attn', 'moe_gate', not per-call values). internUnit throws c10::ValueError otherwise.
+inline constexpr size_t kMaxUnitNameLength = 256;
 UnitId internUnit(const std::string& name);
 const std::string& unitName(UnitId unit);
+size_t internedUnitCount();
+size_t maxInternedUnits();
+// For tests: sets the limit on distinct names and returns the previous one.
+size_t setMaxInternedUnitsForTesting(size_t limit);
 
 class UnitStack {
  public:

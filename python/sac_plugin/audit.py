@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 
-from .policy import op_spelling
+from .policy import describe_value, op_spelling
 
 PHASES = ("forward", "recompute", "backward")
 
 
 # Audits running in this process, on any thread. A region that keeps nothing creates no plugin
-# state unless an audit wants its recompute counted as "recompute".
+# state unless an audit wants its recompute counted as "recompute". Each audit adds itself once
+# when it starts and removes itself once when it stops (or is dropped running), under a lock:
+# the count can never go below zero, whatever exits are attempted.
+_active_lock = threading.Lock()
 _active_audits = 0
 
 
 def any_active() -> bool:
     return _active_audits > 0
+
+
+def _count_active(delta: int) -> None:
+    global _active_audits
+    with _active_lock:
+        _active_audits += delta
 
 
 class AuditRow(NamedTuple):
@@ -41,21 +51,48 @@ class Audit:
 
     def __init__(self):
         self._handle = None
+        self._thread = None
+        self._counted = False
 
     def __enter__(self):
         if self._handle is not None:
             raise RuntimeError("sac_plugin: an audit object can be entered once; create a new audit()")
-        global _active_audits
-        self._handle = torch.classes.sac.Audit()
-        self._handle.start()
-        _active_audits += 1
+        handle = torch.classes.sac.Audit()
+        handle.start()
+        self._handle, self._thread = handle, threading.get_ident()
+        self._counted = True
+        _count_active(+1)
         return self
 
     def __exit__(self, *exc_info):
-        global _active_audits
-        _active_audits -= 1
-        self._handle.stop()
+        # Checked before anything changes (see NOTE: [Scopes are checked before they change
+        # anything] in csrc/library.cpp): a refused exit leaves the audit running and exitable.
+        if self._handle is None or not self._handle.running():
+            raise RuntimeError(
+                "sac_plugin: exiting an audit that is not running (never entered, or already exited); nothing was changed"
+            )
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "sac_plugin: exiting an audit on a thread that did not enter it; exit it on the thread that entered it "
+                "(it is still running there, and nothing was changed)"
+            )
+        try:
+            self._handle.stop()
+        finally:
+            self._uncount()
         return False
+
+    def _uncount(self) -> None:
+        if self._counted and not self._handle.running():
+            self._counted = False
+            _count_active(-1)
+
+    def __del__(self):
+        # Dropped while running: the C++ handle closes its scope when it is freed on the thread
+        # that opened it; the count must not stay raised either way.
+        if getattr(self, "_counted", False):
+            self._counted = False
+            _count_active(-1)
 
     def rows(self) -> list[AuditRow]:
         if self._handle is None:
@@ -64,12 +101,12 @@ class Audit:
         return [AuditRow(*values) for values in zip(names, forward, recompute, backward, hits)]
 
     def _matching(self, op) -> list[AuditRow]:
-        wanted = set(torch.ops.sac.overloads_of(op_spelling(op)))
+        wanted = set(torch.ops.sac.overloads_of(op_spelling(op, "audit: op")))
         return [row for row in self.rows() if row.op in wanted]
 
     def count(self, op, phase: str | None = None) -> int:
-        if phase is not None and phase not in PHASES:
-            raise ValueError(f"sac_plugin: phase must be one of {PHASES} or None, got {phase!r}")
+        if phase is not None and (not isinstance(phase, str) or phase not in PHASES):
+            raise ValueError(f"sac_plugin: phase must be one of {PHASES} or None, got {describe_value(phase)}")
         phases = PHASES if phase is None else (phase,)
         return sum(getattr(row, p) for row in self._matching(op) for p in phases)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -12,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import dispatch_mode
 from .audit import any_active as any_audit_active
-from .policy import Policy, op_spelling, overload_of
+from .policy import Policy, describe_value, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
 
 
@@ -41,6 +40,8 @@ class Region:
     __slots__ = ("handle", "forward", "recompute")
 
     def __init__(self, policy: Policy):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
         self.handle = policy._handle.new_region()
         self.forward = _RegionScope(self.handle.enter_forward, self.handle.exit_forward)
         self.recompute = _RegionScope(self.handle.enter_recompute, self.handle.exit_recompute)
@@ -150,22 +151,79 @@ def _selective_contexts(policy: Policy):
 
 def context_fn(policy: Policy | None = None):
     """A `context_fn` for checkpoint(fn, ..., use_reentrant=False, context_fn=context_fn(policy))."""
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            f"sac_plugin: context_fn: policy must be a sac_plugin.Policy or None, got {describe_value(policy)}"
+        )
     policy = Policy() if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(f"sac_plugin: context_fn expects a sac_plugin.Policy, got {type(policy).__name__}")
     return functools.partial(_selective_contexts, policy)
 
 
-def _checkpointed_forward(self, *args, **kwargs):
-    return checkpoint(
-        type(self).forward,
-        self,
-        *args,
-        use_reentrant=False,
-        context_fn=self._sac_context_fn,
-        preserve_rng_state=self._sac_preserve_rng_state,
-        **kwargs,
-    )
+class InstanceForward:
+    """Base of the callables the package installs as an instance's `forward`.
+
+    An object rather than types.MethodType(function, module): a bound method pickles as
+    getattr(module, function name), which the unpickled module does not have, so torch.save
+    worked and torch.load failed. This one pickles (and deep-copies) as its class and its module;
+    pickle memoizes the module before its attributes, so the reference back resolves to the copy.
+    TorchScript cannot compile it, so the owning module also gets a __prepare_scriptable__ that
+    says so (torch.jit.script calls it on every submodule before compiling anything).
+    """
+
+    __slots__ = ("module",)
+    # What the module became, for the TorchScript refusal.
+    what = ""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __reduce__(self):
+        return (type(self), (self.module,))
+
+    @classmethod
+    def install(cls, module: torch.nn.Module) -> None:
+        module.forward = cls(module)
+        module.__prepare_scriptable__ = _RefuseScripting(module)
+
+
+class _RefuseScripting:
+    """A module's __prepare_scriptable__: refuses torch.jit.script with what to do instead."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __reduce__(self):
+        return (_RefuseScripting, (self.module,))
+
+    def __call__(self):
+        forward = self.module.__dict__.get("forward")
+        what = forward.what if isinstance(forward, InstanceForward) else "changed by sac_plugin"
+        raise TypeError(
+            f"sac_plugin: torch.jit.script cannot compile {type(self.module).__name__}: its forward is {what}, "
+            "which TorchScript does not support. Script the model before applying sac_plugin, or use "
+            "torch.compile, which honours the same policy"
+        )
+
+
+class _CheckpointedForward(InstanceForward):
+    """The forward of a module that apply_selective_checkpointing checkpointed."""
+
+    __slots__ = ()
+    what = "checkpointed (apply_selective_checkpointing runs it through torch.utils.checkpoint)"
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        return checkpoint(
+            type(module).forward,
+            module,
+            *args,
+            use_reentrant=False,
+            context_fn=module._sac_context_fn,
+            preserve_rng_state=module._sac_preserve_rng_state,
+            **kwargs,
+        )
 
 
 def apply_selective_checkpointing(
@@ -175,17 +233,42 @@ def apply_selective_checkpointing(
 
     Parameter names and state_dict keys are unchanged. With no policy (or one that keeps
     nothing) this is plain full recompute through the same mechanism, with no interception.
+    The module stays checkpointed through pickle, torch.save/torch.load and copy.deepcopy.
     """
+    # Everything is checked before the module is touched: a refused call leaves it as it was,
+    # so a corrected retry works.
+    check_checkpointable(module, "apply_selective_checkpointing: module")
+    if policy is not None and not isinstance(policy, Policy):
+        hint = f"; for a unit write Policy(kept_units=[{policy!r}])" if isinstance(policy, str) and policy else ""
+        raise TypeError(
+            "sac_plugin: apply_selective_checkpointing: policy must be a sac_plugin.Policy or None, got "
+            f"{describe_value(policy)}{hint}"
+        )
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(
+            "sac_plugin: apply_selective_checkpointing: preserve_rng_state must be True or False, got "
+            f"{describe_value(preserve_rng_state)}"
+        )
+    policy = Policy() if policy is None else policy
+    context = context_fn(policy)
+    module._sac_policy = policy
+    module._sac_context_fn = context
+    module._sac_preserve_rng_state = preserve_rng_state
+    _CheckpointedForward.install(module)
+    return module
+
+
+def check_checkpointable(module, where: str) -> None:
+    """Raises unless apply_selective_checkpointing can checkpoint `module`; changes nothing."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"sac_plugin: apply_selective_checkpointing expects an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"sac_plugin: {where} must be a torch.nn.Module, got {describe_value(module)}")
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(
+            f"sac_plugin: {where} is a TorchScript module ({type(module).__name__}), whose forward cannot be "
+            "checkpointed; apply sac_plugin to the eager module"
+        )
     if "_sac_policy" in module.__dict__:
         raise ValueError(
             f"sac_plugin: {type(module).__name__} is already selectively checkpointed with {module._sac_policy}; "
             "apply_selective_checkpointing once per module"
         )
-    policy = Policy() if policy is None else policy
-    module._sac_policy = policy
-    module._sac_context_fn = context_fn(policy)
-    module._sac_preserve_rng_state = preserve_rng_state
-    module.forward = types.MethodType(_checkpointed_forward, module)
-    return module

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from torch import nn
 
-from .checkpointing import apply_selective_checkpointing
-from .policy import Policy
+from .checkpointing import apply_selective_checkpointing, check_checkpointable
+from .policy import MAX_EVERY_NTH, Policy, describe_value
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, default_target_map, run_in_unit
 
 _RECOMPUTE_UNIT_PREFIX = "recompute:"
@@ -56,8 +57,11 @@ class RecomputeConfig:
         if not isinstance(self.every_nth_op, Mapping):
             raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {self.every_nth_op!r}")
         for op, n in self.every_nth_op.items():
-            if not isinstance(op, str) or not _is_int(n) or n < 1:
-                raise ConfigError(f"recompute config: every_nth_op[{op!r}]: n must be an int >= 1, got {n!r}")
+            # The bound is Policy's: n travels to C++ as int64 and is kept exactly.
+            if not isinstance(op, str) or not _is_int(n) or not 1 <= n <= MAX_EVERY_NTH:
+                raise ConfigError(
+                    f"recompute config: every_nth_op[{op!r}]: n must be an int from 1 to 2**63 - 1, got {n!r}"
+                )
         object.__setattr__(self, "every_nth_op", dict(self.every_nth_op))
         if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
             raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {self.every_nth_layer!r}")
@@ -106,10 +110,13 @@ class RecomputeConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RecomputeConfig:
+        _check_text(text, "from_json")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ConfigError(f"recompute config: not valid JSON: {error}") from None
+        except RecursionError:
+            raise ConfigError(_TOO_DEEP.format(format="JSON")) from None
         return cls.from_dict(data)
 
     def to_yaml(self) -> str:
@@ -121,10 +128,13 @@ class RecomputeConfig:
     def from_yaml(cls, text: str) -> RecomputeConfig:
         import yaml
 
+        _check_text(text, "from_yaml")
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ConfigError(f"recompute config: not valid YAML: {error}") from None
+        except RecursionError:
+            raise ConfigError(_TOO_DEEP.format(format="YAML")) from None
         return cls.from_dict({} if data is None else data)
 
     @staticmethod
@@ -136,12 +146,24 @@ class RecomputeConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> RecomputeConfig:
-        path = Path(path)
-        return getattr(cls, "from_" + cls._format_of(path))(path.read_text())
+        path = _path_of(path, "load")
+        parse = getattr(cls, "from_" + cls._format_of(path))
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise ConfigError(f"recompute config: {path}: cannot read it: {error.strerror or error}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"recompute config: {path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                "save the file as UTF-8"
+            ) from None
+        return parse(text)
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.write_text(getattr(self, "to_" + self._format_of(path))())
+        path = _path_of(path, "save")
+        path.write_text(getattr(self, "to_" + self._format_of(path))(), encoding="utf-8")
 
     # --- applying ----------------------------------------------------------------------------------
 
@@ -151,6 +173,24 @@ class RecomputeConfig:
             chosen = max(1, round(count * self.layer_ratio)) if count else 0
             return sorted({math.floor(i * count / chosen) for i in range(chosen)})
         return [i for i in range(count) if i % self.every_nth_layer == 0]
+
+
+_TOO_DEEP = "recompute config: not valid {format}: nested too deeply (a recompute config is a flat mapping)"
+
+
+def _check_text(text, method: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(
+            f"recompute config: RecomputeConfig.{method} expects the file's text (str), got {describe_value(text)}; "
+            "RecomputeConfig.load(path) reads a file"
+        )
+
+
+def _path_of(path, method: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"recompute config: RecomputeConfig.{method} expects a path (str or os.PathLike), got "
+                        f"{describe_value(path)}")
+    return Path(path)
 
 
 def _is_int(value) -> bool:
@@ -222,21 +262,38 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
 
     Units that resolve to callables are installed on each checkpointed layer; force-recomputed
     modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
+    Everything is resolved and checked before any layer is changed: a refused config leaves the
+    model as it was.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
+    if config is not None and not isinstance(config, RecomputeConfig):
+        hint = "; build one with RecomputeConfig.from_dict(...)" if isinstance(config, Mapping) else ""
+        raise TypeError(
+            f"sac_plugin: apply_recompute_config: config must be a RecomputeConfig or None, got "
+            f"{describe_value(config)}{hint}"
+        )
+    if target_map is not None and not isinstance(target_map, RecomputeTargetMap):
+        raise TypeError(
+            "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
+            f"{describe_value(target_map)}"
+        )
     config = RecomputeConfig() if config is None else config
     target_map = default_target_map(model) if target_map is None else target_map
-    sites = list(model.recompute_wrap_sites() if wrap_sites is None else wrap_sites)
-    if not sites:
-        raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
+    sites = _wrap_sites(model, wrap_sites)
     check_target_map(target_map, sites[0])
     policy = policy_for(config, target_map)
+
+    # Plan: every (owner, attribute, unit) to run in a unit, per checkpointed site.
+    plan = []
     for index in config.selected_layers(len(sites)):
         site = sites[index]
+        check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        in_units = []
         for unit in config.units:
             target = target_map[unit]
             if isinstance(target, KeptCallables):
-                for owner, name in target.find(site):
-                    run_in_unit(owner, name, unit.value)
+                in_units.extend((owner, name, unit.value) for owner, name in target.find(site))
         for i, path in enumerate(config.force_recompute_modules):
             found = KeptCallables([path]).find(site)
             if not found:
@@ -244,7 +301,37 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                     f"recompute config: force_recompute_modules[{i}]: '{path}' matches nothing in "
                     f"{type(site).__name__} (layer {index})"
                 )
-            for owner, name in found:
-                run_in_unit(owner, name, _RECOMPUTE_UNIT_PREFIX + path)
+            in_units.extend((owner, name, _RECOMPUTE_UNIT_PREFIX + path) for owner, name in found)
+        plan.append((site, in_units))
+
+    for site, in_units in plan:
+        for owner, name, unit in in_units:
+            run_in_unit(owner, name, unit)
         apply_selective_checkpointing(site, policy, preserve_rng_state=config.preserve_rng_state)
     return model
+
+
+def _wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:
+    if wrap_sites is None:
+        declared = getattr(model, "recompute_wrap_sites", None)
+        if not callable(declared):
+            raise ConfigError(
+                f"{type(model).__name__} declares no wrap sites (no recompute_wrap_sites() method); pass "
+                "wrap_sites=[the layers to checkpoint]"
+            )
+        wrap_sites, where = declared(), f"{type(model).__name__}.recompute_wrap_sites()"
+    else:
+        where = "apply_recompute_config: wrap_sites"
+    if isinstance(wrap_sites, (str, bytes, nn.Module)) or not isinstance(wrap_sites, Iterable):
+        raise TypeError(f"sac_plugin: {where} must be a list of nn.Module, got {describe_value(wrap_sites)}")
+    sites = list(wrap_sites)
+    if not sites:
+        raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
+    seen = {}
+    for i, site in enumerate(sites):
+        if not isinstance(site, nn.Module):
+            raise TypeError(f"sac_plugin: {where}[{i}] must be an nn.Module, got {describe_value(site)}")
+        if id(site) in seen:
+            raise ValueError(f"sac_plugin: {where} lists one {type(site).__name__} twice (at {seen[id(site)]} and {i})")
+        seen[id(site)] = i
+    return sites

@@ -2,31 +2,108 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping
 
 import torch
 
 OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
 
+# Mirrors of the C++ bounds (kMaxOpNameLength in op_resolution.h, kMaxUnitNameLength in
+# unit_stack.h), checked here first so that the message names the argument.
+MAX_OP_NAME_LENGTH = 1024
+MAX_UNIT_NAME_LENGTH = 256
+# every_nth_op's n travels to C++ as int64 and is stored exactly.
+MAX_EVERY_NTH = 2**63 - 1
 
-def op_spelling(op) -> str:
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+_short.maxlevel = 2
+_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 4
+
+
+def describe_value(value) -> str:
+    """What a caller passed, for messages: a bounded repr (a huge or deeply nested value costs
+    nothing) and its type."""
+    return f"{_short.repr(value)} ({type(value).__name__})"
+
+
+def _check_text(name: str, where: str, what: str, limit: int, why: str = "") -> str:
+    """Refuses names the C++ side could not report faithfully or would keep forever."""
+    if "\x00" in name:
+        raise ValueError(f"sac_plugin: {where}: {what} cannot contain a NUL character, got {_short.repr(name)}")
+    if len(name) > limit:
+        raise ValueError(
+            f"sac_plugin: {where}: {what} has at most {limit} characters{why}, got one of {len(name)}: "
+            f"{_short.repr(name)}"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"sac_plugin: {where}: {what} must be valid Unicode text, got {_short.repr(name)}") from None
+    return name
+
+
+def op_spelling(op, where: str = "op") -> str:
     """The plugin's spelling of an op: "aten::mm.default" for an overload, "aten::mm" for a packet."""
     if isinstance(op, str):
-        return op
+        return _check_text(op, where, "an op name", MAX_OP_NAME_LENGTH)
     if isinstance(op, torch._ops.OpOverload):
         return f"{op._schema.name}.{op._overloadname}"
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op._qualified_op_name
     raise TypeError(
-        f"sac_plugin: expected an op name such as 'aten::mm.default' or an op such as "
-        f"torch.ops.aten.mm.default, got {type(op).__name__}: {op!r}"
+        f"sac_plugin: {where}: expected an op name such as 'aten::mm.default' or an op such as "
+        f"torch.ops.aten.mm.default, got {describe_value(op)}"
     )
 
 
-def _names(values, what: str) -> list[str]:
-    if isinstance(values, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        raise TypeError(f"sac_plugin: {what} must be a collection of names, not a single {type(values).__name__}")
+def _names(values, what: str, example: str = "['aten::mm']") -> list:
+    if isinstance(values, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raise TypeError(
+            f"sac_plugin: {what} must be a collection of names, not a single {type(values).__name__}: "
+            f"{_short.repr(values)}; write [{_short.repr(values)}]"
+        )
+    if isinstance(values, Mapping) or not isinstance(values, Iterable):
+        raise TypeError(f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}")
     return list(values)
+
+
+def check_unit_name(name, where: str) -> str:
+    """A unit name as recompute_unit and policies accept it; the plain str of a StrEnum member."""
+    if not isinstance(name, str):
+        raise TypeError(f"sac_plugin: {where}: a recompute unit name is a str such as 'attn', got {describe_value(name)}")
+    if not name:
+        raise ValueError(f"sac_plugin: {where}: a recompute unit needs a non-empty str name such as 'attn', got ''")
+    _check_text(name, where, "a recompute unit name", MAX_UNIT_NAME_LENGTH,
+                " (names are kept for the life of the process)")
+    return str(name)
+
+
+def _every_nth_rules(every_nth_op) -> dict[str, int]:
+    if every_nth_op is None:
+        return {}
+    if not isinstance(every_nth_op, Mapping):
+        raise TypeError(
+            "sac_plugin: every_nth_op must be a mapping from op to n such as {'aten::mm': 2}, got "
+            f"{describe_value(every_nth_op)}"
+        )
+    rules: dict[str, int] = {}
+    for op, n in every_nth_op.items():
+        spelling = op_spelling(op, "every_nth_op key")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_EVERY_NTH:
+            raise (TypeError if not isinstance(n, int) or isinstance(n, bool) else ValueError)(
+                f"sac_plugin: every_nth_op[{spelling!r}] must be an int from 1 to 2**63 - 1 (2 keeps every "
+                f"other call), got {describe_value(n)}"
+            )
+        if rules.get(spelling, n) != n:
+            raise ValueError(
+                f"sac_plugin: every_nth_op names {spelling!r} twice, with n = {rules[spelling]} and n = {n}; "
+                "give each op one n"
+            )
+        rules[spelling] = n
+    return rules
 
 
 class Policy:
@@ -46,13 +123,12 @@ class Policy:
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
                  every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = ()):
-        spellings = [op_spelling(op) for op in _names(kept_ops, "kept_ops")]
+        # Every argument is checked here, before C++ sees it, so that a bad one is reported by
+        # name with what was given (C++ would report a torchbind conversion failure).
+        spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
         units = _unit_names(kept_units, "kept_units")
         recomputed = _unit_names(recomputed_units, "recomputed_units")
-        every_nth = {op_spelling(op): n for op, n in (every_nth_op or {}).items()}
-        for spelling, n in every_nth.items():
-            if not isinstance(n, int) or isinstance(n, bool):
-                raise TypeError(f"sac_plugin: every_nth_op['{spelling}'] must be an int, got {n!r}")
+        every_nth = _every_nth_rules(every_nth_op)
         self._handle = torch.classes.sac.Policy(spellings, units, list(every_nth), list(every_nth.values()), recomputed)
         self._spellings = tuple(spellings)
         self._every_nth = dict(every_nth)
@@ -128,11 +204,7 @@ def overload_of(name: str) -> torch._ops.OpOverload:
 
 
 def _unit_names(values, what: str) -> list[str]:
-    units = _names(values, what)
-    for unit in units:
-        if not isinstance(unit, str):
-            raise TypeError(f"sac_plugin: {what} must hold unit names (str), got {unit!r}")
-    return [str(unit) for unit in units]  # a StrEnum member becomes its plain value
+    return [check_unit_name(unit, f"{what}[{i}]") for i, unit in enumerate(_names(values, what, "['attn']"))]
 
 
 def resolve_kept_ops(names: Iterable) -> frozenset[str]:
@@ -141,5 +213,6 @@ def resolve_kept_ops(names: Iterable) -> frozenset[str]:
     Lets a model list every spelling of an op (say flash-attention v2 and v3) and keep the ones
     this installation has. Raises ValueError when none of them resolves.
     """
-    spellings = [op_spelling(op) for op in _names(names, "names")]
+    spellings = [op_spelling(op, f"resolve_kept_ops: names[{i}]") for i, op in
+                 enumerate(_names(names, "resolve_kept_ops: names"))]
     return frozenset(torch.ops.sac.resolvable_op_names(spellings))

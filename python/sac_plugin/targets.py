@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
-from .policy import resolve_kept_ops
+from .checkpointing import InstanceForward
+from .policy import describe_value, resolve_kept_ops
 from .units import recompute_unit
 
 
@@ -38,7 +38,7 @@ class KeptOps:
     ops: tuple[str, ...]
 
     def __init__(self, ops: Iterable[str]):
-        object.__setattr__(self, "ops", tuple(ops))
+        object.__setattr__(self, "ops", _strings(ops, "KeptOps: ops", "['aten::mm']"))
 
     def resolve(self) -> frozenset[str]:
         return resolve_kept_ops(self.ops) if self.ops else frozenset()
@@ -53,7 +53,7 @@ class KeptCallables:
     paths: tuple[str, ...]
 
     def __init__(self, paths: Iterable[str]):
-        object.__setattr__(self, "paths", tuple(paths))
+        object.__setattr__(self, "paths", _strings(paths, "KeptCallables: paths", "['feed_forward']"))
 
     def find(self, site: nn.Module) -> list[tuple[object, str]]:
         """(owner, attribute) of every callable the paths name under `site`."""
@@ -70,11 +70,25 @@ class RecomputeTargetMap(Mapping):
     """A model's table: unit -> KeptOps or KeptCallables."""
 
     def __init__(self, model_name: str, targets: Mapping[RecomputeUnit, UnitTarget]):
+        if not isinstance(model_name, str) or not model_name:
+            raise TypeError(f"sac_plugin: RecomputeTargetMap: model_name must be a non-empty str, got "
+                            f"{describe_value(model_name)}")
+        if not isinstance(targets, Mapping):
+            raise TypeError("sac_plugin: RecomputeTargetMap: targets must map units to KeptOps or KeptCallables, "
+                            f"got {describe_value(targets)}")
         self.model_name = model_name
-        self._targets = {RecomputeUnit(unit): target for unit, target in targets.items()}
+        self._targets = {}
+        for unit, target in targets.items():
+            if not isinstance(target, (KeptOps, KeptCallables)):
+                raise TypeError(f"sac_plugin: RecomputeTargetMap: targets[{unit!r}] must be KeptOps or KeptCallables, "
+                                f"got {describe_value(target)}")
+            self._targets[_unit_of(unit, "RecomputeTargetMap: targets key")] = target
 
     def __getitem__(self, unit) -> UnitTarget:
-        return self._targets[RecomputeUnit(unit)]
+        try:
+            return self._targets[RecomputeUnit(unit)]
+        except ValueError:  # not a unit at all: a Mapping answers KeyError (so `in` works)
+            raise KeyError(unit) from None
 
     def __iter__(self):
         return iter(self._targets)
@@ -84,6 +98,24 @@ class RecomputeTargetMap(Mapping):
 
     def __repr__(self) -> str:
         return f"RecomputeTargetMap({self.model_name!r}, {self._targets!r})"
+
+
+def _strings(values, where: str, example: str) -> tuple[str, ...]:
+    if isinstance(values, (str, bytes)) or isinstance(values, Mapping) or not isinstance(values, Iterable):
+        raise TypeError(f"sac_plugin: {where} must be a list of names such as {example}, got {describe_value(values)}")
+    values = tuple(values)
+    for i, value in enumerate(values):
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"sac_plugin: {where}[{i}] must be a non-empty str, got {describe_value(value)}")
+    return values
+
+
+def _unit_of(unit, where: str) -> RecomputeUnit:
+    try:
+        return RecomputeUnit(unit)
+    except ValueError:
+        known = ", ".join(u.value for u in RecomputeUnit)
+        raise ValueError(f"sac_plugin: {where}: unknown unit {describe_value(unit)}; known units: {known}") from None
 
 
 def _find(owner, segments: list[str]) -> list[tuple[object, str]]:
@@ -108,8 +140,15 @@ def _find(owner, segments: list[str]) -> list[tuple[object, str]]:
 # --- running callables inside a unit ---------------------------------------------------------
 
 
-def _module_forward_in_units(self, *args, **kwargs):
-    return _call_in_units(self._sac_forward_units, type(self).forward, self, *args, **kwargs)
+class _ForwardInUnits(InstanceForward):
+    """The forward of a submodule that run_in_unit runs inside units (picklable, see InstanceForward)."""
+
+    __slots__ = ()
+    what = "run inside recompute units (a recompute config or run_in_unit installed them)"
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        return _call_in_units(module._sac_forward_units, type(module).forward, module, *args, **kwargs)
 
 
 def _call_in_units(units, function, *args, **kwargs):
@@ -141,7 +180,7 @@ def run_in_unit(owner, name: str, unit: str) -> None:
         units = target.__dict__.get("_sac_forward_units", ())
         if unit not in units:
             target._sac_forward_units = (*units, unit)
-            target.forward = types.MethodType(_module_forward_in_units, target)
+            _ForwardInUnits.install(target)
         return
     current = owner.__dict__.get(name)
     units = current.units if isinstance(current, _MethodInUnits) else ()

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
-
-def _check_name(name) -> str:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"sac_plugin: a recompute unit needs a non-empty str name such as 'attn', got {name!r}")
-    return name
+from .policy import check_unit_name, describe_value
 
 
 # Under torch.compile a unit is carried as node metadata: torch.fx.traceback.annotate writes
@@ -21,20 +18,36 @@ UNIT_ANNOTATION_PREFIX = "sac_unit:"
 
 
 class _UnitScope:
-    """Eager: opens the unit on this thread's C++ unit stack (units nest)."""
+    """Eager: opens the unit on this thread's C++ unit stack (units nest).
 
-    __slots__ = ("_name", "_depths")
+    One scope object may be entered more than once (recursion, or on several threads), so it
+    remembers each opening as (thread, depth). An exit is checked before anything changes: from
+    a thread that did not enter it, or out of order, it is refused and the opening stays, so
+    the unit can still be closed correctly afterwards.
+    """
+
+    __slots__ = ("_name", "_openings")
 
     def __init__(self, name: str):
         self._name = name
-        self._depths: list[int] = []
+        self._openings: list[tuple[int, int]] = []
 
     def __enter__(self):
-        self._depths.append(torch.ops.sac.push_unit(self._name))
+        depth = torch.ops.sac.push_unit(self._name)
+        self._openings.append((threading.get_ident(), depth))
         return self
 
     def __exit__(self, *exc_info):
-        torch.ops.sac.pop_unit(self._name, self._depths.pop())
+        thread = threading.get_ident()
+        index = next((i for i in range(len(self._openings) - 1, -1, -1) if self._openings[i][0] == thread), None)
+        if index is None:
+            where = "it is open on another thread" if self._openings else "it is not open"
+            raise RuntimeError(
+                f"sac_plugin: exiting recompute unit {self._name!r} on a thread that did not enter it ({where}); "
+                "exit it on the thread that entered it; nothing was changed"
+            )
+        torch.ops.sac.pop_unit(self._name, self._openings[index][1])  # refuses misnesting, changing nothing
+        del self._openings[index]
         return False
 
 
@@ -47,7 +60,7 @@ def recompute_unit(name: str):
     Eager code opens the unit in C++; inside torch.compile the unit becomes node metadata that
     the compiled region's selection honours.
     """
-    _check_name(name)
+    check_unit_name(name, "recompute_unit: name")
     if torch.compiler.is_compiling():
         return torch.fx.traceback.annotate({UNIT_ANNOTATION_PREFIX + name: True})
     return _UnitScope(name)
@@ -55,9 +68,12 @@ def recompute_unit(name: str):
 
 def in_recompute_unit(name: str, fn=None):
     """Runs a callable inside unit `name`: a decorator, or `in_recompute_unit(name, fn)`."""
-    _check_name(name)
+    check_unit_name(name, "in_recompute_unit: name")
 
     def decorate(function):
+        if not callable(function):
+            raise TypeError(f"sac_plugin: in_recompute_unit: fn must be callable, got {describe_value(function)}")
+
         @functools.wraps(function)
         def run_in_unit(*args, **kwargs):
             with recompute_unit(name):

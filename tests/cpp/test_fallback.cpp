@@ -5,7 +5,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "diagnostics/audit.h"
 #include "dispatch/data_flow.h"
@@ -97,7 +99,7 @@ TEST_F(FallbackTest, MisnestedExitUnwindsEverythingAndSaysSo) {
     FAIL() << "expected c10::Error";
   } catch (const c10::Error& error) {
     EXPECT_EQ(std::string(error.what_without_backtrace()),
-              "sac: a checkpointed forward exited while an inner checkpointed forward was still open; both were "
+              "sac: a checkpointed forward exited while a checkpointed forward inside it was still open; both were "
               "closed and the dispatch key set restored");
   }
 }

@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <torch/library.h>
+
 #include <algorithm>
+#include <optional>
+#include <set>
+#include <string>
 
 #include "policy/op_resolution.h"
 
@@ -67,6 +72,70 @@ TEST(OpResolution, UnknownOverloadListsTheRealOnes) {
   EXPECT_EQ(describeUnknownOp("aten::mm.bogus"),
             "unknown op 'aten::mm.bogus' (aten::mm has no overload 'bogus'; it has: aten::mm.default "
             "aten::mm.dtype aten::mm.dtype_out aten::mm.out)");
+}
+
+// Issue 12: every "aten::mm" rescanned every registered op (16,000 spellings took 6.7 s).
+TEST(OpResolution, RepeatedSpellingsDoNotRescanTheDispatcher) {
+  resolveOpSpelling("aten::mm");
+  uint64_t before = opIndexRebuilds();
+  for (int i = 0; i < 16000; ++i) ASSERT_EQ(resolveOpSpelling("aten::mm").size(), 4u);
+  EXPECT_EQ(opIndexRebuilds(), before);
+}
+
+TEST(OpResolution, TheIndexFollowsRegistrationAndDeregistration) {
+  EXPECT_TRUE(resolveOpSpelling("sac_index_test::probe").empty());
+  uint64_t before = opIndexRebuilds();
+  {
+    torch::Library library(torch::Library::DEF, "sac_index_test", std::nullopt, __FILE__, __LINE__);
+    library.def("probe(Tensor x) -> Tensor");
+    library.def("probe.other(Tensor x, int n) -> Tensor");
+    EXPECT_EQ(overloadNames("sac_index_test::probe"), (std::vector<std::string>{"", "other"}));
+    EXPECT_EQ(opIndexRebuilds(), before + 1);
+    EXPECT_EQ(overloadNames("sac_index_test::probe"), (std::vector<std::string>{"", "other"}));
+    EXPECT_EQ(opIndexRebuilds(), before + 1);
+  }
+  EXPECT_TRUE(resolveOpSpelling("sac_index_test::probe").empty());
+}
+
+std::string valueErrorOfParse(const std::string& spelling) {
+  try {
+    parseOpSpelling(spelling);
+  } catch (const c10::ValueError& error) {
+    return error.what_without_backtrace();
+  }
+  return "no error";
+}
+
+// Issue 12: a 160k-character unknown name took 24 s (edit distance against every op).
+TEST(OpResolution, AbsurdLengthsAreRefused) {
+  EXPECT_EQ(valueErrorOfParse("aten::" + std::string(160000, 'x')),
+            "sac: an op name has at most 1024 characters, got one of 160006: 'aten::" + std::string(74, 'x') +
+                "... (160006 characters)'");
+  EXPECT_EQ(valueErrorOfParse(std::string("aten::mm\0.out", 13)),
+            "sac: an op name cannot contain a NUL character, got 'aten::mm\\x00.out'");
+  EXPECT_EQ(parseOpSpelling("aten::" + std::string(kMaxOpNameLength - 6, 'x')).base_name.size(), kMaxOpNameLength);
+}
+
+TEST(OpResolution, SuggestionWorkIsBounded) {
+  uint64_t work = 0;
+  // Nothing registered is within a few edits of a 1,000-character name: nothing is compared.
+  EXPECT_TRUE(closestOpNames("aten::" + std::string(1000, 'x'), 3, &work).empty());
+  EXPECT_EQ(work, 0u);
+  // A plausible misspelling still finds its op, computing at most a band of 17 diagonals of
+  // each name of a similar length.
+  std::string misspelled = "aten::scaled_dot_product_atention";
+  std::vector<std::string> closest = closestOpNames(misspelled, 3, &work);
+  ASSERT_FALSE(closest.empty());
+  EXPECT_EQ(closest.front(), "aten::scaled_dot_product_attention");
+  std::set<std::string> similar;
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name.size() + 8 >= misspelled.size() && name.name.size() <= misspelled.size() + 8) {
+      similar.insert(name.name);
+    }
+  }
+  EXPECT_LE(work, similar.size() * misspelled.size() * 17);
+  EXPECT_EQ(describeUnknownOp("aten::" + std::string(50, 'q')),
+            "unknown op 'aten::" + std::string(50, 'q') + "'; no registered op has a similar name");
 }
 
 }  // namespace

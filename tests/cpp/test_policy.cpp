@@ -197,5 +197,37 @@ TEST(PolicyDeclaration, EveryNthNeedsAPositiveN) {
   }
 }
 
+// Issue 12: n was cut to 32 bits, so 2**32 kept nothing and 2**32 + 1 kept every call.
+TEST(PolicyDecision, EveryNthIsStoredExactlyBeyond32Bits) {
+  const OpEntry& mm = entryOf("aten::mm");
+  for (int64_t n : {int64_t{1} << 32, (int64_t{1} << 32) + 1, INT64_MAX}) {
+    PolicySpec spec;
+    spec.every_nth_ops = {{"aten::mm.default", n}};
+    auto policy = Policy::create(spec);
+    EXPECT_EQ(policy->everyNth(mm), static_cast<uint64_t>(n));
+    EXPECT_EQ(policy->everyNthOps(), (std::vector<std::pair<std::string, int64_t>>{{"aten::mm", n}}));
+    std::vector<bool> kept;
+    for (uint32_t i : {0u, 1u, 2u, UINT32_MAX}) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+    EXPECT_EQ(kept, (std::vector<bool>{true, false, false, false})) << n;
+  }
+}
+
+TEST(PolicyDeclaration, TwoEveryNthRulesForOneOverloadMustAgree) {
+  PolicySpec spec;
+  spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 2}};
+  EXPECT_EQ(Policy::create(spec)->everyNthOps(), (std::vector<std::pair<std::string, int64_t>>{
+                                                      {"aten::mm", 2}, {"aten::mm.dtype", 2}, {"aten::mm.dtype_out", 2},
+                                                      {"aten::mm.out", 2}}));
+  spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 3}};
+  try {
+    Policy::create(spec);
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& error) {
+    EXPECT_EQ(std::string(error.what_without_backtrace()),
+              "sac: every_nth_op: 'aten.mm.default' gives aten::mm n = 3, but another entry already gave it n = 2; "
+              "give each op one n");
+  }
+}
+
 }  // namespace
 }  // namespace sac

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include <c10/util/Exception.h>
 
 #include <stdexcept>
@@ -63,6 +65,47 @@ TEST(UnitStackTest, EachThreadHasItsOwnStack) {
   other.join();
   EXPECT_EQ(depth_elsewhere, 0u);
   EXPECT_EQ(UnitStack::current().depth(), 1u);
+}
+
+std::string valueErrorOfIntern(const std::string& name) {
+  try {
+    internUnit(name);
+  } catch (const c10::ValueError& error) {
+    return error.what_without_backtrace();
+  }
+  return "no error";
+}
+
+// Issue 12: names are interned for the life of the process, and a 10^7-character one was accepted.
+TEST(UnitNames, LengthIsBounded) {
+  EXPECT_EQ(unitName(internUnit(std::string(kMaxUnitNameLength, 'u'))), std::string(kMaxUnitNameLength, 'u'));
+  size_t before = internedUnitCount();
+  EXPECT_EQ(valueErrorOfIntern(std::string(kMaxUnitNameLength + 1, 'u')),
+            "sac: a recompute unit name has at most 256 characters (names are kept for the life of the process), got "
+            "one of 257: '" + std::string(80, 'u') + "... (257 characters)'");
+  EXPECT_EQ(valueErrorOfIntern(std::string(10'000'000, 'u')),
+            "sac: a recompute unit name has at most 256 characters (names are kept for the life of the process), got "
+            "one of 10000000: '" + std::string(80, 'u') + "... (10000000 characters)'");
+  EXPECT_EQ(valueErrorOfIntern(std::string("at\0tn", 5)),
+            "sac: a recompute unit name cannot contain a NUL character, got 'at\\x00tn'");
+  EXPECT_EQ(internedUnitCount(), before);  // refused names are not interned
+}
+
+TEST(UnitNames, DistinctNamesAreBounded) {
+  internUnit("attn");
+  size_t count = internedUnitCount();
+  size_t previous = setMaxInternedUnitsForTesting(count + 1);
+  EXPECT_EQ(previous, 65536u);
+  std::string fresh = "bounded_" + std::to_string(count);
+  internUnit(fresh);
+  EXPECT_EQ(internUnit("attn"), internUnit("attn"));  // names already interned still resolve
+  EXPECT_EQ(valueErrorOfIntern(fresh + "_more"),
+            "sac: recompute unit '" + fresh + "_more' is refused: this process already holds " +
+                std::to_string(count + 1) +
+                " distinct unit names, the limit (names are kept for the life of the process). Unit names are a "
+                "small vocabulary such as 'attn' or 'moe_gate', not per-call values");
+  EXPECT_EQ(internedUnitCount(), count + 1);
+  setMaxInternedUnitsForTesting(previous);
 }
 
 }  // namespace

@@ -54,7 +54,7 @@ def test_json_and_yaml_say_the_same():
                                      "moe_gate, moe_dispatch, norm"),
         ({"units": "attn"}, "recompute config: units must be a list, got 'attn'"),
         ({"ops": [""]}, "recompute config: ops[0] must be a non-empty string, got ''"),
-        ({"every_nth_op": {"aten::mm": 0}}, "recompute config: every_nth_op['aten::mm']: n must be an int >= 1, got 0"),
+        ({"every_nth_op": {"aten::mm": 0}}, "recompute config: every_nth_op['aten::mm']: n must be an int from 1 to 2**63 - 1, got 0"),
         ({"every_nth_layer": 0}, "recompute config: every_nth_layer must be an int >= 1, got 0"),
         ({"layer_ratio": 1.5}, "recompute config: layer_ratio must be in (0, 1], got 1.5"),
         ({"layer_ratio": 0.5, "every_nth_layer": 2},
