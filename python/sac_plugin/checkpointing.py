@@ -10,6 +10,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
+from . import _compat
 from .audit import any_active as any_audit_active
 from .policy import Policy, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
@@ -129,7 +130,7 @@ _NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())
 
 
 def _selective_contexts(policy: Policy):
-    if torch.compiler.is_compiling():
+    if _compat.is_compiling():
         return _compiled_contexts(policy)
     if policy.keeps_nothing and not any_audit_active() and not _region_observers:
         # Plain full recompute: nothing to intercept, and no audit that wants its recompute
