@@ -1,6 +1,6 @@
 """One Llama-style block at realistic size: memory and step time per checkpointing mode.
 
-    PYTHONPATH=python python3 tools/bench_block.py --device cuda --dtype bfloat16 --dim 4096 --seq 4096
+    python3 tools/bench_block.py --device cuda --dtype bfloat16 --dim 4096 --seq 4096
 
 Modes: no checkpointing, full recompute, attention kept (sac_plugin and torch's SAC, same op
 list), the "attn" and "mlp" units kept as LLAMA_TARGETS defines them (sac_plugin). Reported per mode: activation bytes held after the

@@ -1,6 +1,6 @@
 """Activation memory: what each policy holds between forward and backward, plugin beside torch's SAC.
 
-    PYTHONPATH=python .venv/bin/python tools/bench_memory.py [--dims 256 1024] [--seqs 256 2048]
+    .venv/bin/python tools/bench_memory.py [--dims 256 1024] [--seqs 256 2048]
 
 A GPT-style block (sac_plugin.models.GPTBlock: LayerNorm, qkv + causal SDPA in unit "attn",
 GELU MLP in unit "mlp"), checkpointed, batch 1. Bytes are counted the way

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, as one command, for a machine with a CUDA build of torch and nvcc and no network
-# (an H200 with torch 2.11 + CUDA 13): builds the plugin against that machine's python3 torch,
-# runs every test (CUDA tests included), both benchmarks on CUDA tensors and a Llama-style block
-# at realistic size (bf16, hidden 4096, sequence 4096) with peak memory. Everything it prints
-# also goes to one file: $OUT/gpu_check.txt under the device tool, else ./gpu_check.txt.
+# The GPU check, as one command, for a machine with a CUDA build of torch and no network (an H200
+# with torch 2.11 + CUDA 13): builds and installs the package against that machine's python3 torch
+# (build_plugin below says how), runs every test (CUDA tests included), both benchmarks on CUDA
+# tensors and a Llama-style block at realistic size (bf16, hidden 4096, sequence 4096) with peak
+# memory. Everything it prints also goes to one file: $OUT/gpu_check.txt under the device tool,
+# else ./gpu_check.txt. SAC_GPU_PYTHON picks another python.
 # Budget: under 8 minutes on an H200.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,9 +12,14 @@ cd "$root"
 out_dir="${OUT:-$root}"
 log="$out_dir/gpu_check.txt"
 python="${SAC_GPU_PYTHON:-python3}"
-build="$root/build-gpu"
-export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+build="$root/build/gpu"
+export PYTHONUNBUFFERED=1
+unset PYTHONPATH
 status=0
+
+command -v "$python" >/dev/null || { echo "gpu_check: $python not found; set SAC_GPU_PYTHON to the python with CUDA torch" >&2; exit 1; }
+"$python" -c 'import torch' 2>/dev/null || { echo "gpu_check: torch is not importable by $python; set SAC_GPU_PYTHON to the python with CUDA torch" >&2; exit 1; }
+command -v cmake >/dev/null || { echo "gpu_check: cmake is not installed on this machine" >&2; exit 1; }
 
 step() {  # step NAME TIMEOUT COMMAND...: runs one part (an external command), keeps going when it fails
   local name=$1 limit=$2 rc
@@ -27,28 +33,39 @@ step() {  # step NAME TIMEOUT COMMAND...: runs one part (an external command), k
   fi
 }
 
-configure() {  # configure [EXTRA CMAKE ARGS]: configures $build against this machine's torch
-  local prefix
-  prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  step "configure $*" 120 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DSAC_PYTHON="$(command -v "$python")" -DCMAKE_PREFIX_PATH="$prefix" "$@"
+# Builds the way users install: pip, no build isolation, against this python's torch, the test
+# suite in the same tree. This machine has no network, so nothing can be fetched: with
+# scikit-build-core installed for $python that is `pip install --no-build-isolation --no-index`;
+# without it, a plain CMake build of the same CMakeLists.txt, loaded through SAC_PLUGIN_LIBRARY
+# with the sources on PYTHONPATH (what the package would install, from the tree).
+build_plugin() {
+  local pip_flags=(--no-build-isolation --no-deps --no-index --disable-pip-version-check)
+  # A distribution's python (PEP 668) refuses pip installs unless told otherwise.
+  if "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then
+    pip_flags+=(--break-system-packages)
+  fi
+  if "$python" -c 'import scikit_build_core' 2>/dev/null; then
+    echo "-- scikit-build-core is installed for $python: pip install --no-build-isolation"
+    step "build and install (pip)" 420 "$python" -m pip install "${pip_flags[@]}" -C "build-dir=$build" \
+      -C cmake.define.SAC_BUILD_TESTS=ON "$root"
+    [ "$status" -eq 0 ] && return
+    echo "-- the pip build failed; falling back to a plain CMake build"
+    status=0
+  else
+    echo "-- scikit-build-core is not installed for $python and cannot be fetched (no network):"
+    echo "-- plain CMake build, loaded through SAC_PLUGIN_LIBRARY with the sources on PYTHONPATH"
+  fi
+  step "configure" 120 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAC_BUILD_TESTS=ON \
+    -DSAC_PYTHON="$(command -v "$python")"
+  step "build" 300 cmake --build "$build" -j "$(nproc)"
+  export SAC_PLUGIN_LIBRARY="$build/libsac_plugin.so" PYTHONPATH="$root/python"
 }
 
 {
   echo "gpu_check: $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
-  # A CUDA build's TorchConfig also looks for the CUDA toolkit; when that fails, build against
-  # the same installed torch's headers and libraries directly (SAC_TORCH_FROM_PYTHON).
-  configure
-  [ -f "$build/build.ninja" ] && step "build" 240 cmake --build "$build" -j "$(nproc)"
-  if [ "$status" -ne 0 ]; then
-    echo "-- TorchConfig did not give a build; plan B: the same torch's headers and libraries directly"
-    rm -rf "$build"
-    status=0
-    configure -DSAC_TORCH_FROM_PYTHON=ON
-    step "build (torch from python)" 240 cmake --build "$build" -j "$(nproc)"
-  fi
+  build_plugin
   if [ -f "$build/CTestTestfile.cmake" ]; then
     step "C++ tests" 120 bash -c "cd '$build' && ctest --output-on-failure -j 8"
   else

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Installs everything a fresh machine lacks: Debian build packages and a virtual environment
-# with torch 2.13.0 (taken from this machine's disk; never a second torch download) and pytest.
-# Idempotent: a second run installs nothing.
+# Installs everything a fresh machine lacks: Debian build packages (cmake, ninja, g++, ccache,
+# GoogleTest, abseil) and a virtual environment with torch (2.13.0 by default, taken from this
+# machine's disk; SAC_TORCH_VERSION picks another), scikit-build-core (the build backend, needed
+# in the venv because the package builds without isolation) and the test tools.
+# Idempotent: a second run installs nothing. SAC_VENV picks the venv (default .venv).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="${SAC_VENV:-$root/.venv}"
 torch_version="${SAC_TORCH_VERSION:-2.13.0}"
+fail() { echo "setup: $*" >&2; exit 1; }
+
+command -v python3 >/dev/null || fail "python3 is not installed; install Python >= 3.10 first"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || fail "python3 is $(python3 -V 2>&1); sac_plugin needs Python >= 3.10"
 
 need=()
 command -v cmake >/dev/null || need+=(cmake)
@@ -14,9 +20,15 @@ command -v g++ >/dev/null || need+=(g++)
 command -v ccache >/dev/null || need+=(ccache)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 [ -d /usr/include/absl/container ] || need+=(libabsl-dev)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
-  sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  command -v apt-get >/dev/null || fail "missing ${need[*]} and no apt-get here; install them by hand"
+  sudo_cmd=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || fail "missing ${need[*]}; run as root or install sudo"
+    sudo_cmd="sudo"
+  fi
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
 fi
@@ -25,7 +37,12 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv"
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import torch, pytest, yaml" 2>/dev/null; then
-  echo "setup: installing torch==$torch_version, pytest and pyyaml into $venv"
-  "$venv/bin/pip" install -q "torch==$torch_version" pytest pyyaml numpy
+have_torch=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have_torch" != "$torch_version" ]; then
+  echo "setup: installing torch==$torch_version into $venv${have_torch:+ (it has torch $have_torch)}"
+  "$venv/bin/pip" install -q "torch==$torch_version"
+fi
+if ! "$venv/bin/python" -c "import scikit_build_core, pytest, yaml, hypothesis" 2>/dev/null; then
+  echo "setup: installing scikit-build-core, pytest, pyyaml and hypothesis into $venv"
+  "$venv/bin/pip" install -q "scikit-build-core>=0.10" pytest pyyaml hypothesis numpy
 fi

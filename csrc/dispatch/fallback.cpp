@@ -38,6 +38,17 @@ namespace {
 // (BackendSelect, then the backend) and drops ours and everything above, which has already run.
 const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
 
+// NOTE: [Python below our key (torch 2.11)]
+// In torch 2.13+ `Python` sits above `Fake`: a tensor subclass's __torch_dispatch__ and a
+// TorchDispatchMode (torch's own SAC modes) take an op first, and the plain-tensor ops they run
+// reach us. In torch 2.11 `Python` sits below `Fake` (sac_key.h): we see the call on the
+// subclass (or under the mode) first, and nothing its handler runs, because torch excludes
+// every key above `Python` while a handler runs. Its outputs may then not be kept: serving
+// one in the recompute would skip the handler's side effects (an AsyncCollectiveTensor's
+// wait_tensor, a DTensor redistribution) or a mode's own cache. So where `Python` is below us
+// and in the call's key set, the call is counted and run, never kept or served.
+const bool kPythonBelowSacKey = kBelowSacKey.has(c10::DispatchKey::Python);
+
 }  // namespace
 
 // NOTE: [Calls that are not ours]
@@ -74,7 +85,8 @@ class InterceptedCall {
     if (entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit)) return runKernel();
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
-    if (region == nullptr || !region->intercepts()) return countAndRun(state.phase());
+    const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
+    if (region == nullptr || !region->intercepts() || python_handles_it) return countAndRun(state.phase());
 
     const Policy& policy = region->policy();
     // A view makes no storage and writes none: the data flow names its output by its base's

@@ -24,7 +24,8 @@ namespace sac {
 // thread-local include set. No tensor ever carries `Fake` in its own key set here, so the key
 // is hit exactly where we include it: inside checkpointed regions and audits. In torch 2.11 (the
 // GPU machines' build) `Fake` sits just above `Python` instead: still below autograd and above
-// BackendSelect, but there a tensor subclass (DTensor) reaches us before its __torch_dispatch__.
+// BackendSelect, but there a tensor subclass (DTensor) reaches us before its __torch_dispatch__;
+// such calls are counted and run, never kept (NOTE: [Python below our key (torch 2.11)]).
 //
 // Upstream is claiming the key for a C++ FakeTensor. When a fallback is already on it at load,
 // installInterception() shares the key through per-op kernels instead of registering a fallback

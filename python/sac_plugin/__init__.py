@@ -1,6 +1,7 @@
 """sac_plugin: selective activation checkpointing as a C++ dispatcher plugin."""
 
 from . import _library
+from ._version import __version__  # noqa: F401
 
 _library.load()
 

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-_LIB_DIR = Path(__file__).resolve().parent / "_lib"
 _LIBRARY_NAME = "libsac_plugin.so"
-_REBUILD_HINT = "rebuild it with `bash tools/build.sh` from the repository root"
+_STAMP_NAME = "built_for_torch.txt"
+# The library must be compiled against the torch that imports it. --no-deps: never let pip change
+# torch; --no-cache-dir: a wheel pip cached from an earlier build was compiled for the old torch.
+_REBUILD_HINT = (
+    "rebuild it against the installed torch with `pip install --no-build-isolation --no-deps "
+    "--force-reinstall --no-cache-dir <sac_plugin source directory or git URL>` "
+    "(from a checkout: `bash tools/build.sh`)"
+)
+
+
+def _package_dirs() -> list[Path]:
+    # The package's __path__: one directory when installed; the source and the install tree for an
+    # editable install (scikit-build-core's redirect), where the library lives in the latter.
+    package = sys.modules.get(__package__)
+    paths = getattr(package, "__path__", None) or [os.path.dirname(__file__)]
+    return [Path(p) for p in paths]
 
 
 def library_path() -> Path:
     override = os.environ.get("SAC_PLUGIN_LIBRARY")
-    return Path(override) if override else _LIB_DIR / _LIBRARY_NAME
+    if override:
+        return Path(override)
+    candidates = [d / "_lib" / _LIBRARY_NAME for d in _package_dirs()]
+    return next((c for c in candidates if c.exists()), candidates[0])
 
 
 def _built_for(path: Path) -> str | None:
-    stamp = path.parent / "built_for_torch.txt"
+    stamp = path.parent / _STAMP_NAME
     return stamp.read_text().strip() if stamp.exists() else None
 
 

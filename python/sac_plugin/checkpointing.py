@@ -9,7 +9,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
-from . import dispatch_mode
+from . import _compat, dispatch_mode
 from .audit import any_active as any_audit_active
 from .policy import Policy, describe_value, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
@@ -134,7 +134,7 @@ _PHASE_MARKER_POLICY = Policy()
 
 
 def _selective_contexts(policy: Policy):
-    if torch.compiler.is_compiling():
+    if _compat.is_compiling():
         return _compiled_contexts(policy)
     if policy.keeps_nothing and not any_audit_active() and not _region_observers:
         # Plain full recompute: nothing to intercept, and no audit that wants its recompute

@@ -5,7 +5,7 @@ import functools
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import Policy
+from sac_plugin import Policy, _compat
 from torch.utils.checkpoint import checkpoint
 from toy_models import assert_same_gradients, make_pair, run_step
 
@@ -188,7 +188,10 @@ def test_torch_policy_fn_matches_the_plugin_selection():
         # totals: forward 4 + recomputed 2 + backward 7 matmuls (x needs no gradient); tanh never
         # recomputed.
         counts[engine] = (audit.count("aten::mm"), audit.count("aten::tanh"))
-    assert counts["plugin"] == counts["torch"] == (13, 4)
+    # Where the plugin's key is above Python (torch 2.11) the audit also counts the 2 mm and 4 tanh
+    # calls torch's SAC mode then serves from its cache: sac_plugin._compat.
+    assert counts["plugin"] == (13, 4)
+    assert counts["torch"] == ((15, 8) if _compat.python_handlers_run_below_the_plugin() else (13, 4))
 
 
 @pytest.mark.native_engine("a cast made in one pass only shifts torch's per-op order matching, which fails to find its cache entry")

@@ -9,7 +9,7 @@ import sac_plugin
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from sac_plugin import Policy, recompute_unit
+from sac_plugin import Policy, _compat, recompute_unit
 from torch.utils.checkpoint import checkpoint
 from toy_models import assert_same_gradients, make_pair
 
@@ -200,7 +200,9 @@ def test_collectives_inside_a_kept_unit_run_again_in_the_recompute(gloo_one_rank
             checkpoint(_layer_with_collectives, weight, x, gloo_one_rank, use_reentrant=False, context_fn=fn).sum().backward()
     _layer_with_collectives(weight_ref, x, gloo_one_rank).sum().backward()
     assert torch.equal(weight.grad, weight_ref.grad)
-    for collective in ("c10d::allreduce_", "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"):
+    # The wait runs inside AsyncCollectiveTensor's handler, unseen where that is below the plugin.
+    waits = () if _compat.python_handlers_run_below_the_plugin() else ("_c10d_functional::wait_tensor",)
+    for collective in ("c10d::allreduce_", "_c10d_functional::all_reduce", *waits):
         assert audit.count(collective, phase="forward") == 1, collective
         assert audit.count(collective, phase="recompute") == 1, collective
         assert audit.hits(collective) == 0, collective

@@ -16,13 +16,15 @@ def test_version_mismatch_names_both_versions(monkeypatch):
         _library.load()
     assert str(error.value) == (
         f"sac_plugin: {_library.library_path()} was built for torch {torch.ops.sac.built_for_torch()}, "
-        "but torch 9.9.9 is installed; rebuild it with `bash tools/build.sh` from the repository root"
+        "but torch 9.9.9 is installed; rebuild it against the installed torch with `pip install --no-build-isolation "
+        "--no-deps --force-reinstall --no-cache-dir <sac_plugin source directory or git URL>` (from a checkout: "
+        "`bash tools/build.sh`)"
     )
 
 
 def test_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("SAC_PLUGIN_LIBRARY", str(tmp_path / "libsac_plugin.so"))
-    with pytest.raises(ImportError, match=r"compiled library not found at .*; rebuild it with `bash tools/build.sh`"):
+    with pytest.raises(ImportError, match=r"compiled library not found at .*; rebuild it .*`pip install --no-build-isolation"):
         _library.load()
 
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_tool(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ)  # the sac_plugin this test imports: installed, or on PYTHONPATH
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

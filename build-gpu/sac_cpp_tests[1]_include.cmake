@@ -1,5 +1,0 @@
-if(EXISTS "/work/main/build-gpu/sac_cpp_tests[1]_tests.cmake")
-  include("/work/main/build-gpu/sac_cpp_tests[1]_tests.cmake")
-else()
-  add_test(sac_cpp_tests_NOT_BUILT sac_cpp_tests_NOT_BUILT)
-endif()

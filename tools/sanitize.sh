@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The sanitizer job: builds every target with AddressSanitizer + UBSan (-DSAC_SANITIZE=ON, plain
+# CMake, its own tree build/asan-torch-<version>) against the venv's torch, then runs the C++
+# tests and a pytest subset on the installed package's Python with that library
+# (SAC_PLUGIN_LIBRARY), libasan and libstdc++ preloaded into python. Any report fails the run.
+# Arguments replace the default pytest selection.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="${SAC_VENV:-$root/.venv}"
+python="$venv/bin/python"
+fail() { echo "sanitize: $*" >&2; exit 1; }
+
+[ -x "$python" ] || fail "no virtual environment at $venv; run bash tools/setup.sh first"
+torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) \
+  || fail "torch is not importable by $python; run bash tools/setup.sh first"
+(cd / && "$python" -c 'import sac_plugin' 2>/dev/null) || fail "sac_plugin is not installed in $venv; run bash tools/build.sh first"
+libasan=$(g++ -print-file-name=libasan.so)
+libstdcxx=$(g++ -print-file-name=libstdc++.so)
+[ -e "$libasan" ] || fail "g++ has no libasan.so here ($libasan); install libasan (gcc's sanitizer runtime)"
+build="${SAC_BUILD_DIR:-$root/build/asan-torch-$torch_version}"
+
+start=$SECONDS
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSAC_PYTHON="$python" \
+    -DSAC_SANITIZE=ON -DSAC_BUILD_TESTS=ON >/dev/null
+fi
+cmake --build "$build" -j "$(nproc)"
+echo "build: sac_plugin (ASan+UBSan) built against torch $("$python" -c 'import torch; print(torch.__version__)') in $((SECONDS - start)) s (build tree $build)"
+
+export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+status=0
+echo "== C++ tests under ASan+UBSan (ctest)"
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
+echo "== Python tests under ASan+UBSan (pytest, $build/libsac_plugin.so)"
+cd "$root"
+[ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit_counts.py
+rc=0
+LD_PRELOAD="$libasan $libstdcxx" SAC_PLUGIN_LIBRARY="$build/libsac_plugin.so" \
+  "$python" -m pytest -p no:cacheprovider "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then echo "sanitize: pytest collected no tests (exit 5)" >&2; fi
+[ "$rc" -eq 0 ] || status=1
+exit "$status"
