@@ -1,6 +1,6 @@
 """Interception overhead: sac_plugin against torch's own SAC, side by side in one process.
 
-    .venv/bin/python tools/bench_overhead.py [--sizes 64 256 1024] [--reps 15]
+    .venv/bin/python tools/bench_overhead.py [--sizes 64 400 1600] [--reps 20] [--paths ...]
 
 A checkpointed block of many small ops (tiny matmuls, elementwise chains, a tiny attention) so
 that per-op cost dominates. Every mode runs on the same inputs, interleaved round by round in a
@@ -10,6 +10,16 @@ and median) and, for the intercepting modes, the overhead per intercepted op:
 the forward and the recompute (executions + kept outputs served). Two ratios: with the same
 kept-op list (both modes also skip the kept ops' recompute), and "intercept only", a policy that
 intercepts every op and keeps none, which isolates the interception cost itself.
+
+Each of the plugin's three ways of running is measured in its own process, each against torch's
+SAC in that same process (--paths, all three by default): the native path (its fallback on the
+dispatch key), the coexisting path (per-op kernels beside another owner's fallback on the key:
+the test library tests/support/foreign_fake_owner.cpp, loaded first) and the dispatch-mode
+engine (SAC_PLUGIN_ENGINE=dispatch_mode: torch's SAC modes making the plugin's decisions).
+
+A second table keeps only the attention core, in stacks of checkpointed layers, and adds
+torch_remat (PyPI; Meta's region-based rematerialization, the core in a `remat.region(...,
+recompute=False)`), when it is installed: step time minus full recompute's, per engine.
 """
 
 from __future__ import annotations
@@ -19,14 +29,29 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import sac_plugin
 import torch
-from sac_plugin.targets import ATTENTION_OPS
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# The coexisting path needs the other owner of the key loaded before sac_plugin.
+if os.environ.get("SAC_BENCH_PRELOAD"):
+    torch.ops.load_library(os.environ["SAC_BENCH_PRELOAD"])
+
+import sac_plugin  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from sac_plugin.targets import ATTENTION_OPS  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("native", "coexisting", "dispatch_mode")
 
 
 def make_block(num_ops: int, dim: int, device):
@@ -110,13 +135,8 @@ def intercepted_ops(run) -> int:
     return sum(row.forward + row.recompute + row.hits for row in audit.rows())
 
 
-def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> dict:
-    block, _ = make_attention_block(size, dim, device)
-    x = torch.randn(16, dim, device=device)
-    grad = torch.ones(16, dim, device=device)
-    policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
-    modes = run_modes(block, x, grad, policy)
-    ops = intercepted_ops(modes["sac_plugin"])
+def time_interleaved(modes: dict, reps: int, steps_per_sample: int, device, audited=()) -> dict:
+    """Seconds per step of every mode, `reps` samples each, modes interleaved in shuffled order."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {name: [] for name in modes}
     for name, run in modes.items():  # warm-up
@@ -132,7 +152,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         for _ in range(reps):
             shuffle(order)  # no mode always runs first, right after a collection
             for name, run in order:
-                audit = sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext()
+                audit = sac_plugin.audit() if name in audited else contextlib.nullcontext()
                 with audit:
                     sync()
                     started = time.perf_counter()
@@ -143,6 +163,17 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
             gc.collect()
     finally:
         gc.enable()
+    return times
+
+
+def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> dict:
+    block, _ = make_attention_block(size, dim, device)
+    x = torch.randn(16, dim, device=device)
+    grad = torch.ones(16, dim, device=device)
+    policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
+    modes = run_modes(block, x, grad, policy)
+    ops = intercepted_ops(modes["sac_plugin"])
+    times = time_interleaved(modes, reps, steps_per_sample, device, audited=("sac_plugin + audit",))
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
 
     def overhead(name, stat):
@@ -169,8 +200,111 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     }
 
 
-def print_report(results, device):
-    print(f"interception overhead, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+# --- the attention core kept, in stacks of layers, with torch_remat ------------------------------------
+
+
+class Layer(nn.Module):
+    """A pre-norm attention layer; its attention core (SDPA) is the one thing every engine keeps.
+    `chain` > 0 replaces the MLP by that many tiny elementwise ops (a per-op-cost workload)."""
+
+    def __init__(self, dim: int, heads: int, chain: int):
+        super().__init__()
+        self.heads, self.chain = heads, chain
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.fc = nn.Linear(dim, dim if chain else 4 * dim)
+        self.proj = nn.Linear(dim if chain else 4 * dim, dim)
+
+    @staticmethod
+    def attention_core(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x, core=None):
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        y = (core or self.attention_core)(q, k, v)
+        x = x + self.out(y.transpose(1, 2).reshape(batch, seq, dim))
+        h = self.fc(x)
+        for i in range(self.chain):
+            h = torch.tanh(h) if i % 2 else h * 0.5 + 0.1
+        return x + self.proj(F.gelu(h) if not self.chain else h)
+
+
+def remat_forward(remat, layer):
+    """The layer under torch_remat: the whole layer replayed, the attention core a saved region."""
+    def run(x):
+        y = remat.region(layer.attention_core, "attention", recompute=False)
+
+        def core(q, k, v):
+            out = y(q, k, v)
+            remat.recompute_needs_tensor(out)
+            return out
+
+        return layer(x, core)
+    return remat.checkpoint(region_name="layer")(run)
+
+
+LAYER_CONFIGS = {
+    # name: (layers, batch, seq, dim, heads, tiny-op chain)
+    "16 layers of 16x16 ops": (16, 1, 16, 16, 4, 16),
+    "4 layers, seq 512, dim 256": (4, 1, 512, 256, 4, 0),
+}
+
+
+def measure_layers(name: str, reps: int, steps_per_sample: int, device) -> dict:
+    layers_n, batch, seq, dim, heads, chain = LAYER_CONFIGS[name]
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Layer(dim, heads, chain) for _ in range(layers_n)).to(device)
+    x = torch.randn(batch, seq, dim, device=device)
+    policy = sac_plugin.Policy(kept_ops=ATTENTION_OPS.resolve())
+    plugin_ctx = sac_plugin.context_fn(policy)
+    torch_ctx = torch_sac_context(policy.kept_overloads())
+
+    def stack(apply_layer):
+        def run():
+            h = x
+            for layer in layers:
+                h = apply_layer(layer, h)
+            h.sum().backward()
+        return run
+
+    modes = {
+        "no checkpointing": stack(lambda layer, h: layer(h)),
+        "full recompute": stack(lambda layer, h: checkpoint(layer, h, use_reentrant=False)),
+        "torch SAC": stack(lambda layer, h: checkpoint(layer, h, use_reentrant=False, context_fn=torch_ctx)),
+        "sac_plugin": stack(lambda layer, h: checkpoint(layer, h, use_reentrant=False, context_fn=plugin_ctx)),
+    }
+    try:
+        import torch_remat as remat
+    except ImportError:
+        remat = None
+    if remat is not None:
+        wrapped = {id(layer): remat_forward(remat, layer) for layer in layers}
+        modes["torch_remat"] = stack(lambda layer, h: wrapped[id(layer)](h))
+    times = time_interleaved(modes, reps, steps_per_sample, device)
+    median = {mode: statistics.median(t) for mode, t in times.items()}
+    return {
+        "config": name,
+        "median_ms": {mode: m * 1e3 for mode, m in median.items()},
+        "minus_full_recompute_ms": {mode: (m - median["full recompute"]) * 1e3 for mode, m in median.items()
+                                    if mode not in ("no checkpointing", "full recompute")},
+        "torch_remat": remat is not None,
+    }
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+
+def current_path() -> str:
+    """The way this process runs the plugin: native, coexisting, or dispatch_mode."""
+    return "dispatch_mode" if sac_plugin.engine() == "dispatch_mode" else sac_plugin.interception_path()
+
+
+def print_report(report):
+    results = report["results"]
+    print(f"\n#### path: {report['path']} (interception overhead, {report['device']}, torch {report['torch']}, "
+          f"{report['threads']} threads)")
     for r in results:
         print(f"\nblock of ~{r['size']} ops ({r['ops_intercepted']} intercepted per step: forward + recompute)")
         print(f"  {'mode':<28}{'min ms':>10}{'median ms':>11}{'overhead/op (min)':>19}")
@@ -181,23 +315,88 @@ def print_report(results, device):
                            ("plugin overhead / torch SAC overhead, intercept only", "intercept_only_ratio"),
                            ("plugin with nothing kept / full recompute", "nothing_kept_over_full")):
             print(f"  {label}: {r[key]['min']:.3f} (min), {r[key]['median']:.3f} (median)")
+    for layers in report.get("layers", []):
+        print(f"\n{layers['config']}, attention core kept: step time (median) minus full recompute's")
+        for mode, ms in layers["minus_full_recompute_ms"].items():
+            print(f"  {mode:<28}{ms:>+10.2f} ms")
+        if not layers["torch_remat"]:
+            print("  torch_remat                 not installed (pip install --no-deps torch_remat)")
+
+
+def print_summary(reports):
+    print("\n#### summary: plugin overhead / torch SAC overhead, same kept list, median (min)")
+    sizes = [r["size"] for r in reports[0]["results"]]
+    print(f"  {'path':<15}" + "".join(f"{f'{s} ops':>20}" for s in sizes) + f"{'overhead/op, largest':>24}")
+    for report in reports:
+        cells = "".join(f"{r['kept_list_ratio']['median']:>11.3f} ({r['kept_list_ratio']['min']:.3f})"
+                        for r in report["results"])
+        largest = report["results"][-1]["modes"]["sac_plugin"]["overhead_per_op_us"]
+        torch_per_op = report["results"][-1]["modes"]["torch SAC"]["overhead_per_op_us"]
+        print(f"  {report['path']:<15}{cells}{largest:>10.2f} us (torch {torch_per_op:.2f})")
+
+
+def measure_this_process(args) -> dict:
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    report = {"path": current_path(), "device": str(device), "torch": torch.__version__,
+              "threads": torch.get_num_threads()}
+    report["results"] = [measure(size, args.reps, args.dim, device, args.steps_per_sample) for size in args.sizes]
+    report["layers"] = [measure_layers(name, args.reps, args.steps_per_sample, device) for name in args.layers]
+    return report
+
+
+def foreign_owner_library() -> Path:
+    version = torch.__version__.split("+")[0]
+    return Path(os.environ.get("SAC_TEST_FOREIGN_OWNER", ROOT / "build" / f"torch-{version}" /
+                               "libsac_test_foreign_owner.so"))
+
+
+def measure_in_subprocess(path: str, args) -> dict | None:
+    """Runs this tool for one path in a fresh process (the path is chosen at import)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SAC_PLUGIN_ENGINE", "SAC_BENCH_PRELOAD")}
+    if path == "coexisting":
+        owner = foreign_owner_library()
+        if not owner.exists():
+            print(f"bench: skipping the coexisting path: {owner} is not built (bash tools/build.sh builds it)")
+            return None
+        env["SAC_BENCH_PRELOAD"] = str(owner)
+    elif path == "dispatch_mode":
+        env["SAC_PLUGIN_ENGINE"] = "dispatch_mode"
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, __file__, "--this-process", "--json", out.name, "--sizes", *map(str, args.sizes),
+                   "--reps", str(args.reps), "--steps-per-sample", str(args.steps_per_sample), "--dim", str(args.dim),
+                   "--device", args.device, "--threads", str(args.threads), "--layers", *args.layers]
+        subprocess.run(command, env=env, check=True)
+        report = json.loads(Path(out.name).read_text())
+    if report["path"] != path:
+        raise SystemExit(f"bench: asked for the {path} path, the process ran {report['path']}")
+    return report
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 400, 1600])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--steps-per-sample", type=int, default=5)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: steadier timings)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="the plugin's ways of running to measure, each in its own process")
+    parser.add_argument("--layers", nargs="*", choices=list(LAYER_CONFIGS), default=list(LAYER_CONFIGS),
+                        help="stacks of layers for the attention-core table (none: skip it)")
+    parser.add_argument("--this-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    results = [measure(size, args.reps, args.dim, device, args.steps_per_sample) for size in args.sizes]
-    print_report(results, device)
+    if args.this_process:
+        report = measure_this_process(args)
+        print_report(report)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        return
+    reports = [r for r in (measure_in_subprocess(path, args) for path in args.paths) if r is not None]
+    print_summary(reports)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "results": results}, f, indent=2)
+        Path(args.json).write_text(json.dumps({"reports": reports}, indent=2))
 
 
 if __name__ == "__main__":

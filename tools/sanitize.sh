@@ -27,6 +27,7 @@ fi
 cmake --build "$build" -j "$(nproc)"
 echo "build: sac_plugin (ASan+UBSan) built against torch $("$python" -c 'import torch; print(torch.__version__)') in $((SECONDS - start)) s (build tree $build)"
 
+export SAC_TEST_BUILD_DIR="$build"  # the C++ test binaries, for tests that run them
 export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 status=0
@@ -34,7 +35,8 @@ echo "== C++ tests under ASan+UBSan (ctest)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
 echo "== Python tests under ASan+UBSan (pytest, $build/libsac_plugin.so)"
 cd "$root"
-[ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit_counts.py
+[ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit_counts.py \
+  tests/python/test_data_flow.py tests/python/test_hygiene.py
 rc=0
 LD_PRELOAD="$libasan $libstdcxx" SAC_PLUGIN_LIBRARY="$build/libsac_plugin.so" \
   "$python" -m pytest -p no:cacheprovider "$@" || rc=$?

@@ -15,8 +15,25 @@ echo "== C++ tests (ctest)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
 echo "== Python tests (pytest, against $(cd / && "$venv/bin/python" -c 'import sac_plugin; print(sac_plugin.__file__)'))"
 cd "$root"
-rc=0
-"$venv/bin/python" -m pytest tests/python "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then echo "test: pytest collected no tests (exit 5)" >&2; fi
-[ "$rc" -eq 0 ] || status=1
+# The coexistence tests load another owner of the plugin's dispatch key, built in the same tree.
+export SAC_TEST_FOREIGN_OWNER="$build/libsac_test_foreign_owner.so"
+export SAC_TEST_BUILD_DIR="$build"  # the C++ test binaries, for tests that run them
+run_pytest() {  # run_pytest LABEL [ENV=VALUE...] -- PYTEST ARGS...: one pytest run; exit 5 fails too
+  local label=$1 rc=0
+  shift
+  local env_args=()
+  while [ "$1" != "--" ]; do env_args+=("$1"); shift; done
+  shift
+  echo "== pytest: $label"
+  env "${env_args[@]}" "$venv/bin/python" -m pytest tests/python "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then echo "test: pytest collected no tests (exit 5)" >&2; fi
+  [ "$rc" -eq 0 ] || status=1
+}
+run_pytest "native engine, every test" -- "$@"
+# The engine suite again, in the two other ways the plugin can run (tests specific to one engine
+# skip themselves with the reason): beside another owner of its dispatch key (per-op kernels,
+# NOTE: [Sharing the key with another owner]), and through torch's SAC (the dispatch-mode engine).
+run_pytest "coexisting path (another owner of the key loaded first)" \
+  SAC_TEST_PRELOAD_FOREIGN_OWNER="$SAC_TEST_FOREIGN_OWNER" -- -m "not slow" -q "$@"
+run_pytest "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode)" SAC_PLUGIN_ENGINE=dispatch_mode -- -m "not slow" -q "$@"
 exit "$status"

@@ -68,7 +68,8 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k != "SAC_TEST_PRELOAD_FOREIGN_OWNER"}
+    # The coexisting path is the native engine's: the child runs it whatever engine this run uses.
+    env = {k: v for k, v in os.environ.items() if k not in ("SAC_TEST_PRELOAD_FOREIGN_OWNER", "SAC_PLUGIN_ENGINE")}
     done = subprocess.run([sys.executable, "-c", SCRIPT, OWNER], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])

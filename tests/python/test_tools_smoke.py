@@ -37,9 +37,15 @@ def test_demo_takes_a_model_and_a_config(model, config):
 
 @pytest.mark.slow
 def test_overhead_benchmark_prints_its_ratios():
-    out = run_tool("tools/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1")
+    # Each path in its own process (the coexisting one needs the test owner library tools/test.sh
+    # points SAC_TEST_FOREIGN_OWNER at), one small layer stack for the attention-core table.
+    out = run_tool("tools/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1",
+                   "--layers", "16 layers of 16x16 ops")
     assert "plugin overhead / torch SAC overhead, same kept list" in out
     assert "plugin with nothing kept / full recompute" in out
+    for path in ("native", "coexisting", "dispatch_mode"):
+        assert f"#### path: {path} " in out, path
+    assert "16 layers of 16x16 ops, attention core kept" in out
 
 
 @pytest.mark.slow
