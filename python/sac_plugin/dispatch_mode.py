@@ -10,8 +10,9 @@ Python dispatch mode runs for every op of a region, about 25x the native engine'
 (tools/bench_overhead.py), and kept calls are matched the way torch matches them, by order per
 op and argument shapes, not by data flow.
 
-Audits keep working: the region still marks its forward and recompute for the C++ counters, and
-the calls torch serves from its cache are reported as hits when the recompute ends.
+Audits keep working: the region still marks its forward and recompute for the C++ counters, and,
+for regions whose forward ran inside an audit, the calls torch serves from its cache are reported
+as hits when the recompute ends.
 """
 
 from __future__ import annotations
@@ -214,8 +215,13 @@ def dispatch_mode_contexts(policy, marker):
     """The (forward, recompute) contexts of one region in the dispatch-mode engine. `marker` is
     a Region whose policy keeps nothing: it only labels the passes for audits and re-opens the
     units around the forward in the recompute."""
+    from .audit import any_active as any_audit_active
+
     plan: dict = {}
     forward_mode, recompute_mode = create_selective_checkpoint_contexts(eager_policy_fn(policy, plan))
+    if not any_audit_active():
+        # Hits are only ever read by an audit; without one, no extra mode in the recompute.
+        return _Entered(marker.forward, forward_mode), _Entered(marker.recompute, recompute_mode)
     counter = _ServedCounter(plan)
 
     def report_hits():
