@@ -5,13 +5,8 @@
 # SAC_CMAKE_DEFINES="NAME=VALUE ..." passes CMake options (e.g. CMAKE_BUILD_TYPE=RelWithDebInfo).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv="${SAC_VENV:-$root/.venv}"
-python="$venv/bin/python"
 fail() { echo "build: $*" >&2; exit 1; }
-
-[ -x "$python" ] || fail "no virtual environment at $venv; run bash tools/setup.sh first"
-torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) \
-  || fail "torch is not importable by $python; run bash tools/setup.sh first"
+source "$root/tools/venv_torch.sh"
 "$python" -c 'import scikit_build_core' 2>/dev/null \
   || fail "scikit-build-core is not installed in $venv; run bash tools/setup.sh first"
 command -v cmake >/dev/null || fail "cmake is not installed; run bash tools/setup.sh first"

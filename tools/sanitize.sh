@@ -6,13 +6,8 @@
 # Arguments replace the default pytest selection.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv="${SAC_VENV:-$root/.venv}"
-python="$venv/bin/python"
 fail() { echo "sanitize: $*" >&2; exit 1; }
-
-[ -x "$python" ] || fail "no virtual environment at $venv; run bash tools/setup.sh first"
-torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) \
-  || fail "torch is not importable by $python; run bash tools/setup.sh first"
+source "$root/tools/venv_torch.sh"
 (cd / && "$python" -c 'import sac_plugin' 2>/dev/null) || fail "sac_plugin is not installed in $venv; run bash tools/build.sh first"
 libasan=$(g++ -print-file-name=libasan.so)
 libstdcxx=$(g++ -print-file-name=libstdc++.so)
