@@ -282,11 +282,21 @@ TORCH_LIBRARY(sac, m) {
   m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });
   m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });
   // The dispatch-mode engine reports the calls torch's SAC served, so audits count them as hits.
-  m.def("record_hits(str[] ops) -> ()", [](const std::vector<std::string>& ops) {
-    for (const std::string& spelling : ops) {
-      for (const c10::OperatorHandle& op : resolveOpSpelling(spelling)) lookupOp(op).counters.recordHit();
-    }
-  });
+  // `counted_as_recompute`: the key sits above Python (torch 2.11), so an audit already counted
+  // each of them as a recompute execution on its way to torch's cache.
+  m.def("record_hits(str[] ops, bool counted_as_recompute) -> ()",
+        [](const std::vector<std::string>& ops, bool counted_as_recompute) {
+          for (const std::string& spelling : ops) {
+            for (const c10::OperatorHandle& op : resolveOpSpelling(spelling)) {
+              OpCounters& counters = lookupOp(op).counters;
+              if (counted_as_recompute) {
+                counters.reclassifyRecomputeAsHit();
+              } else {
+                counters.recordHit();
+              }
+            }
+          }
+        });
   m.def("push_unit(str name) -> int", &pushUnit);
   m.def("pop_unit(str name, int depth) -> ()", &popUnit);
   m.def("open_units() -> str[]", &openUnits);

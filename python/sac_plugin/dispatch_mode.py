@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from . import _compat
 from .policy import op_spelling
 
 ENGINE_VARIABLE = "SAC_PLUGIN_ENGINE"
@@ -228,7 +229,10 @@ def dispatch_mode_contexts(policy, marker):
         # Also after an early stop of the recompute: the calls counted were served.
         if counter.hits:
             hits, counter.hits = counter.hits, []
-            torch.ops.sac.record_hits(hits)
+            # Where the key sits above Python (torch 2.11), a running audit saw each served call on
+            # its way to torch's cache and counted it as a recompute execution.
+            counted = _compat.python_handlers_run_below_the_plugin() and any_audit_active()
+            torch.ops.sac.record_hits(hits, counted)
 
     return (_Entered(marker.forward, forward_mode),
             _Entered(marker.recompute, recompute_mode, counter, after=report_hits))
