@@ -40,14 +40,10 @@ namespace sac {
 // the other owner's fallback, which passes calls it does not own below the key.
 namespace {
 
-struct OwnerKernel {
-  c10::SafeKernelFunction kernel;
-};
-
 struct Coexistence {
   std::mutex mutex;
   // The other owner's kernel per op, by operator name (stable while the op is registered).
-  HashMap<const c10::OperatorName*, std::shared_ptr<const OwnerKernel>> owners;
+  HashMap<const c10::OperatorName*, std::shared_ptr<const c10::SafeKernelFunction>> owners;
   std::vector<c10::RegistrationHandleRAII> registrations;  // never released
   std::vector<c10::OperatorName> pending;                  // defined since the last install
   std::atomic<bool> has_pending{false};
@@ -59,31 +55,31 @@ Coexistence& coexistence() {
   return *instance;
 }
 
-std::shared_ptr<const OwnerKernel> ownerKernelOf(const c10::OperatorHandle& op) {
+// The cache's shared_ptr keeps the kernel alive, so callers get a reference and no refcount traffic.
+const c10::SafeKernelFunction& ownerKernelOf(const c10::OperatorHandle& op) {
   // Read-mostly: a thread-local cache in front of the shared table.
-  thread_local HashMap<const c10::OperatorName*, std::shared_ptr<const OwnerKernel>> cache;
+  thread_local HashMap<const c10::OperatorName*, std::shared_ptr<const c10::SafeKernelFunction>> cache;
   auto found = cache.find(&op.operator_name());
-  if (found != cache.end()) return found->second;
+  if (found != cache.end()) return *found->second;
   Coexistence& state = coexistence();
   std::lock_guard<std::mutex> lock(state.mutex);
   auto owner = state.owners.find(&op.operator_name());
   TORCH_CHECK(owner != state.owners.end(), "sac: no kernel of the key's other owner was recorded for ",
               op.operator_name(), "; this is a bug in sac_plugin's coexisting path");
-  cache.emplace(&op.operator_name(), owner->second);
-  return owner->second;
+  return *cache.emplace(&op.operator_name(), owner->second).first->second;
 }
 
 void coexistingKernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (ThreadState::current().intercepts() && !carriesOurKey(*stack, op.schema().arguments().size())) {
     return interceptCall(op, keys, stack);
   }
-  ownerKernelOf(op)->kernel.callBoxed(op, keys, stack);
+  ownerKernelOf(op).callBoxed(op, keys, stack);
 }
 
 // Under Coexistence::mutex, outside any dispatcher lock.
 void registerKernelFor(Coexistence& state, const c10::OperatorHandle& op) {
   if (state.owners.count(&op.operator_name()) > 0) return;
-  auto owner = std::make_shared<const OwnerKernel>(OwnerKernel{op.getComputedKernelForDispatchKey(kSacKey)});
+  auto owner = std::make_shared<const c10::SafeKernelFunction>(op.getComputedKernelForDispatchKey(kSacKey));
   state.owners.emplace(&op.operator_name(), std::move(owner));
   state.registrations.push_back(c10::Dispatcher::singleton().registerImpl(
       op.operator_name(), kSacKey, c10::KernelFunction::makeFromBoxedFunction<&coexistingKernel>(), std::nullopt,

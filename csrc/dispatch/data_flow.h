@@ -46,8 +46,6 @@ class DataFlow {
   void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                   size_t num_returns, const std::vector<WrittenStorage>& written);
 
-  size_t trackedStorages() const { return storages_.size(); }
-
  private:
   uint64_t provenanceOf(const at::Tensor& tensor) const;
   void mixValue(uint64_t& seed, const c10::IValue& value) const;

@@ -186,7 +186,7 @@ class InterceptedCall {
 
 void sacFallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (carriesOurKey(*stack, op.schema().arguments().size())) return op.redispatchBoxed(keys & kBelowSacKey, stack);
-  InterceptedCall(op, keys, stack).run();
+  interceptCall(op, keys, stack);
 }
 
 std::mutex install_mutex;

@@ -124,8 +124,7 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
   KeptOutputs& kept = it->second;
   const std::string& name = op.traits.qualified_name;
-  const uint32_t index = kept.ordinal - 1;
-  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", index + 1,
+  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", kept.ordinal,
               " of this region, was already used by an earlier backward and freed. Trying to backward an "
               "extra time: a selectively checkpointed region supports a second backward only when the "
               "first runs with retain_graph=True");
@@ -136,7 +135,7 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
       int64_t saved = kept.versions[position++];
       int64_t now = versionOf(tensor);
       TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ",
-                  name, unitSuffix(kept.unit), ", call ", index + 1,
+                  name, unitSuffix(kept.unit), ", call ", kept.ordinal,
                   " of this region, changed version from ", saved, " to ", now,
                   ". The recompute would read the mutated value; clone it before mutating in place, or do not "
                   "keep ", name);
