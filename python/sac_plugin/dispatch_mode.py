@@ -17,6 +17,7 @@ as hits when the recompute ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -177,39 +178,28 @@ class _ServedCounter(TorchDispatchMode):
 
 
 class _Entered:
-    """Enters contexts in order and exits them in reverse, whatever raises."""
+    """Enters contexts in order and exits them in reverse, whatever raises, then runs `after`;
+    reusable, since a recompute context is entered again by a second backward."""
 
-    __slots__ = ("_contexts", "_entered", "_after")
+    __slots__ = ("_contexts", "_after", "_stack")
 
     def __init__(self, *contexts, after=None):
         self._contexts = contexts
-        self._entered = 0
         self._after = after
+        self._stack = None
 
     def __enter__(self):
-        self._entered = 0
-        try:
+        with contextlib.ExitStack() as stack:  # unwinds what was entered if a later enter raises
+            if self._after is not None:
+                stack.callback(self._after)  # registered first: runs last
             for context in self._contexts:
-                context.__enter__()
-                self._entered += 1
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+                stack.enter_context(context)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc_info):
-        error = None
-        while self._entered:
-            self._entered -= 1
-            try:
-                self._contexts[self._entered].__exit__(*exc_info)
-            except BaseException as raised:  # keep unwinding the outer contexts
-                error = error or raised
-        if self._after is not None:
-            self._after()
-        if error is not None:
-            raise error
-        return False
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc_info)
 
 
 def dispatch_mode_contexts(policy, marker):
