@@ -14,6 +14,7 @@
 #include "diagnostics/audit.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
+#include "dispatch/region_scopes.h"
 #include "dispatch/thread_state.h"
 #include "policy/op_catalog.h"
 #include "policy/op_resolution.h"
@@ -49,102 +50,6 @@ struct PolicyHandle : torch::CustomClassHolder {
   }
 
   std::shared_ptr<const Policy> policy;
-};
-
-// NOTE: [Scopes are checked before they change anything]
-// Python drives every scope (a region's forward and recompute, an audit, a unit) through
-// separate enter and exit calls, so nothing guarantees they pair up: an exit may come from
-// another thread, twice, never, or after an enclosing scope closed out of order. Each handle
-// therefore records which thread opened it, at which depth and with which activation serial,
-// and every refusal happens before any state changes, so a refused call can be retried
-// correctly on the right thread. The dispatch key set is thread-local: only the thread that
-// opened a scope can restore it, so an exit from another thread is refused, never applied.
-// A scope that an enclosing scope's out-of-order exit already unwound (which raised then)
-// closes quietly. A handle destroyed while its scope is open closes it when that happens on
-// the opening thread (the usual case: CPython frees an object where its last reference dies).
-struct OpenScope {
-  bool open = false;
-  std::thread::id thread;
-  size_t depth = 0;
-  uint64_t serial = 0;
-
-  void enter(ActivationKind kind, Region* region) {
-    ThreadState& state = ThreadState::current();
-    depth = state.enter(kind, region);
-    serial = state.serialAt(depth);
-    thread = std::this_thread::get_id();
-    open = true;
-  }
-
-  // Refuses (changing nothing) an exit from another thread or of a scope that is not open.
-  void checkExit(const char* what) const {
-    TORCH_CHECK(open, "sac: exiting ", what, " that is not open; nothing was changed");
-    TORCH_CHECK(thread == std::this_thread::get_id(), "sac: exiting ", what,
-                " on a thread that did not enter it; exit it on the thread that entered it (it is still open there, "
-                "and nothing was changed)");
-  }
-
-  // After checkExit: closes the activation if an out-of-order exit has not unwound it already.
-  // ThreadState::exit may still throw after closing (inner scopes were open); the scope is
-  // closed either way.
-  void exit(ActivationKind kind, Region* region) {
-    open = false;
-    ThreadState& state = ThreadState::current();
-    if (state.isOpen(depth, serial)) state.exit(kind, region, depth);
-  }
-
-  // For destructors: closes the scope if it is open on this thread; never throws.
-  void abandon(ActivationKind kind, Region* region) noexcept {
-    if (!open || thread != std::this_thread::get_id()) return;
-    try {
-      exit(kind, region);
-    } catch (...) {
-      // Inner scopes were open too: they were unwound with it, which is all that can be done.
-    }
-  }
-};
-
-struct RegionHandle : torch::CustomClassHolder {
-  explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy)
-      : region(c10::make_intrusive<Region>(policy->policy)) {}
-  ~RegionHandle() override {
-    forward.abandon(ActivationKind::kForward, region.get());
-    recompute.abandon(ActivationKind::kRecompute, region.get());
-  }
-
-  // A region serves one call of checkpoint(fn, ...): its forward runs once; its recompute runs
-  // once per backward, one at a time (retain_graph=True allows more than one).
-  int64_t enter(ActivationKind kind) {
-    if (kind == ActivationKind::kForward) {
-      TORCH_CHECK(!forward.open && !forward_done,
-                  "sac: this region's forward was already entered; a region serves one checkpoint call, so make a "
-                  "new one per call (the function context_fn(policy) returns does)");
-    } else {
-      TORCH_CHECK(!recompute.open, "sac: this region's recompute is already open; it runs once per backward");
-    }
-    OpenScope& scope = scopeOf(kind);
-    scope.enter(kind, region.get());
-    if (kind == ActivationKind::kForward) forward_done = true;
-    return static_cast<int64_t>(scope.depth);
-  }
-
-  void exit(ActivationKind kind, int64_t depth) {
-    OpenScope& scope = scopeOf(kind);
-    const char* what = kind == ActivationKind::kForward ? "this region's forward" : "this region's recompute";
-    scope.checkExit(what);
-    TORCH_CHECK_VALUE(depth == static_cast<int64_t>(scope.depth), "sac: exiting ", what, " with depth ", depth,
-                      ", but it was entered at depth ", scope.depth, "; pass the depth its enter returned");
-    scope.exit(kind, region.get());
-  }
-
-  OpenScope& scopeOf(ActivationKind kind) { return kind == ActivationKind::kForward ? forward : recompute; }
-
-  c10::intrusive_ptr<Region> region;
-  // Touched by one thread at a time: the forward by the caller, the recompute by the thread
-  // autograd runs it on, which the engine orders after the forward.
-  OpenScope forward;
-  OpenScope recompute;
-  bool forward_done = false;
 };
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
@@ -252,7 +157,11 @@ TORCH_LIBRARY(sac, m) {
                        std::vector<int64_t>, std::vector<std::string>>())
       // One region per checkpoint call: a method call costs a fraction of a class constructor.
       .def("new_region",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self); })
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self->policy); })
+      // For the scope C ABI (scope_c_api.cpp): the address of this handle's policy pointer, valid
+      // while the handle lives (the Python Policy holds it for its whole life).
+      .def("policy_address",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return reinterpret_cast<int64_t>(&self->policy); })
       .def("kept_ops", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptOpNames(); })
       .def("kept_units", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keptUnitNames(); })
       .def("recomputed_units",
@@ -278,6 +187,13 @@ TORCH_LIBRARY(sac, m) {
       .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->rowsAsColumns(); })
       .def("table", [](const c10::intrusive_ptr<AuditHandle>& self) { return formatAuditTable(self->rows()); });
 
+  // The torchbind face of a region the scope C ABI created (sac_region_new), for the rare
+  // accessors (kept bytes, kept tensors); shares ownership with the C reference.
+  m.def("region_at(int address) -> __torch__.torch.classes.sac.Region", [](int64_t address) {
+    TORCH_CHECK_VALUE(address != 0, "sac: region_at needs the address sac_region_new returned, got 0");
+    return c10::intrusive_ptr<RegionHandle>::unsafe_reclaim_from_nonowning(reinterpret_cast<RegionHandle*>(address));
+  });
+  m.def("live_regions() -> int", []() { return Region::liveCount(); });
   m.def("install_fallback() -> str", []() { return std::string(interceptionPathName(installInterception())); });
   m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });
   m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });

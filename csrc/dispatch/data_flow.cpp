@@ -94,9 +94,15 @@ constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
 
 }  // namespace
 
-void DataFlow::reset(uint64_t salt) {
+void DataFlow::reset(uint64_t salt, size_t expected_calls) {
   storages_.clear();
   occurrences_.clear();
+  if (expected_calls > 0) {
+    // One allocation per pass instead of a rehash at every doubling; every call produces about
+    // one storage.
+    storages_.reserve(expected_calls);
+    occurrences_.reserve(expected_calls);
+  }
   salt_ = salt;
 }
 

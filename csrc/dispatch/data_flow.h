@@ -34,7 +34,12 @@ class DataFlow {
  public:
   // Forgets the pass: records, pins and occurrence counts. `salt` makes tensors whose origin
   // cannot be named (no storage) unique to this pass, so such calls never match another pass.
-  void reset(uint64_t salt);
+  // `expected_calls` reserves room for that many calls, so a pass does not regrow its tables
+  // from empty (0: release the tables' memory).
+  void reset(uint64_t salt, size_t expected_calls);
+
+  // Distinct call descriptions named in this pass (what the next pass of this size reserves).
+  size_t callsRecorded() const { return occurrences_.size(); }
 
   // The identity of one call: its op, grad mode, non-tensor arguments, the provenance of every
   // tensor argument, and how many calls with the same description came before it in this pass.

@@ -94,6 +94,8 @@ class InterceptedCall {
     if (entry_.traits.is_view && !policy.namesOp(entry_)) return countAndRun(state.phase());
 
     const bool recompute = state.regionInRecompute();
+    // NOTE: [The recompute after the last kept call] (region.cpp)
+    if (recompute && !region->servesMore()) return countAndRun(state.phase());
     const c10::FunctionSchema& schema = op_.schema();
     const size_t num_arguments = schema.arguments().size();
     const size_t num_returns = schema.returns().size();
@@ -107,8 +109,7 @@ class InterceptedCall {
     const uint64_t call = flow.identify(entry_, arguments, num_arguments);
 
     if (recompute) {
-      const bool consume = !currentBackwardKeepsGraph();
-      if (region->keptAnything() && region->serve(entry_, call, op_, stack_, consume)) {
+      if (region->serve(entry_, call, op_, stack_)) {
         entry_.counters.recordHit();
       } else {
         countAndRun(state.phase());

@@ -6,6 +6,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
 #include "hash_containers.h"
@@ -59,9 +61,18 @@ std::string unitSuffix(UnitId unit) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> live_regions{0};
+}  // namespace
+
 Region::Region(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)) {
   TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
+  live_regions.fetch_add(1, std::memory_order_relaxed);
 }
+
+Region::~Region() { live_regions.fetch_sub(1, std::memory_order_relaxed); }
+
+int64_t Region::liveCount() { return live_regions.load(std::memory_order_relaxed); }
 
 // NOTE: [Versions of out= results]
 // An out= op's result is its out= argument, and the ADInplaceOrView kernel above us bumps that
@@ -119,7 +130,7 @@ void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
 }
 
 bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle,
-                   torch::jit::Stack* stack, bool consume) {
+                   torch::jit::Stack* stack) {
   auto it = kept_.find(call);
   if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
   KeptOutputs& kept = it->second;
@@ -171,22 +182,43 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   torch::jit::drop(*stack, num_arguments);
   for (c10::IValue& value : results) stack->push_back(std::move(value));
 
-  if (consume) {
+  if (consume_served_) {
     kept.outputs.clear();
     kept.consumed = true;
   }
+  --left_to_serve_;
   return true;
 }
 
 // Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
-void Region::beginForward() { flow_.reset(++passes_); }
+void Region::beginForward() { flow_.reset(++passes_, policy_->callsPerPassHint()); }
 
-void Region::endForward() { flow_.reset(++passes_); }
+void Region::endForward() {
+  calls_per_pass_ = flow_.callsRecorded();
+  policy_->noteCallsPerPass(calls_per_pass_);
+  flow_.reset(++passes_, 0);
+}
 
-void Region::beginRecompute() { flow_.reset(++passes_); }
+// NOTE: [The recompute after the last kept call]
+// A recompute serves each kept output at most once. Counting what is left to serve lets the
+// fallback stop naming calls once the count reaches zero: no later call of this pass can be
+// served, so its identity and its outputs' records are never read. A consumed entry (an extra
+// backward after one without retain_graph) keeps the count above zero, so that the call that
+// would have been served still reaches serve() and is told that its output was freed.
+void Region::beginRecompute() {
+  flow_.reset(++passes_, calls_per_pass_);
+  consume_served_ = !currentBackwardKeepsGraph();
+  left_to_serve_ = 0;
+  bool any_consumed = false;
+  for (const auto& [key, kept] : kept_) {
+    left_to_serve_ += kept.outputs.empty() ? 0 : 1;
+    any_consumed = any_consumed || (kept.consumed && !kept.demoted);
+  }
+  if (any_consumed) left_to_serve_ = SIZE_MAX;
+}
 
 void Region::endRecompute(bool keep_entries) {
-  flow_.reset(++passes_);
+  flow_.reset(++passes_, 0);
   if (keep_entries) return;
   for (auto& [key, kept] : kept_) {
     kept.outputs.clear();

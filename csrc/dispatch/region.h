@@ -37,6 +37,10 @@ bool currentBackwardKeepsGraph();
 class Region : public c10::intrusive_ptr_target {
  public:
   explicit Region(std::shared_ptr<const Policy> policy);
+  ~Region() override;
+
+  // Regions alive in the process: tests check that checkpointed steps free theirs.
+  static int64_t liveCount();
 
   const Policy& policy() const { return *policy_; }
   bool intercepts() const { return !policy_->keepsNothing(); }
@@ -57,13 +61,20 @@ class Region : public c10::intrusive_ptr_target {
   // were consumed stay, so that a backward that runs an extra time is told so.
   bool keptAnything() const { return !kept_.empty(); }
 
+  // Recompute: whether a call may still be served in this pass. Once every kept output has been
+  // served, the rest of the recompute needs neither lookups nor data-flow records (NOTE: [The
+  // recompute after the last kept call]).
+  bool servesMore() const { return left_to_serve_ > 0; }
+  // Recompute: whether served outputs are freed (this backward does not keep its graph), read
+  // once per pass rather than per call.
+  bool consumesServed() const { return consume_served_; }
+
   // Recompute: replace the op's arguments on the stack with the outputs the forward kept for the
-  // call with identity `call` and return true. `consume` frees them (a backward that will not
-  // run again); otherwise they stay for the next recompute. Returns false, leaving the stack
+  // call with identity `call` and return true. They are freed unless this backward keeps its
+  // graph (retain_graph=True), in which case they stay for the next recompute. Returns false, leaving the stack
   // alone, when the forward kept nothing for this call (not kept, demoted, or a call the forward
   // never made): the caller runs the kernel.
-  bool serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack,
-             bool consume);
+  bool serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack);
 
   // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.
   uint64_t nextCallIndex(const OpEntry& op) { return forward_nth_calls_[&op]++; }
@@ -103,6 +114,9 @@ class Region : public c10::intrusive_ptr_target {
   HashMap<const OpEntry*, uint64_t> forward_nth_calls_;
   std::vector<UnitId> units_around_forward_;
   uint64_t passes_ = 0;
+  size_t left_to_serve_ = 0;
+  size_t calls_per_pass_ = 0;  // calls the forward named: what the recompute's records reserve
+  bool consume_served_ = true;
 };
 
 }  // namespace sac

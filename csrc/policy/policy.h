@@ -15,6 +15,7 @@
 //   - casts of parameters are recomputed (NOTE: [Autocast's weight casts] in op_traits.h).
 
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -91,6 +92,11 @@ class Policy {
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
 
+  // How many calls a forward of a region with this policy named last time: a sizing hint for
+  // the next region's data-flow tables (relaxed: any recent value will do).
+  size_t callsPerPassHint() const { return calls_per_pass_hint_.load(std::memory_order_relaxed); }
+  void noteCallsPerPass(size_t calls) const { calls_per_pass_hint_.store(calls, std::memory_order_relaxed); }
+
  private:
   Policy() = default;
 
@@ -98,6 +104,7 @@ class Policy {
   HashSet<UnitId> kept_units_;
   HashMap<const OpEntry*, uint64_t> every_nth_;
   HashSet<UnitId> recomputed_units_;
+  mutable std::atomic<size_t> calls_per_pass_hint_{0};
   mutable std::mutex warned_mutex_;
   mutable HashSet<const OpEntry*> warned_;
 };

@@ -9,42 +9,27 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
-from . import _compat, dispatch_mode
+from . import _compat, _scopes, dispatch_mode
 from .audit import any_active as any_audit_active
 from .policy import Policy, describe_value, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
 
 
-class _RegionScope:
-    """One pass of a checkpointed region: enters and exits the C++ activation."""
-
-    __slots__ = ("_enter", "_exit", "_depth")
-
-    def __init__(self, enter, exit_):
-        self._enter = enter
-        self._exit = exit_
-        self._depth = 0
-
-    def __enter__(self):
-        self._depth = self._enter()
-        return self
-
-    def __exit__(self, *exc_info):
-        self._exit(self._depth)
-        return False
-
-
 class Region:
     """One call of checkpoint(fn, ...): its kept outputs, and its forward and recompute scopes."""
 
-    __slots__ = ("handle", "forward", "recompute")
+    __slots__ = ("_reference", "forward", "recompute")
 
     def __init__(self, policy: Policy):
         if not isinstance(policy, Policy):
             raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
-        self.handle = policy._handle.new_region()
-        self.forward = _RegionScope(self.handle.enter_forward, self.handle.exit_forward)
-        self.recompute = _RegionScope(self.handle.enter_recompute, self.handle.exit_recompute)
+        self.forward, self.recompute = _scopes.new_region_scopes(policy._policy_address)
+        self._reference = self.forward._region
+
+    @property
+    def handle(self):
+        """The region as a torch.classes.sac.Region (kept_bytes, kept_calls, kept_tensors)."""
+        return self._reference.torchbind()
 
     @property
     def kept_bytes(self) -> int:
@@ -143,10 +128,13 @@ def _selective_contexts(policy: Policy):
     if dispatch_mode.engine() == "dispatch_mode":
         marker = Region(_PHASE_MARKER_POLICY)
         return dispatch_mode.dispatch_mode_contexts(policy, marker)
-    region = Region(policy)
-    for observe in _region_observers:
-        observe(region)
-    return region.forward, region.recompute
+    if _region_observers:
+        region = Region(policy)
+        for observe in _region_observers:
+            observe(region)
+        return region.forward, region.recompute
+    # The hot path: one C call makes the region, the scopes enter and exit it through C calls.
+    return _scopes.new_region_scopes(policy._policy_address)
 
 
 def context_fn(policy: Policy | None = None):

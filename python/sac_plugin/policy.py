@@ -119,7 +119,7 @@ class Policy:
     Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
     """
 
-    __slots__ = ("_handle", "_kept_ops", "_kept_units", "_spellings", "_every_nth", "_recomputed_units")
+    __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth", "_recomputed_units")
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
                  every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = ()):
@@ -130,6 +130,8 @@ class Policy:
         recomputed = _unit_names(recomputed_units, "recomputed_units")
         every_nth = _every_nth_rules(every_nth_op)
         self._handle = torch.classes.sac.Policy(spellings, units, list(every_nth), list(every_nth.values()), recomputed)
+        # What the scope C ABI creates regions from (checkpointing.Region); valid while _handle lives.
+        self._policy_address = self._handle.policy_address()
         self._spellings = tuple(spellings)
         self._every_nth = dict(every_nth)
         self._kept_ops = frozenset(self._handle.kept_ops())

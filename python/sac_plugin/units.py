@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from . import _scopes
 from .policy import check_unit_name, describe_value
 
 
@@ -26,14 +27,17 @@ class _UnitScope:
     the unit can still be closed correctly afterwards.
     """
 
-    __slots__ = ("_name", "_openings")
+    __slots__ = ("_name", "_id", "_openings")
 
     def __init__(self, name: str):
         self._name = name
+        self._id = _unit_id(name)
         self._openings: list[tuple[int, int]] = []
 
     def __enter__(self):
-        depth = torch.ops.sac.push_unit(self._name)
+        depth = _scopes.unit_push(self._id)
+        if depth < 0:
+            _scopes.raise_last_error(-depth)
         self._openings.append((threading.get_ident(), depth))
         return self
 
@@ -46,9 +50,16 @@ class _UnitScope:
                 f"sac_plugin: exiting recompute unit {self._name!r} on a thread that did not enter it ({where}); "
                 "exit it on the thread that entered it; nothing was changed"
             )
-        torch.ops.sac.pop_unit(self._name, self._openings[index][1])  # refuses misnesting, changing nothing
+        _scopes.unit_pop(self._id, self._openings[index][1])  # refuses misnesting, changing nothing
         del self._openings[index]
         return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_id(name: str) -> int:
+    # Interned in C++ once per name (units are a small vocabulary, capped there); a scope then
+    # opens and closes its unit by id through the scope C ABI (NOTE: [Scopes through a C ABI]).
+    return _scopes.unit_id(name)
 
 
 def recompute_unit(name: str):

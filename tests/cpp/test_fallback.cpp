@@ -423,8 +423,8 @@ TEST(DataFlowTest, IdentityNamesOriginsNotValues) {
   };
   at::Tensor a = at::zeros({2, 3}), b = at::zeros({2, 3});
   DataFlow first, second;
-  first.reset(1);
-  second.reset(2);
+  first.reset(1, 0);
+  second.reset(2, 0);
   // The same external tensor in two passes: the same identity; a same-shaped other tensor: not.
   uint64_t first_a = identify(first, {a});
   EXPECT_EQ(first_a, identify(second, {a}));
@@ -435,7 +435,7 @@ TEST(DataFlowTest, IdentityNamesOriginsNotValues) {
   EXPECT_EQ(first_a_again, identify(second, {a}));
   // Views are named by geometry, scalars and int lists by value.
   DataFlow flow;
-  flow.reset(3);
+  flow.reset(3, 0);
   EXPECT_NE(identify(flow, {a.view({3, 2})}), identify(flow, {a.view({6})}));
   EXPECT_NE(identify(flow, {a, 1.0}), identify(flow, {a, 2.0}));
   EXPECT_NE(identify(flow, {a, std::vector<int64_t>{1, 2}}), identify(flow, {a, std::vector<int64_t>{2, 1}}));
@@ -446,8 +446,8 @@ TEST(DataFlowTest, GradModeIsPartOfTheIdentity) {
   at::Tensor a = at::zeros({2});
   std::vector<c10::IValue> arguments{a};
   DataFlow with_grad, without_grad;
-  with_grad.reset(1);
-  without_grad.reset(2);
+  with_grad.reset(1, 0);
+  without_grad.reset(2, 0);
   uint64_t enabled = with_grad.identify(tanh, arguments.data(), 1);
   c10::AutoGradMode no_grad(false);
   EXPECT_NE(without_grad.identify(tanh, arguments.data(), 1), enabled);
@@ -458,8 +458,8 @@ TEST(DataFlowTest, TensorsWithoutANameableOriginNeverMatchAcrossPasses) {
   at::Tensor sparse = at::zeros({2, 2}).to_sparse();
   std::vector<c10::IValue> arguments{sparse};
   DataFlow first, second;
-  first.reset(1);
-  second.reset(2);
+  first.reset(1, 0);
+  second.reset(2, 0);
   EXPECT_NE(first.identify(tanh, arguments.data(), 1), second.identify(tanh, arguments.data(), 1));
 }
 

@@ -1,0 +1,123 @@
+"""Region and unit scopes through the library's C ABI (NOTE: [Scopes through a C ABI] in
+csrc/dispatch/scope_c_api.h): a checkpoint call opens a region and enters and exits two scopes,
+and torchbind's per-call cost there outweighed the interception of a hundred ops. ctypes calls
+the same checks and state changes as the torchbind methods, for about a tenth of the cost."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _library
+
+_ERRORS = {1: RuntimeError, 2: ValueError}
+_EXPECTED_VERSION = 1
+
+
+def _bind():
+    # ctypes.CDLL on the path torch.ops.load_library loaded returns that very library (dlopen
+    # hands back the loaded object), so a SAC_PLUGIN_LIBRARY build serves these calls too.
+    lib = ctypes.CDLL(str(_library.library_path()))
+    signatures = {
+        "sac_scope_c_api_version": (ctypes.c_int32, []),
+        "sac_region_new": (ctypes.c_void_p, [ctypes.c_void_p]),
+        "sac_region_release": (None, [ctypes.c_void_p]),
+        "sac_region_enter": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int32]),
+        "sac_region_exit": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64]),
+        "sac_unit_id": (ctypes.c_int64, [ctypes.c_char_p, ctypes.c_int64]),
+        "sac_unit_push": (ctypes.c_int64, [ctypes.c_int64]),
+        "sac_unit_pop": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int64]),
+        "sac_scope_last_error": (ctypes.c_char_p, []),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    version = lib.sac_scope_c_api_version()
+    if version != _EXPECTED_VERSION:
+        raise ImportError(
+            f"sac_plugin: {_library.library_path()} has scope C ABI version {version}, this package expects "
+            f"{_EXPECTED_VERSION}; rebuild the library from the same source as the package"
+        )
+    return lib
+
+
+_lib = _bind()
+_region_new = _lib.sac_region_new
+_region_release = _lib.sac_region_release
+_region_enter = _lib.sac_region_enter
+_region_exit = _lib.sac_region_exit
+_unit_id = _lib.sac_unit_id
+unit_push = _lib.sac_unit_push
+_unit_pop = _lib.sac_unit_pop
+_last_error = _lib.sac_scope_last_error
+
+
+def raise_last_error(status: int):
+    raise _ERRORS.get(status, RuntimeError)(_last_error().decode("utf-8", "replace"))
+
+
+class RegionReference:
+    """Owns one reference to a C++ region handle; dropping the last Python reference releases it.
+
+    The scopes and the Region wrapper each point here, and nothing here points back, so a
+    region is freed by reference counting as soon as torch's checkpoint drops its contexts,
+    never left to the cycle collector.
+    """
+
+    __slots__ = ("address",)
+
+    def __init__(self, policy_address: int):
+        self.address = _region_new(policy_address)
+
+    def __del__(self, _release=_region_release):
+        _release(self.address)
+
+    def torchbind(self):
+        """The same region as a torch.classes.sac.Region (shares ownership)."""
+        return torch.ops.sac.region_at(self.address)
+
+
+class RegionScope:
+    """The forward (recompute=0) or the recompute (1) of one region, as a context manager."""
+
+    __slots__ = ("_region", "_recompute", "_depth")
+
+    def __init__(self, region: RegionReference, recompute: int):
+        self._region = region
+        self._recompute = recompute
+        self._depth = 0
+
+    def __enter__(self):
+        depth = _region_enter(self._region.address, self._recompute)
+        if depth < 0:
+            raise_last_error(-depth)
+        self._depth = depth
+        return self
+
+    def __exit__(self, *exc_info):
+        status = _region_exit(self._region.address, self._recompute, self._depth)
+        if status:
+            raise_last_error(status)
+        return False
+
+
+def new_region_scopes(policy_address: int) -> tuple[RegionScope, RegionScope]:
+    region = RegionReference(policy_address)
+    return RegionScope(region, 0), RegionScope(region, 1)
+
+
+def unit_id(name: str) -> int:
+    """The unit's interned id + 1 (what unit_push and unit_pop take); raises for a bad name."""
+    encoded = name.encode("utf-8")
+    id_plus_one = _unit_id(encoded, len(encoded))
+    if id_plus_one < 0:
+        raise_last_error(-id_plus_one)
+    return id_plus_one
+
+
+def unit_pop(id_plus_one: int, depth: int) -> None:
+    status = _unit_pop(id_plus_one, depth)
+    if status:
+        raise_last_error(status)
