@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from . import unit_checks
 from .policy import check_unit_name, describe_value
 
 
@@ -21,7 +22,7 @@ class _UnitScope:
     """Eager: opens the unit on this thread's C++ unit stack (units nest).
 
     One scope object may be entered more than once (recursion, or on several threads), so it
-    remembers each opening as (thread, depth). An exit is checked before anything changes: from
+    remembers each opening as (thread, depth, unit check token). An exit is checked before anything changes: from
     a thread that did not enter it, or out of order, it is refused and the opening stays, so
     the unit can still be closed correctly afterwards.
     """
@@ -34,7 +35,9 @@ class _UnitScope:
 
     def __enter__(self):
         depth = torch.ops.sac.push_unit(self._name)
-        self._openings.append((threading.get_ident(), depth))
+        # While a region's forward is watched (unit_checks.py), note what this unit keeps.
+        token = unit_checks.unit_entered(self._name) if unit_checks.watching else None
+        self._openings.append((threading.get_ident(), depth, token))
         return self
 
     def __exit__(self, *exc_info):
@@ -46,8 +49,11 @@ class _UnitScope:
                 f"sac_plugin: exiting recompute unit {self._name!r} on a thread that did not enter it ({where}); "
                 "exit it on the thread that entered it; nothing was changed"
             )
-        torch.ops.sac.pop_unit(self._name, self._openings[index][1])  # refuses misnesting, changing nothing
+        _, depth, token = self._openings[index]
+        torch.ops.sac.pop_unit(self._name, depth)  # refuses misnesting, changing nothing
         del self._openings[index]
+        if token is not None:
+            unit_checks.unit_exited(self._name, token)
         return False
 
 
@@ -69,6 +75,7 @@ def recompute_unit(name: str):
 def in_recompute_unit(name: str, fn=None):
     """Runs a callable inside unit `name`: a decorator, or `in_recompute_unit(name, fn)`."""
     check_unit_name(name, "in_recompute_unit: name")
+    unit_checks.declare(name)
 
     def decorate(function):
         if not callable(function):
