@@ -306,18 +306,43 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
             "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
             f"{describe_value(target_map)}"
         )
+    from .integrations import huggingface
+
+    if huggingface.is_hf_model(model):
+        # transformers layers checkpoint themselves (and drop their KV cache when they do); the
+        # adapter hands them the policy and finds the target map and the layers.
+        return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites)
     config = RecomputeConfig() if config is None else config
     target_map = default_target_map(model) if target_map is None else target_map
     sites = _wrap_sites(model, wrap_sites)
+    selected = config.selected_layers(len(sites))
+    policy = prepare_layers(model, config, target_map, sites, selected, checkpointed=True)
+    for index in selected:
+        apply_selective_checkpointing(sites[index], policy, preserve_rng_state=config.preserve_rng_state)
+    skipped = sorted(set(range(len(sites))) - set(selected))
+    if skipped:
+        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
+                     type(model).__name__, skipped)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
+    return model
+
+
+def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, sites, selected,
+                   *, checkpointed: bool = False) -> Policy:
+    """Checks the config against the selected wrap sites, then makes each callable unit (and each
+    force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
+    changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
+    apply_selective_checkpointing, so they are checked for that too."""
     check_target_map(target_map, sites[0])
     policy = policy_for(config, target_map)
 
-    # Plan: every (owner, attribute, unit) to run in a unit, per checkpointed site.
+    # Plan: every (owner, attribute, unit) to run in a unit, per selected site.
     plan = []
-    selected = config.selected_layers(len(sites))
     for index in selected:
         site = sites[index]
-        check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        if checkpointed:
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
         in_units = []
         for unit in config.units:
             target = target_map[unit]
@@ -331,22 +356,15 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                     f"{type(site).__name__} (layer {index})"
                 )
             in_units.extend((owner, name, _RECOMPUTE_UNIT_PREFIX + path) for owner, name in found)
-        plan.append((site, in_units))
+        plan.append((index, site, in_units))
 
     names = {id(module): name for name, module in model.named_modules()}
-    for (site, in_units), index in zip(plan, selected):
+    for index, site, in_units in plan:
         for owner, name, unit in in_units:
             run_in_unit(owner, name, unit)
             logger.debug("%s (wrap site %d): %s.%s runs in unit '%s'", names.get(id(site), type(site).__name__),
                          index, names.get(id(owner), type(owner).__name__) or "<layer>", name, unit)
-        apply_selective_checkpointing(site, policy, preserve_rng_state=config.preserve_rng_state)
-    skipped = sorted(set(range(len(sites))) - set(selected))
-    if skipped:
-        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
-                     type(model).__name__, skipped)
-    if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
-    return model
+    return policy
 
 
 def describe_application(model_name: str, selected, count: int, policy: Policy, config: RecomputeConfig,
