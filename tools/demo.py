@@ -33,6 +33,9 @@ def parse_args():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--report", action="store_true",
+                        help="print the per-layer report of the selective mode's last step and draw it as a PNG")
+    parser.add_argument("--report-png", default="sac_report.png", help="where --report draws its chart")
     return parser.parse_args()
 
 
@@ -65,6 +68,31 @@ def checkpointers(args):
             label: lambda model: apply_recompute_config(model, config)}
 
 
+def draw_report(report, mode: str, path: str) -> None:
+    """A bar chart per checkpointed layer: bytes held for backward (kept) and ops recomputed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"\n(no chart: matplotlib is not installed; pip install 'sac_plugin[plot]' to draw {path})")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(report.layers.values())
+    names = [layer.name for layer in layers]
+    figure, (held, recomputed) = plt.subplots(1, 2, figsize=(max(8, len(names) * 1.2), 4))
+    held.bar(names, [layer.kept_bytes / 2**20 for layer in layers], color="tab:blue")
+    held.set_title("bytes kept for backward (MiB)")
+    recomputed.bar(names, [layer.total("recompute") for layer in layers], color="tab:orange")
+    recomputed.set_title("ops recomputed")
+    for axes in (held, recomputed):
+        axes.tick_params(axis="x", rotation=45)
+    figure.suptitle(f"sac_plugin per-layer report: {mode}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"\nper-layer chart: {path}")
+
+
 def main():
     args = parse_args()
     base = build(args)
@@ -75,7 +103,7 @@ def main():
     print(f"{type(base).__name__}: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads" + (f", config {args.config}" if args.config else "") + "\n")
-    results = {}
+    results, reports = {}, {}
     for mode, checkpoint_model in checkpointers(args).items():
         model = copy.deepcopy(base)
         if checkpoint_model is not None:
@@ -96,6 +124,13 @@ def main():
             recomputed = sum(row.recompute for row in audit.rows())
             served = sum(row.hits for row in audit.rows())
         results[mode] = (losses, held, sorted(times)[len(times) // 2], recomputed, served)
+        if args.report and mode.startswith("selective"):
+            # One more forward and backward, untimed and without an optimizer step: the report's
+            # per-pass audits cost time, and its saved-tensors hook would hide the saves from
+            # track_activation_memory's.
+            with sac_plugin.report(model) as report:
+                model.loss(*batches[-1]).backward()
+            reports[mode] = report
 
     header = f"{'mode':<48}{'final loss':>12}{'activations held':>19}{'step (median)':>15}{'ops recomputed':>16}{'kept served':>13}"
     print(header)
@@ -105,6 +140,9 @@ def main():
     reference = results["no checkpointing"][0]
     identical = all(losses == reference for losses, *_ in results.values())
     print(f"\nlosses identical across modes at every step: {identical}")
+    for mode, report in reports.items():
+        print(f"\nper-layer report, {mode}, one more step on the last batch:\n{report.table()}")
+        draw_report(report, mode, args.report_png)
     if not identical:
         raise SystemExit(1)
 

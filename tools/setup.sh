@@ -46,3 +46,18 @@ if ! "$venv/bin/python" -c "import scikit_build_core, pytest, yaml, hypothesis" 
   echo "setup: installing scikit-build-core, pytest, pyyaml and hypothesis into $venv"
   "$venv/bin/pip" install -q "scikit-build-core>=0.10" pytest pyyaml hypothesis numpy
 fi
+# Optional-dependency test extras, so that their tests run rather than skip: transformers (the
+# Hugging Face integration) and matplotlib (the report's chart). transformers goes in with
+# --no-deps and its light dependencies by name, so that pip can never swap the venv's torch.
+if ! "$venv/bin/python" -c "import transformers" 2>/dev/null; then
+  echo "setup: installing transformers (no deps) and its light dependencies into $venv"
+  "$venv/bin/pip" install -q --no-deps "transformers==5.24.0"
+  "$venv/bin/pip" install -q "huggingface-hub>=1.31.0,<3.0" "tokenizers>=0.23.1,<0.24.0" "safetensors>=0.8.0" \
+    "regex>=2025.10.22" "packaging>=20.0" "tqdm>=4.60" typer
+fi
+if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+  echo "setup: installing matplotlib into $venv"
+  "$venv/bin/pip" install -q matplotlib
+fi
+now_torch=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+[ "$now_torch" = "$torch_version" ] || fail "torch in $venv is $now_torch after installing the test extras, not $torch_version"

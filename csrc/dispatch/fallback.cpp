@@ -21,6 +21,7 @@
 
 #include <mutex>
 
+#include "diagnostics/user_warning.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
@@ -169,10 +170,10 @@ class InterceptedCall {
   void warnOnce(const Policy& policy, const Decision& decision) {
     if (!policy.claimWarning(entry_)) return;
     if (decision.mutating_in_kept_unit) {
-      TORCH_WARN("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
+      SAC_WARN_USER("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
                  unitName(decision.unit), "'; it is recomputed rather than kept (warned once per policy)");
     } else {
-      TORCH_WARN("sac: ", entry_.traits.qualified_name,
+      SAC_WARN_USER("sac: ", entry_.traits.qualified_name,
                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
                  "the recompute draws the same numbers (warned once per policy)");
     }

@@ -11,6 +11,7 @@ from .checkpointing import Region, apply_selective_checkpointing, context_fn  # 
 from .dispatch_mode import engine  # noqa: E402
 from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
+from .report import Report, report  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
 from .units import in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
@@ -25,6 +26,7 @@ __all__ = [
     "RecomputeTargetMap",
     "RecomputeUnit",
     "Region",
+    "Report",
     "apply_recompute_config",
     "apply_selective_checkpointing",
     "audit",
@@ -34,5 +36,6 @@ __all__ = [
     "interception_path",
     "open_units",
     "recompute_unit",
+    "report",
     "resolve_kept_ops",
 ]

@@ -9,7 +9,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import checkpoint
 
-from . import _compat, _scopes, dispatch_mode
+from . import _compat, _scopes, dispatch_mode, unit_checks
+from ._logging import logger
 from .audit import any_active as any_audit_active
 from .policy import Policy, describe_value, op_spelling, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
@@ -43,6 +44,9 @@ class Region:
 
 # Regions created by _selective_contexts are reported here when a test or benchmark asks.
 _region_observers: list = []
+# Functions (region, policy, forward, recompute, kept_calls) -> (forward, recompute) that wrap a
+# region's pass contexts while a report runs (report.py). Empty otherwise: no cost per region.
+_scope_wrappers: list = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,20 +125,34 @@ _PHASE_MARKER_POLICY = Policy()
 def _selective_contexts(policy: Policy):
     if _compat.is_compiling():
         return _compiled_contexts(policy)
-    if policy.keeps_nothing and not any_audit_active() and not _region_observers:
+    if policy.keeps_nothing and not any_audit_active() and not _region_observers and not _scope_wrappers:
         # Plain full recompute: nothing to intercept, and no audit that wants its recompute
         # labelled as such, so no plugin state at all.
         return _NO_CONTEXTS
     if dispatch_mode.engine() == "dispatch_mode":
-        marker = Region(_PHASE_MARKER_POLICY)
-        return dispatch_mode.dispatch_mode_contexts(policy, marker)
-    if _region_observers:
+        region = Region(_PHASE_MARKER_POLICY)
+        plan: dict = {}
+        forward, recompute = dispatch_mode.dispatch_mode_contexts(policy, region, plan)
+
+        def kept_calls():
+            return sum(sum(kept) for kept in plan.values())
+    elif not (_region_observers or policy._unchecked_units or _scope_wrappers):
+        # The hot path: one C call makes the region, the scopes enter and exit it through C calls
+        # (NOTE: [Scopes through a C ABI]).
+        return _scopes.new_region_scopes(policy._policy_address)
+    else:
         region = Region(policy)
         for observe in _region_observers:
             observe(region)
-        return region.forward, region.recompute
-    # The hot path: one C call makes the region, the scopes enter and exit it through C calls.
-    return _scopes.new_region_scopes(policy._policy_address)
+        forward, recompute = region.forward, region.recompute
+
+        def kept_calls():
+            return region.kept_calls
+    if policy._unchecked_units:
+        forward = unit_checks.WatchedForward(policy, forward, kept_calls)
+    for wrap in _scope_wrappers:
+        forward, recompute = wrap(region, policy, forward, recompute, kept_calls)
+    return forward, recompute
 
 
 def context_fn(policy: Policy | None = None):
@@ -239,6 +257,8 @@ def apply_selective_checkpointing(
         )
     policy = Policy() if policy is None else policy
     context = context_fn(policy)
+    logger.debug("checkpointing %s with %s", type(module).__name__,
+                 "full recompute" if policy.keeps_nothing else policy)
     module._sac_policy = policy
     module._sac_context_fn = context
     module._sac_preserve_rng_state = preserve_rng_state

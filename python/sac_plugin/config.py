@@ -5,13 +5,20 @@ unit means for that model. Everything unset keeps nothing: an unset config is fu
 every layer, so it can never raise peak memory.
 
     {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
-     "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true}
+     "first_layer": 0, "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true}
+
+Which wrap sites (layers, counted from 0) are checkpointed: every_nth_layer=n with first_layer=f
+takes f, f+n, f+2n, ... (the default f=0 takes 0, n, 2n, ...: n=2 of 4 layers is 0 and 2);
+first_layer=n-1 is the other convention, Modalities' ac_freq=n (n=2 of 4 layers is 1 and 3).
+layer_ratio=r takes round(r * count) layers (at least one) spread evenly from layer 0:
+layer floor(i * count / chosen) for i = 0 .. chosen-1 (0.5 of 4 is 0 and 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,6 +26,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ._logging import describe_layers, logger
 from .checkpointing import apply_selective_checkpointing, check_checkpointable
 from .policy import MAX_EVERY_NTH, Policy, describe_value
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, default_target_map, run_in_unit
@@ -36,6 +44,7 @@ class RecomputeConfig:
     ops: tuple[str, ...] = ()
     every_nth_op: Mapping[str, int] = dataclasses.field(default_factory=dict)
     every_nth_layer: int = 1
+    first_layer: int = 0
     layer_ratio: float | None = None
     force_recompute_modules: tuple[str, ...] = ()
     preserve_rng_state: bool = True
@@ -65,12 +74,22 @@ class RecomputeConfig:
         object.__setattr__(self, "every_nth_op", dict(self.every_nth_op))
         if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
             raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {self.every_nth_layer!r}")
+        if not _is_int(self.first_layer) or self.first_layer < 0:
+            raise ConfigError(
+                f"recompute config: first_layer must be an int >= 0 (the index of the first checkpointed layer), "
+                f"got {self.first_layer!r}"
+            )
         if self.layer_ratio is not None:
             if isinstance(self.layer_ratio, bool) or not isinstance(self.layer_ratio, (int, float)) \
                     or not 0 < self.layer_ratio <= 1:
                 raise ConfigError(f"recompute config: layer_ratio must be in (0, 1], got {self.layer_ratio!r}")
             if self.every_nth_layer != 1:
                 raise ConfigError("recompute config: layer_ratio and every_nth_layer both select layers; set one")
+            if self.first_layer != 0:
+                raise ConfigError(
+                    "recompute config: first_layer applies to every_nth_layer; layer_ratio spreads its layers from "
+                    "layer 0. Set every_nth_layer and first_layer, or layer_ratio alone"
+                )
             object.__setattr__(self, "layer_ratio", float(self.layer_ratio))
         _check_strings("force_recompute_modules", self.force_recompute_modules)
         object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
@@ -85,6 +104,7 @@ class RecomputeConfig:
             "ops": list(self.ops),
             "every_nth_op": dict(self.every_nth_op),
             "every_nth_layer": self.every_nth_layer,
+            "first_layer": self.first_layer,
             "layer_ratio": self.layer_ratio,
             "force_recompute_modules": list(self.force_recompute_modules),
             "preserve_rng_state": self.preserve_rng_state,
@@ -168,11 +188,19 @@ class RecomputeConfig:
     # --- applying ----------------------------------------------------------------------------------
 
     def selected_layers(self, count: int) -> list[int]:
-        """Indices of the wrap sites that are checkpointed."""
+        """Indices of the wrap sites that are checkpointed, out of `count` (see the module docstring).
+
+        every_nth_layer=2 of 4 is [0, 2]; with first_layer=1 it is [1, 3] (Modalities' ac_freq=2).
+        """
         if self.layer_ratio is not None:
             chosen = max(1, round(count * self.layer_ratio)) if count else 0
             return sorted({math.floor(i * count / chosen) for i in range(chosen)})
-        return [i for i in range(count) if i % self.every_nth_layer == 0]
+        if count and self.first_layer >= count:
+            raise ConfigError(
+                f"recompute config: first_layer is {self.first_layer}, but the model has {count} wrap sites "
+                f"(layers 0 to {count - 1}); first_layer must be one of them"
+            )
+        return list(range(self.first_layer, count, self.every_nth_layer))
 
 
 _TOO_DEEP = "recompute config: not valid {format}: nested too deeply (a recompute config is a flat mapping)"
@@ -278,17 +306,43 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
             "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
             f"{describe_value(target_map)}"
         )
+    from .integrations import huggingface
+
+    if huggingface.is_hf_model(model):
+        # transformers layers checkpoint themselves (and drop their KV cache when they do); the
+        # adapter hands them the policy and finds the target map and the layers.
+        return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites)
     config = RecomputeConfig() if config is None else config
     target_map = default_target_map(model) if target_map is None else target_map
     sites = _wrap_sites(model, wrap_sites)
+    selected = config.selected_layers(len(sites))
+    policy = prepare_layers(model, config, target_map, sites, selected, checkpointed=True)
+    for index in selected:
+        apply_selective_checkpointing(sites[index], policy, preserve_rng_state=config.preserve_rng_state)
+    skipped = sorted(set(range(len(sites))) - set(selected))
+    if skipped:
+        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
+                     type(model).__name__, skipped)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
+    return model
+
+
+def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, sites, selected,
+                   *, checkpointed: bool = False) -> Policy:
+    """Checks the config against the selected wrap sites, then makes each callable unit (and each
+    force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
+    changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
+    apply_selective_checkpointing, so they are checked for that too."""
     check_target_map(target_map, sites[0])
     policy = policy_for(config, target_map)
 
-    # Plan: every (owner, attribute, unit) to run in a unit, per checkpointed site.
+    # Plan: every (owner, attribute, unit) to run in a unit, per selected site.
     plan = []
-    for index in config.selected_layers(len(sites)):
+    for index in selected:
         site = sites[index]
-        check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        if checkpointed:
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
         in_units = []
         for unit in config.units:
             target = target_map[unit]
@@ -302,13 +356,35 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                     f"{type(site).__name__} (layer {index})"
                 )
             in_units.extend((owner, name, _RECOMPUTE_UNIT_PREFIX + path) for owner, name in found)
-        plan.append((site, in_units))
+        plan.append((index, site, in_units))
 
-    for site, in_units in plan:
+    names = {id(module): name for name, module in model.named_modules()}
+    for index, site, in_units in plan:
         for owner, name, unit in in_units:
             run_in_unit(owner, name, unit)
-        apply_selective_checkpointing(site, policy, preserve_rng_state=config.preserve_rng_state)
-    return model
+            logger.debug("%s (wrap site %d): %s.%s runs in unit '%s'", names.get(id(site), type(site).__name__),
+                         index, names.get(id(owner), type(owner).__name__) or "<layer>", name, unit)
+    return policy
+
+
+def describe_application(model_name: str, selected, count: int, policy: Policy, config: RecomputeConfig,
+                         target_map: RecomputeTargetMap | None) -> str:
+    """The INFO line for one checkpointed model: its sites, its policy, what each unit means."""
+    if config.layer_ratio is not None:
+        rule = f"layer_ratio={config.layer_ratio}"
+    else:
+        rule = f"every_nth_layer={config.every_nth_layer}, first_layer={config.first_layer}"
+    units = []
+    for unit in config.units:
+        target = target_map[unit] if target_map is not None else None
+        if isinstance(target, KeptOps):
+            units.append(f"{unit.value} -> {len(target.resolve())} ops")
+        elif isinstance(target, KeptCallables):
+            units.append(f"{unit.value} -> {', '.join(target.paths)}")
+    what = "full recompute" if policy.keeps_nothing else repr(policy)
+    return (f"{model_name}: checkpointed {describe_layers(selected, count)} wrap sites ({rule}) with "
+            f"{what}" + (f"; units: {'; '.join(units)}" if units else "")
+            + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else ""))
 
 
 def _wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:

@@ -202,13 +202,14 @@ class _Entered:
         return stack.__exit__(*exc_info)
 
 
-def dispatch_mode_contexts(policy, marker):
+def dispatch_mode_contexts(policy, marker, plan: dict | None = None):
     """The (forward, recompute) contexts of one region in the dispatch-mode engine. `marker` is
     a Region whose policy keeps nothing: it only labels the passes for audits and re-opens the
-    units around the forward in the recompute."""
+    units around the forward in the recompute. `plan` (op -> kept flag of each forward call) is
+    filled as the forward runs, for a caller that counts kept calls."""
     from .audit import any_active as any_audit_active
 
-    plan: dict = {}
+    plan = {} if plan is None else plan
     forward_mode, recompute_mode = create_selective_checkpoint_contexts(eager_policy_fn(policy, plan))
     if not any_audit_active():
         # Hits are only ever read by an audit; without one, no extra mode in the recompute.

@@ -119,7 +119,8 @@ class Policy:
     Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
     """
 
-    __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth", "_recomputed_units")
+    __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth",
+                 "_recomputed_units", "_unchecked_units", "_watched_forwards")
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
                  every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = ()):
@@ -137,6 +138,9 @@ class Policy:
         self._kept_ops = frozenset(self._handle.kept_ops())
         self._kept_units = frozenset(self._handle.kept_units())
         self._recomputed_units = frozenset(self._handle.recomputed_units())
+        # Units not yet seen to mean something in a region's forward (see unit_checks.py).
+        self._unchecked_units = set(self._kept_units | self._recomputed_units)
+        self._watched_forwards = 0
 
     @property
     def kept_ops(self) -> frozenset[str]:

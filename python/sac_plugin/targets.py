@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from . import unit_checks
 from .checkpointing import InstanceForward
 from .policy import describe_value, resolve_kept_ops
 from .units import recompute_unit
@@ -176,6 +177,7 @@ class _MethodInUnits:
 def run_in_unit(owner, name: str, unit: str) -> None:
     """Makes `owner.name` (a submodule, or a method of owner) run inside `unit`. Idempotent."""
     target = getattr(owner, name)
+    unit_checks.declare(unit)
     if isinstance(target, nn.Module):
         units = target.__dict__.get("_sac_forward_units", ())
         if unit not in units:

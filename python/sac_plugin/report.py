@@ -1,0 +1,336 @@
+"""A per-layer report of what checkpointing kept and recomputed, and of what is saved for backward.
+
+    with sac_plugin.report(model) as rep:
+        loss = model(x).sum(); loss.backward()
+    print(rep.table()); rep.to_json()
+
+Broken down by checkpointed module (its qualified name in `model`) and, inside it, by recompute
+unit: calls, ops run in the forward and in the recompute, kept outputs served (hits), calls kept
+and bytes kept. Plus every storage saved for backward, inside regions (the kept outputs) and
+outside them (autograd's saved tensors, by the module that saved them), each once, naming the
+tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report, per layer.
+
+How the data gets here: everything is Python-side and only while a report runs. The report
+runs an audit (so every op is counted and every checkpointed call creates a region), wraps each
+region's forward and recompute contexts (checkpointing._scope_wrappers) and each unit opening
+(units._report_hook) in a per-pass audit, keeps a stack of the modules being called (global module
+hooks) to name regions, and a saved-tensors pack hook that notes (never holds) what autograd
+saves outside regions. Without a report none of this exists: no cost per op or per region.
+The report's saved-tensors hook is the innermost while it runs, so saved_tensors_hooks entered
+around it (track_activation_memory, CPU offload) do not see the saves made inside it: report a
+step of its own. Kept bytes come from the native engine's region store; the dispatch-mode engine keeps in torch's
+SAC cache, which is not inspectable, so there kept bytes read 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+
+import torch
+
+from . import checkpointing, units
+from .audit import Audit, AuditRow, PHASES
+
+OUTSIDE = "(outside regions)"
+_local = threading.local()
+_active: list[Report] = []  # the running reports (the OOM observer prints the latest)
+
+
+@dataclasses.dataclass
+class OpCounts:
+    forward: int = 0
+    recompute: int = 0
+    backward: int = 0
+    hits: int = 0
+
+    def add(self, row: AuditRow) -> None:
+        self.forward += row.forward
+        self.recompute += row.recompute
+        self.backward += row.backward
+        self.hits += row.hits
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """One checkpointed module, or one unit inside it."""
+
+    name: str
+    calls: int = 0  # forwards (for a unit: openings in the forward)
+    kept_calls: int = 0
+    kept_bytes: int = 0
+    ops: dict[str, OpCounts] = dataclasses.field(default_factory=dict)
+
+    def add_rows(self, rows) -> None:
+        for row in rows:
+            self.ops.setdefault(row.op, OpCounts()).add(row)
+
+    def total(self, field: str) -> int:
+        return sum(getattr(counts, field) for counts in self.ops.values())
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "calls": self.calls, "forward_ops": self.total("forward"),
+                "recomputed_ops": self.total("recompute"), "hits": self.total("hits"), "kept_calls": self.kept_calls,
+                "kept_bytes": self.kept_bytes, "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())}}
+
+
+@dataclasses.dataclass
+class SavedStorage:
+    """One storage held for backward: where it was saved, its bytes, the tensors that view it."""
+
+    where: str  # a checkpointed module (kept outputs) or "(outside regions) <module>"
+    device: str
+    nbytes: int
+    tensors: list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor saved on it
+
+    def to_dict(self) -> dict:
+        return {"where": self.where, "device": self.device, "bytes": self.nbytes,
+                "tensors": [{"shape": list(shape), "dtype": dtype} for shape, dtype in self.tensors]}
+
+
+class _PassScope:
+    """A region's forward or recompute context, wrapped to count what runs in it."""
+
+    __slots__ = ("_report", "_layer", "_phase", "_inner", "_kept_calls", "_region", "_audit")
+
+    def __init__(self, report, layer, phase, inner, kept_calls, region):
+        self._report, self._layer, self._phase = report, layer, phase
+        self._inner, self._kept_calls, self._region = inner, kept_calls, region
+
+    def __enter__(self):
+        self._audit = torch.classes.sac.Audit()
+        self._audit.start()
+        _stack().append((self._layer, self._phase, self._kept_calls, self._region))
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            return self._inner.__exit__(*exc_info)
+        finally:
+            _stack().pop()
+            self._audit.stop()
+            self._report._pass_done(self, self._audit)
+
+
+def _stack() -> list:
+    if not hasattr(_local, "passes"):
+        _local.passes = []
+    return _local.passes
+
+
+class Report:
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._model = model
+        self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()} if model is not None else {}
+        self.layers: dict[str, Breakdown] = {}
+        self.units: dict[tuple[str, str], Breakdown] = {}
+        self._saved: dict[tuple[str, int], SavedStorage] = {}
+        self._parameters = set()
+        self._modules: list = []  # the modules being called on this thread (names regions)
+        self._audit = Audit()
+        self._exit = contextlib.ExitStack()
+        self.totals: list[AuditRow] = []
+
+    # --- running -------------------------------------------------------------------------------
+
+    def __enter__(self):
+        if self._model is not None:
+            self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        stack = self._exit
+        stack.enter_context(self._audit)
+        checkpointing._scope_wrappers.append(self._wrap)
+        stack.callback(checkpointing._scope_wrappers.remove, self._wrap)
+        units._report_hooks.append(self)
+        stack.callback(units._report_hooks.remove, self)
+        stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(self._module_called))
+        stack.enter_context(torch.nn.modules.module.register_module_forward_hook(self._module_returned,
+                                                                                 always_call=True))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
+        _active.append(self)
+        stack.callback(_active.remove, self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._exit.close()
+        self.totals = self._audit.rows()
+        return False
+
+    def _name(self, module) -> str:
+        return self._names.get(id(module), type(module).__name__)
+
+    def _module_called(self, module, args):
+        self._modules.append(module)
+
+    def _module_returned(self, module, args, output):
+        if self._modules and self._modules[-1] is module:
+            self._modules.pop()
+
+    def _current_layer(self) -> str:
+        # The innermost module being called that is checkpointed (apply_selective_checkpointing
+        # or a config marks it with its policy).
+        for module in reversed(self._modules):
+            if "_sac_policy" in vars(module):
+                return self._name(module)
+        return self._name(self._modules[-1]) if self._modules else "(a checkpointed function)"
+
+    def _wrap(self, region, policy, forward, recompute, kept_calls):
+        layer = self._current_layer()
+        return (_PassScope(self, layer, "forward", forward, kept_calls, region),
+                _PassScope(self, layer, "recompute", recompute, kept_calls, region))
+
+    def _pass_done(self, scope, audit) -> None:
+        layer = self.layers.setdefault(scope._layer, Breakdown(scope._layer))
+        names, forward, recompute, backward, hits = audit.rows()
+        layer.add_rows(AuditRow(*values) for values in zip(names, forward, recompute, backward, hits))
+        if scope._phase == "forward":
+            layer.calls += 1
+            layer.kept_calls += scope._kept_calls()
+            region = scope._region
+            kept = list(region.handle.kept_tensors()) if region.handle.kept_calls() else []
+            layer.kept_bytes += self._note_storages(scope._layer, kept)
+
+    # --- units (called by units._UnitScope while a report runs) --------------------------------
+
+    def unit_entered(self, unit: str):
+        passes = _stack()
+        if not passes:
+            return None
+        layer, phase, kept_calls, region = passes[-1]
+        audit = torch.classes.sac.Audit()
+        audit.start()
+        return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit
+
+    def unit_exited(self, unit: str, token) -> None:
+        layer, phase, kept_calls, region, kept_before, bytes_before, audit = token
+        audit.stop()
+        breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
+        names, forward, recompute, backward, hits = audit.rows()
+        breakdown.add_rows(AuditRow(*values) for values in zip(names, forward, recompute, backward, hits))
+        if phase == "forward":
+            breakdown.calls += 1
+            breakdown.kept_calls += kept_calls() - kept_before
+            # Unique storages the region holds, before and after: a storage shared with an
+            # earlier kept output is billed to where it was first kept.
+            breakdown.kept_bytes += region.kept_bytes - bytes_before
+
+    # --- saved tensors -------------------------------------------------------------------------
+
+    def _pack(self, tensor):
+        # Only what autograd saves outside regions reaches this hook (checkpoint's own hooks take
+        # the saves inside them). Noted, not held: the tensor's lifetime is unchanged.
+        where = f"{OUTSIDE} {self._name(self._modules[-1])}" if self._modules else OUTSIDE
+        self._note_storages(where, [tensor])
+        return tensor
+
+    def _note_storages(self, where: str, tensors) -> int:
+        """Bills each new storage to `where`; returns the bytes of those new to the report."""
+        added = 0
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer in self._parameters or pointer == 0:
+                continue
+            key = (str(tensor.device), pointer)
+            entry = self._saved.get(key)
+            if entry is None:
+                entry = self._saved[key] = SavedStorage(where, str(tensor.device), storage.nbytes(), [])
+                added += storage.nbytes()
+            entry.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
+        return added
+
+    # --- results -------------------------------------------------------------------------------
+
+    def saved_tensors(self) -> list[SavedStorage]:
+        """Every storage saved for backward, largest first; each storage once, billed to where it
+        was first saved."""
+        return sorted(self._saved.values(), key=lambda s: (-s.nbytes, s.where))
+
+    def saved_bytes_by_place(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for storage in self._saved.values():
+            totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+    def to_dict(self) -> dict:
+        return {
+            "layers": [
+                dict(layer.to_dict(), units=[unit.to_dict() for (name, _), unit in sorted(self.units.items())
+                                             if name == layer.name])
+                for layer in self.layers.values()
+            ],
+            "saved_for_backward": {"bytes_by_place": self.saved_bytes_by_place(),
+                                   "storages": [s.to_dict() for s in self.saved_tensors()]},
+            "totals": {phase: sum(getattr(row, phase) for row in self.totals) for phase in (*PHASES, "hits")},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def table(self, storages: int = 10) -> str:
+        header = f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}" \
+                 f"{'kept calls':>12}{'kept bytes':>14}"
+        lines = [header, "-" * len(header)]
+        for layer in self.layers.values():
+            lines.append(_line(layer.name, layer))
+            for (name, _), unit in sorted(self.units.items()):
+                if name == layer.name:
+                    lines.append(_line(f"  unit {unit.name}", unit))
+        lines.append(f"{'all layers':<40}{sum(l.calls for l in self.layers.values()):>7}"
+                     f"{sum(l.total('forward') for l in self.layers.values()):>9}"
+                     f"{sum(l.total('recompute') for l in self.layers.values()):>12}"
+                     f"{sum(l.total('hits') for l in self.layers.values()):>7}"
+                     f"{sum(l.kept_calls for l in self.layers.values()):>12}"
+                     f"{_bytes(sum(l.kept_bytes for l in self.layers.values())):>14}")
+        lines += ["", "saved for backward, by place (each storage once):"]
+        for place, nbytes in self.saved_bytes_by_place().items():
+            lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
+        lines.append(f"  {'total':<58}{_bytes(sum(s.nbytes for s in self._saved.values())):>14}")
+        biggest = self.saved_tensors()[:storages]
+        if biggest:
+            lines += ["", f"largest storages saved for backward (of {len(self._saved)}):"]
+            for storage in biggest:
+                views = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in storage.tensors[:3])
+                more = f" +{len(storage.tensors) - 3}" if len(storage.tensors) > 3 else ""
+                lines.append(f"  {_bytes(storage.nbytes):>12}  {storage.device:<6} {storage.where:<40} {views}{more}")
+        return "\n".join(lines)
+
+
+def _line(label: str, row: Breakdown) -> str:
+    return (f"{label[:40]:<40}{row.calls:>7}{row.total('forward'):>9}{row.total('recompute'):>12}"
+            f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def report(model: torch.nn.Module | None = None) -> Report:
+    """A report of one or more steps run inside it; `model` names the checkpointed modules."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        from .policy import describe_value
+
+        raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
+    return Report(model)
+
+
+def install_oom_observer() -> None:
+    """On CUDA, prints the latest running report (and torch's memory summary) when an allocation
+    fails. Opt-in; needs a CUDA build of torch and a device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
+                           "the OOM observer is a CUDA caching-allocator hook")
+
+    def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        print(f"sac_plugin: CUDA out of memory on device {device}: {alloc} bytes requested, {device_alloc} "
+              f"allocated, {device_free} free")
+        if _active:
+            print(_active[-1].table())
+        else:
+            print("sac_plugin: no report is running; run the step inside sac_plugin.report(model) to see one")
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)

@@ -1,0 +1,130 @@
+"""Checks that the units a policy names mean something in the model it checkpoints.
+
+A unit name is a free string: `Policy(kept_units=["atn"])` is a valid policy that keeps nothing,
+because no code ever opens a unit "atn". So, the first time regions with a policy run their
+forward, the package watches which units open there and how many calls each keeps, and warns
+once per policy about:
+
+- a kept or recomputed unit that no model declares (no target map installed it, no
+  `in_recompute_unit` names it, it was never opened) and that the forward did not open: almost
+  always a typo; the warning names the units that did open and the closest one;
+- a kept unit that opened but kept nothing (everything run in it was a view, an in-place write,
+  a random call or a collective, or it ran only ops another rule recomputes).
+
+A unit that some model declares but this forward did not open (a MoE unit in a dense layer) is
+not an error; it is watched for a few more forwards. Watching costs a little per unit opening and
+nothing per op, and stops once each unit of the policy is settled.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+import warnings
+
+from ._logging import logger
+
+# Units some model declares: installed by a target map (run_in_unit), named by in_recompute_unit,
+# or opened while a forward was watched. Only ever grows (unit names live for the process anyway).
+_declared: set[str] = set()
+# Forwards watched on any thread: the one test _UnitScope makes when no forward is watched.
+watching = 0
+_watching_lock = threading.Lock()
+_local = threading.local()
+# A unit declared elsewhere but not opened is given up on after this many watched forwards.
+MAX_WATCHED_FORWARDS = 8
+
+
+def declare(unit: str) -> None:
+    _declared.add(unit)
+
+
+class _Watch:
+    """One watched forward: for each unit opened in it, the calls kept while it was open."""
+
+    __slots__ = ("kept_calls", "opened")
+
+    def __init__(self, kept_calls):
+        self.kept_calls = kept_calls  # () -> calls the region has kept so far
+        self.opened: dict[str, int] = {}
+
+
+def unit_entered(unit: str):
+    """Called by a unit scope on entry while some forward is watched; returns its exit token."""
+    watches = getattr(_local, "watches", None)
+    if not watches:
+        return None
+    watch = watches[-1]
+    watch.opened.setdefault(unit, 0)
+    return watch, watch.kept_calls()
+
+
+def unit_exited(unit: str, token) -> None:
+    watch, kept_before = token
+    watch.opened[unit] += watch.kept_calls() - kept_before
+
+
+class WatchedForward:
+    """A region's forward context that checks the policy's units when the forward ends."""
+
+    __slots__ = ("_policy", "_forward", "_watch")
+
+    def __init__(self, policy, forward, kept_calls):
+        self._policy, self._forward, self._watch = policy, forward, _Watch(kept_calls)
+
+    def __enter__(self):
+        global watching
+        self._forward.__enter__()
+        _local.__dict__.setdefault("watches", []).append(self._watch)
+        with _watching_lock:
+            watching += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        global watching
+        _local.watches.remove(self._watch)
+        with _watching_lock:
+            watching -= 1
+        suppressed = self._forward.__exit__(*exc_info)
+        if exc_info[0] is None:
+            check(self._policy, self._watch.opened)
+        return suppressed
+
+
+def check(policy, opened: dict[str, int]) -> None:
+    """Settles what one forward says about the policy's pending units; warns at most once each."""
+    _declared.update(opened)
+    policy._watched_forwards += 1
+    for unit in sorted(policy._unchecked_units):
+        kind = "kept" if unit in policy.kept_units else "recomputed"
+        if unit in opened:
+            policy._unchecked_units.discard(unit)
+            if kind == "kept" and opened[unit] == 0:
+                _warn(f"sac_plugin: kept unit '{unit}' was opened in the forward of a checkpointed region with {policy} "
+                      "but kept nothing: everything run inside it was a view, an in-place write, a random call, a "
+                      "collective or inside a recomputed unit, which are always recomputed (warned once per policy)")
+            else:
+                logger.debug("unit '%s' of %s: opened, %d calls kept in it", unit, policy, opened[unit])
+        elif unit not in _declared:
+            policy._unchecked_units.discard(unit)
+            effect = "keeps nothing" if kind == "kept" else "recomputes nothing"
+            _warn(f"sac_plugin: {kind} unit '{unit}' is declared by no model and was not opened in the forward of a "
+                  f"checkpointed region with {policy}, so it {effect}. Units opened there: "
+                  f"{', '.join(sorted(opened)) or 'none'}; {_closest(unit, opened)} (warned once per policy)")
+    if policy._watched_forwards >= MAX_WATCHED_FORWARDS and policy._unchecked_units:
+        logger.debug("units %s of %s are declared but were not opened in %d forwards; no longer watched",
+                     sorted(policy._unchecked_units), policy, policy._watched_forwards)
+        policy._unchecked_units.clear()
+
+
+def _closest(unit: str, opened) -> str:
+    from .targets import RecomputeUnit
+
+    candidates = sorted(set(opened) | _declared | {u.value for u in RecomputeUnit})
+    match = difflib.get_close_matches(unit, candidates, n=1)
+    return f"closest match: '{match[0]}'" if match else "no known unit is close to it"
+
+
+def _warn(message: str) -> None:
+    logger.debug("%s", message)
+    warnings.warn(message, UserWarning, stacklevel=2)

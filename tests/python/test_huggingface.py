@@ -1,0 +1,186 @@
+"""Hugging Face transformers: the shipped target maps checkpoint tiny random-init models (no
+download) with loss and every gradient bitwise equal to the unmodified model's, and keep exactly
+what their units name (audit hits)."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import sac_plugin
+import torch
+from sac_plugin import ConfigError, RecomputeConfig
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
+from sac_plugin.integrations import huggingface  # noqa: E402
+
+LAYERS = 2
+_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32)
+CONFIGS = {
+    "llama": _COMMON,
+    "mistral": _COMMON,
+    "qwen2": _COMMON,
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "gpt2": dict(vocab_size=64, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0),
+}
+# Calls of mm/addmm in one layer's attention module: the q, k, v and output projections (GPT-2
+# fuses q, k and v into one Conv1D).
+ATTENTION_PROJECTIONS = {"llama": 4, "mistral": 4, "qwen2": 4, "mixtral": 4, "qwen2_moe": 4, "gpt2": 2}
+SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def build(model_type: str, attention: str, dropout: bool):
+    kwargs = dict(CONFIGS[model_type])
+    p = 0.1 if dropout else 0.0
+    if model_type == "gpt2":
+        kwargs.update(attn_pdrop=p, resid_pdrop=p, embd_pdrop=p)
+    else:
+        kwargs.update(attention_dropout=p)
+    config = transformers.AutoConfig.for_model(model_type, attn_implementation=attention, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model
+
+
+def step(model, seed=3):
+    tokens = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss
+
+
+def enable_transformers_checkpointing(model, kwargs):
+    """transformers 5 renamed gradient_checkpointing_enable (deprecated until v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def reference_for(model_type, model):
+    """What the checkpointed model must equal bitwise. GPT-2's gradients differ in the last bits
+    under any checkpointing (transformers' own included: up to 6e-8, measured), so its reference is
+    transformers' own gradient checkpointing; every other model's is the unmodified model."""
+    reference = copy.deepcopy(model)
+    if model_type == "gpt2":
+        enable_transformers_checkpointing(reference, {"use_reentrant": False})
+    return reference
+
+
+def assert_bitwise_equal(model, reference):
+    with sac_plugin.audit() as audit:
+        loss = step(model)
+    expected = step(reference)
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    return audit
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+# Eager attention runs in the native-engine pass only (slow): the other two passes cover sdpa.
+@pytest.mark.parametrize("attention", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_attn_unit_is_bitwise_and_keeps_the_attention(model_type, attention, dropout):
+    model = build(model_type, attention, dropout)
+    reference = reference_for(model_type, model)
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        audit = assert_bitwise_equal(model, reference)
+    projections = audit.hits("aten::mm") + audit.hits("aten::addmm")
+    assert projections == ATTENTION_PROJECTIONS[model_type] * LAYERS
+    sdpa_hits = audit.hits(SDPA_CPU)
+    sac_warnings = [str(w.message) for w in caught if str(w.message).startswith("sac")]
+    if attention == "sdpa" and model_type != "gpt2":
+        # With dropout, CPU SDPA takes its math path (no fused op to keep).
+        assert sdpa_hits == (0 if dropout else LAYERS)
+    if dropout:
+        # The dropout's in-place writes in the kept unit are recomputed, each said once.
+        assert sac_warnings and len(set(sac_warnings)) == len(sac_warnings)
+        for message in sac_warnings:
+            assert re.fullmatch(r"sac: aten::\w+\.?\w* mutates an input inside kept unit 'attn'; it is recomputed "
+                                r"rather than kept \(warned once per policy\)", message), message
+    else:
+        assert sac_warnings == []
+
+
+_WRITES_A_KEPT_OUTPUT = pytest.mark.native_engine(
+    "mixtral's experts write a tensor its kept units produced (index_put_ into the routed buffer): the native engine "
+    "demotes that kept output, torch's SAC raises")
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=_WRITES_A_KEPT_OUTPUT) if t == "mixtral" else t
+                                        for t in sorted(CONFIGS)])
+def test_every_unit_of_the_target_map(model_type):
+    model = build(model_type, "sdpa", dropout=False)
+    reference = reference_for(model_type, model)
+    units = [unit.value for unit in huggingface.HF_TARGET_MAPS[model_type]]
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=units, every_nth_layer=2, first_layer=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        audit = assert_bitwise_equal(model, reference)
+    # No unit check fires: every unit of the map opens and keeps something.
+    assert [str(w.message) for w in caught if str(w.message).startswith("sac_plugin:")] == []
+    layers = huggingface.decoder_layers(model)
+    assert ["_sac_policy" in vars(layer) for layer in layers] == [False, True]
+    if "moe_dispatch" in units:
+        # The checkpointed layer's routing (sort and counts) is served, never run again.
+        assert audit.hits("aten::sort") == audit.hits("aten::histc") == 1
+        assert audit.count("aten::sort", "recompute") == audit.count("aten::histc", "recompute") == 0
+
+
+def test_the_core_apply_recompute_config_takes_a_transformers_model():
+    model = build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(model)
+    sac_plugin.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS
+
+
+def test_the_cache_is_off_in_training_and_on_in_eval():
+    model = build("llama", "sdpa", dropout=False)
+    huggingface.apply_recompute_config(model)
+    step(model)  # a cache written in the forward and again in the recompute would fail here
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(64, (1, 4)), use_cache=True)
+    assert out.past_key_values is not None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_gradient_checkpointing_kwargs_recipe(model_type):
+    model = build(model_type, "sdpa", dropout=True)
+    reference = copy.deepcopy(model)
+    enable_transformers_checkpointing(
+        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["mlp"])))
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits("aten::silu") == LAYERS  # the MLP's (the experts') activation, one call per layer
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError) as error:
+        huggingface.target_map_for(build("llama", "sdpa", False).__class__.__new__(torch.nn.Linear))
+    assert str(error.value).startswith("sac_plugin: no Hugging Face target map for model_type None (Linear); shipped: "
+                                       "gpt2, llama, mistral, mixtral, qwen2, qwen2_moe.")
+    model = build("llama", "sdpa", False)
+    with pytest.raises(ConfigError) as error:
+        huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(every_nth_layer=2))
+    assert str(error.value).startswith("recompute config: transformers' gradient checkpointing checkpoints every "
+                                       "decoder layer")
+    with pytest.raises(ConfigError, match=r"^recompute config: units\[0\]: llama \(Hugging Face\) declares no unit "
+                                          r"'moe_gate' \(it declares attn, mlp, norm\)$"):
+        huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]))
+    huggingface.apply_recompute_config(model)
+    with pytest.raises(ValueError, match="is already checkpointed by sac_plugin; apply a config once per model$"):
+        huggingface.apply_recompute_config(model)
+    other = build("llama", "sdpa", False)
+    enable_transformers_checkpointing(other, {"use_reentrant": False})
+    with pytest.raises(ValueError, match="has transformers' gradient checkpointing enabled; call "
+                                         r"model.gradient_checkpointing_disable\(\) first"):
+        huggingface.apply_recompute_config(other)
