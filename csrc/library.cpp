@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "diagnostics/audit.h"
+#include "diagnostics/call_profile.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/thread_state.h"
@@ -127,6 +128,7 @@ struct OpenScope {
 struct RegionHandle : torch::CustomClassHolder {
   explicit RegionHandle(const c10::intrusive_ptr<PolicyHandle>& policy)
       : region(c10::make_intrusive<Region>(policy->policy)) {}
+  explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {}
   ~RegionHandle() override {
     forward.abandon(ActivationKind::kForward, region.get());
     recompute.abandon(ActivationKind::kRecompute, region.get());
@@ -165,6 +167,35 @@ struct RegionHandle : torch::CustomClassHolder {
   OpenScope forward;
   OpenScope recompute;
   bool forward_done = false;
+};
+
+// A layer's profile (diagnostics/call_profile.h): Python opens one profiling region per run.
+using ProfileRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
+                               std::vector<int64_t>, std::vector<std::string>, std::vector<double>>;
+
+struct ProfileHandle : torch::CustomClassHolder {
+  c10::intrusive_ptr<RegionHandle> newRegion() {
+    return c10::make_intrusive<RegionHandle>(c10::make_intrusive<Region>(keeps_nothing, profile));
+  }
+
+  // Columns, one row per call of the first run: op, index among the op's calls, innermost unit
+  // ("" for none), new output bytes, why it cannot be kept ("" when it can), and every run's
+  // seconds, flattened call-major (runs() values per call).
+  ProfileRows rows() const {
+    ProfileRows columns;
+    for (const ProfiledCall& call : profile->calls()) {
+      std::get<0>(columns).push_back(call.op->traits.qualified_name);
+      std::get<1>(columns).push_back(static_cast<int64_t>(call.index));
+      std::get<2>(columns).push_back(call.unit == kNoUnit ? std::string() : unitName(call.unit));
+      std::get<3>(columns).push_back(call.output_bytes);
+      std::get<4>(columns).push_back(call.not_keepable);
+      std::get<5>(columns).insert(std::get<5>(columns).end(), call.seconds.begin(), call.seconds.end());
+    }
+    return columns;
+  }
+
+  std::shared_ptr<CallProfile> profile = std::make_shared<CallProfile>();
+  std::shared_ptr<const Policy> keeps_nothing = Policy::create(PolicySpec{});
 };
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
@@ -302,6 +333,16 @@ TORCH_LIBRARY(sac, m) {
            })
       .def("keeps_nothing",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
+
+  m.class_<ProfileHandle>("CallProfile")
+      .def(torch::init<>())
+      .def("new_region", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegion(); })
+      .def("begin_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->beginRun(); })
+      .def("end_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->endRun(); })
+      .def("runs", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->runs(); })
+      .def("recorded_in_run",
+           [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->recordedInRun(); })
+      .def("rows", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->rows(); });
 
   m.class_<AuditHandle>("Audit")
       .def(torch::init<>())

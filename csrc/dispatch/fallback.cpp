@@ -21,6 +21,7 @@
 
 #include <mutex>
 
+#include "diagnostics/call_profile.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
@@ -87,6 +88,9 @@ class InterceptedCall {
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
     if (region == nullptr || !region->intercepts() || python_handles_it) return countAndRun(state.phase());
+    if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
+      return region->profile()->profileCall(*region, entry_, op_.schema(), stack_, [&] { countAndRun(state.phase()); });
+    }
 
     const Policy& policy = region->policy();
     // A view makes no storage and writes none: the data flow names its output by its base's

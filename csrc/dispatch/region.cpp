@@ -59,8 +59,12 @@ std::string unitSuffix(UnitId unit) {
 
 }  // namespace
 
-Region::Region(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)) {
+Region::Region(std::shared_ptr<const Policy> policy) : Region(std::move(policy), nullptr) {}
+
+Region::Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile)
+    : policy_(std::move(policy)), profile_(std::move(profile)) {
   TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
+  intercepts_ = !policy_->keepsNothing() || profile_ != nullptr;
 }
 
 // NOTE: [Versions of out= results]
