@@ -5,13 +5,19 @@ unit means for that model. Everything unset keeps nothing: an unset config is fu
 every layer, so it can never raise peak memory.
 
     {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
-     "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true}
+     "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true, "budget": null}
+
+A `budget` (a fraction of the checkpointed layers' no-checkpointing activation bytes, or bytes)
+replaces the hand-written selection: the plugin profiles the layers and keeps what saves the most
+recompute time within it (sac_plugin.plan), so units, ops, every_nth_op and
+force_recompute_modules stay unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,6 +45,7 @@ class RecomputeConfig:
     layer_ratio: float | None = None
     force_recompute_modules: tuple[str, ...] = ()
     preserve_rng_state: bool = True
+    budget: float | int | None = None
 
     def __post_init__(self):
         _check_strings("units", self.units)
@@ -76,6 +83,17 @@ class RecomputeConfig:
         object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
         if not isinstance(self.preserve_rng_state, bool):
             raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {self.preserve_rng_state!r}")
+        if self.budget is not None:
+            from .planner import check_budget
+
+            try:
+                check_budget(self.budget)
+            except (TypeError, ValueError) as error:
+                raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
+            chosen = [name for name in ("units", "ops", "every_nth_op", "force_recompute_modules") if getattr(self, name)]
+            if chosen:
+                raise ConfigError(f"recompute config: budget chooses what to keep by measurement; leave {', '.join(chosen)} "
+                                  "unset (or drop budget to choose by hand)")
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -88,6 +106,7 @@ class RecomputeConfig:
             "layer_ratio": self.layer_ratio,
             "force_recompute_modules": list(self.force_recompute_modules),
             "preserve_rng_state": self.preserve_rng_state,
+            "budget": self.budget,
         }
 
     @classmethod
@@ -257,13 +276,21 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
 
 
 def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> nn.Module:
+                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
+                           example_inputs=None) -> nn.Module:
     """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
 
     Units that resolve to callables are installed on each checkpointed layer; force-recomputed
     modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
     Everything is resolved and checked before any layer is changed: a refused config leaves the
     model as it was.
+
+    With `config.budget`, each distinct layer (by type, parameter shapes and input shapes) is
+    profiled and planned once. Given `example_inputs` (the model's positional arguments as a
+    tuple, or (args, kwargs)), the model runs once to capture each layer's inputs, and the total
+    budget is split over the layers to save the most recompute time (planner/split.py).
+    Without them each layer is planned on its first call, within its own share of the budget.
+    What was chosen is logged on logging.getLogger("sac_plugin").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
@@ -279,6 +306,17 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
             f"{describe_value(target_map)}"
         )
     config = RecomputeConfig() if config is None else config
+    if example_inputs is not None and config.budget is None:
+        raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
+    if config.budget is not None:
+        from .planner.apply import apply_budget
+
+        sites = _wrap_sites(model, wrap_sites)
+        selected = [sites[i] for i in config.selected_layers(len(sites))]
+        for index, site in zip(config.selected_layers(len(sites)), selected):
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        apply_budget(model, selected, config.budget, example_inputs, preserve_rng_state=config.preserve_rng_state)
+        return model
     target_map = default_target_map(model) if target_map is None else target_map
     sites = _wrap_sites(model, wrap_sites)
     check_target_map(target_map, sites[0])
