@@ -77,6 +77,8 @@ def held(layer, args):
 def step(layer, args):
     x = args[0].detach().requires_grad_()
     layer(x, *args[1:]).sum().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize()
 
 
 def timed(modes, args, reps):
