@@ -41,13 +41,20 @@ class Knapsack:
         self._cells_of = [-(-w // grid) for w in self.weights]
         self._keep = torch.zeros(len(self.weights), self.cells + 1, dtype=torch.bool)
         best = torch.zeros(self.cells + 1, dtype=torch.float64)
-        for i, (cells, value) in enumerate(zip(self._cells_of, self.values)):
-            if cells > self.cells or value <= 0:
-                continue
-            candidate = best[: self.cells + 1 - cells] + value
-            better = candidate > best[cells:]
-            self._keep[i, cells:] = better
-            best[cells:] = torch.where(better, candidate, best[cells:])
+        # One thread: rows of at most 65,537 cells gain nothing from intra-op threads, and on a
+        # busy machine handing each of thousands of small ops to a pool costs more than the op.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for i, (cells, value) in enumerate(zip(self._cells_of, self.values)):
+                if cells > self.cells or value <= 0:
+                    continue
+                candidate = best[: self.cells + 1 - cells] + value
+                better = candidate > best[cells:]
+                self._keep[i, cells:] = better
+                best[cells:] = torch.where(better, candidate, best[cells:])
+        finally:
+            torch.set_num_threads(threads)
         self._best = best
 
     def solve(self, capacity: int) -> list[int]:
