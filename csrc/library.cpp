@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "diagnostics/audit.h"
+#include "diagnostics/call_profile.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/region_scopes.h"
@@ -30,26 +31,75 @@ namespace sac {
 namespace {
 
 struct PolicyHandle : torch::CustomClassHolder {
+  // kept_calls travels flattened: op i keeps the next kept_call_counts[i] values of
+  // kept_call_indices (torchbind has no list-of-lists argument that every supported torch takes).
   PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
                std::vector<std::string> every_nth_ops, std::vector<int64_t> every_nth,
-               std::vector<std::string> recomputed_units)
+               std::vector<std::string> recomputed_units, std::vector<std::string> kept_call_ops,
+               std::vector<int64_t> kept_call_counts, std::vector<int64_t> kept_call_indices)
       : policy(Policy::create(spec(std::move(kept_ops), std::move(kept_units), every_nth_ops, every_nth,
-                                   std::move(recomputed_units)))) {}
+                                   std::move(recomputed_units), kept_call_ops, kept_call_counts,
+                                   kept_call_indices))) {}
 
   static PolicySpec spec(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
                          const std::vector<std::string>& every_nth_ops, const std::vector<int64_t>& every_nth,
-                         std::vector<std::string> recomputed_units) {
+                         std::vector<std::string> recomputed_units, const std::vector<std::string>& kept_call_ops,
+                         const std::vector<int64_t>& kept_call_counts, const std::vector<int64_t>& kept_call_indices) {
     TORCH_CHECK_VALUE(every_nth_ops.size() == every_nth.size(), "sac: every_nth_op needs one n per op, got ",
                       every_nth_ops.size(), " ops and ", every_nth.size(), " values");
+    TORCH_CHECK_VALUE(kept_call_ops.size() == kept_call_counts.size(), "sac: kept_calls needs one count per op, got ",
+                      kept_call_ops.size(), " ops and ", kept_call_counts.size(), " counts");
     PolicySpec spec;
     spec.kept_ops = std::move(kept_ops);
     spec.kept_units = std::move(kept_units);
     for (size_t i = 0; i < every_nth_ops.size(); ++i) spec.every_nth_ops.emplace_back(every_nth_ops[i], every_nth[i]);
     spec.recomputed_units = std::move(recomputed_units);
+    size_t next = 0;
+    for (size_t i = 0; i < kept_call_ops.size(); ++i) {
+      const int64_t count = kept_call_counts[i];
+      TORCH_CHECK_VALUE(count >= 0 && static_cast<size_t>(count) <= kept_call_indices.size() - next,
+                        "sac: kept_calls: the counts do not add up to the ", kept_call_indices.size(), " indices given");
+      spec.kept_calls.emplace_back(kept_call_ops[i],
+                                   std::vector<int64_t>(kept_call_indices.begin() + static_cast<std::ptrdiff_t>(next),
+                                                        kept_call_indices.begin() +
+                                                            static_cast<std::ptrdiff_t>(next + count)));
+      next += static_cast<size_t>(count);
+    }
+    TORCH_CHECK_VALUE(next == kept_call_indices.size(), "sac: kept_calls: the counts do not add up to the ",
+                      kept_call_indices.size(), " indices given");
     return spec;
   }
 
   std::shared_ptr<const Policy> policy;
+};
+
+// A layer's profile (diagnostics/call_profile.h): Python opens one profiling region per run.
+using ProfileRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
+                               std::vector<int64_t>, std::vector<std::string>, std::vector<double>>;
+
+struct ProfileHandle : torch::CustomClassHolder {
+  c10::intrusive_ptr<RegionHandle> newRegion() {
+    return c10::make_intrusive<RegionHandle>(c10::make_intrusive<Region>(keeps_nothing, profile));
+  }
+
+  // Columns, one row per call of the first run: op, index among the op's calls, innermost unit
+  // ("" for none), new output bytes, why it cannot be kept ("" when it can), and every run's
+  // seconds, flattened call-major (runs() values per call).
+  ProfileRows rows() const {
+    ProfileRows columns;
+    for (const ProfiledCall& call : profile->calls()) {
+      std::get<0>(columns).push_back(call.op->traits.qualified_name);
+      std::get<1>(columns).push_back(static_cast<int64_t>(call.index));
+      std::get<2>(columns).push_back(call.unit == kNoUnit ? std::string() : unitName(call.unit));
+      std::get<3>(columns).push_back(call.output_bytes);
+      std::get<4>(columns).push_back(call.not_keepable);
+      std::get<5>(columns).insert(std::get<5>(columns).end(), call.seconds.begin(), call.seconds.end());
+    }
+    return columns;
+  }
+
+  std::shared_ptr<CallProfile> profile = std::make_shared<CallProfile>();
+  std::shared_ptr<const Policy> keeps_nothing = Policy::create(PolicySpec{});
 };
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
@@ -154,7 +204,8 @@ TORCH_LIBRARY(sac, m) {
 
   m.class_<PolicyHandle>("Policy")
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-                       std::vector<int64_t>, std::vector<std::string>>())
+                       std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
+                       std::vector<int64_t>, std::vector<int64_t>>())
       // One region per checkpoint call: a method call costs a fraction of a class constructor.
       .def("new_region",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self->policy); })
@@ -176,8 +227,30 @@ TORCH_LIBRARY(sac, m) {
              }
              return std::make_tuple(ops, every);
            })
+      .def("kept_calls",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) {
+             std::vector<std::string> ops;
+             std::vector<int64_t> counts;
+             std::vector<int64_t> indices;
+             for (const auto& [op, calls] : self->policy->keptCalls()) {
+               ops.push_back(op);
+               counts.push_back(static_cast<int64_t>(calls.size()));
+               indices.insert(indices.end(), calls.begin(), calls.end());
+             }
+             return std::make_tuple(ops, counts, indices);
+           })
       .def("keeps_nothing",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
+
+  m.class_<ProfileHandle>("CallProfile")
+      .def(torch::init<>())
+      .def("new_region", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegion(); })
+      .def("begin_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->beginRun(); })
+      .def("end_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->endRun(); })
+      .def("runs", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->runs(); })
+      .def("recorded_in_run",
+           [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->recordedInRun(); })
+      .def("rows", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->rows(); });
 
   m.class_<AuditHandle>("Audit")
       .def(torch::init<>())

@@ -78,6 +78,8 @@ build_plugin() {
     --seqs 2048 4096 --json "$out_dir/memory_cuda.json"
   step "Llama block, bf16, hidden 4096, seq 4096" 120 "$python" tools/bench_block.py --device cuda \
     --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 5 --json "$out_dir/block_cuda.json"
+  step "memory-budget plans (cuda, CUDA-event kernel times)" 240 "$python" tools/bench_budget.py --device cuda \
+    --sizes 1024x1024 2048x2048 --reps 5 --json "$out_dir/budget_cuda.json"
   echo "gpu_check: done, status $status"
   exit "$status"
 } 2>&1 | tee "$log"

@@ -21,6 +21,7 @@
 
 #include <mutex>
 
+#include "diagnostics/call_profile.h"
 #include "diagnostics/user_warning.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/ivalue_tensors.h"
@@ -88,6 +89,9 @@ class InterceptedCall {
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
     if (region == nullptr || !region->intercepts() || python_handles_it) return countAndRun(state.phase());
+    if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
+      return region->profile()->profileCall(*region, entry_, op_.schema(), stack_, [&] { countAndRun(state.phase()); });
+    }
 
     const Policy& policy = region->policy();
     // A view makes no storage and writes none: the data flow names its output by its base's
@@ -122,7 +126,7 @@ class InterceptedCall {
     CallFacts facts;
     facts.draws_random = drawsRandomNumbers(entry_.traits, arguments);
     facts.casts_a_parameter = castsAParameter(entry_.traits, arguments);
-    if (policy.everyNth(entry_) > 0) facts.call_index = region->nextCallIndex(entry_);
+    if (policy.countsCalls(entry_)) facts.call_index = region->nextCallIndex(entry_);
     Decision decision = policy.decide(entry_, UnitStack::current().units(), facts);
     if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
     countAndRun(state.phase());

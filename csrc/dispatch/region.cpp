@@ -65,8 +65,12 @@ namespace {
 std::atomic<int64_t> live_regions{0};
 }  // namespace
 
-Region::Region(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)) {
+Region::Region(std::shared_ptr<const Policy> policy) : Region(std::move(policy), nullptr) {}
+
+Region::Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile)
+    : policy_(std::move(policy)), profile_(std::move(profile)) {
   TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
+  intercepts_ = !policy_->keepsNothing() || profile_ != nullptr;
   live_regions.fetch_add(1, std::memory_order_relaxed);
 }
 

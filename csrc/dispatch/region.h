@@ -27,6 +27,8 @@ class OperatorHandle;
 
 namespace sac {
 
+class CallProfile;
+
 // Whether this thread is running an autograd graph task, and whether that backward keeps its
 // graph (retain_graph=True), in which case kept outputs must survive for the next backward.
 bool inAutogradGraphTask();
@@ -37,13 +39,18 @@ bool currentBackwardKeepsGraph();
 class Region : public c10::intrusive_ptr_target {
  public:
   explicit Region(std::shared_ptr<const Policy> policy);
+  // A profiling region: it keeps nothing, but intercepts every call and hands it to `profile`
+  // (NOTE: [Profiling a region] in diagnostics/call_profile.cpp).
+  Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile);
   ~Region() override;
 
   // Regions alive in the process: tests check that checkpointed steps free theirs.
   static int64_t liveCount();
 
   const Policy& policy() const { return *policy_; }
-  bool intercepts() const { return !policy_->keepsNothing(); }
+  bool intercepts() const { return intercepts_; }
+  // Null except in a profiling region: one predictable branch in the fallback.
+  CallProfile* profile() const { return profile_.get(); }
 
   // The data flow of the pass under way (forward or recompute).
   DataFlow& flow() { return flow_; }
@@ -107,6 +114,8 @@ class Region : public c10::intrusive_ptr_target {
   };
 
   std::shared_ptr<const Policy> policy_;
+  std::shared_ptr<CallProfile> profile_;
+  bool intercepts_ = false;
   DataFlow flow_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
   HashMap<const c10::StorageImpl*, std::vector<uint64_t>> kept_storages_;

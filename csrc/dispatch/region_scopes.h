@@ -72,6 +72,7 @@ struct OpenScope {
 
 struct RegionHandle : torch::CustomClassHolder {
   explicit RegionHandle(std::shared_ptr<const Policy> policy) : region(c10::make_intrusive<Region>(std::move(policy))) {}
+  explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {}
   ~RegionHandle() override {
     forward.abandon(ActivationKind::kForward, region.get());
     recompute.abandon(ActivationKind::kRecompute, region.get());

@@ -77,6 +77,27 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
                         ", but another entry already gave it n = ", it->second, "; give each op one n");
     }
   }
+  for (const auto& [spelling, indices] : spec.kept_calls) {
+    for (int64_t index : indices) {
+      TORCH_CHECK_VALUE(index >= 0, "sac: kept_calls: '", spelling,
+                        "' lists call index ", index, "; indices count the op's calls in a region from 0");
+    }
+    std::vector<uint64_t> sorted(indices.begin(), indices.end());
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    for (const OpEntry* entry : resolveKeptSpelling("kept_calls", spelling)) {
+      // One rule per overload: a kept-calls list beside kept_ops or an every-nth rule for the
+      // same overload would make one of them meaningless.
+      const char* other = policy->kept_ops_.count(entry) > 0      ? "kept_ops"
+                          : policy->every_nth_.count(entry) > 0   ? "every_nth_op"
+                          : policy->kept_calls_.count(entry) > 0 ? "kept_calls (another spelling)"
+                                                                 : nullptr;
+      TORCH_CHECK_VALUE(other == nullptr, "sac: kept_calls: '", spelling, "' names ",
+                        entry->traits.qualified_name, ", which ", other,
+                        " already names; give each op one rule (kept_ops, every_nth_op or kept_calls)");
+      policy->kept_calls_.emplace(entry, sorted);
+    }
+  }
   for (const std::string& unit : spec.kept_units) policy->kept_units_.insert(internUnitOf("kept_units", unit));
   for (const std::string& unit : spec.recomputed_units) {
     policy->recomputed_units_.insert(internUnitOf("recomputed_units", unit));
@@ -110,6 +131,15 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     decision.keep = !call.draws_random;
     decision.random_call_of_kept_op = call.draws_random;
     return decision;
+  }
+  if (!kept_calls_.empty()) {
+    auto rule = kept_calls_.find(&op);
+    if (rule != kept_calls_.end() &&
+        std::binary_search(rule->second.begin(), rule->second.end(), static_cast<uint64_t>(call.call_index))) {
+      decision.keep = !call.draws_random;
+      decision.random_call_of_kept_op = call.draws_random;
+      return decision;
+    }
   }
   if (kept_units_.empty()) return decision;
   for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
@@ -151,6 +181,15 @@ std::vector<std::string> Policy::recomputedUnitNames() const {
 std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
   std::vector<std::pair<std::string, int64_t>> rules;
   for (const auto& [entry, n] : every_nth_) rules.emplace_back(entry->traits.qualified_name, static_cast<int64_t>(n));
+  std::sort(rules.begin(), rules.end());
+  return rules;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::keptCalls() const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> rules;
+  for (const auto& [entry, indices] : kept_calls_) {
+    rules.emplace_back(entry->traits.qualified_name, std::vector<int64_t>(indices.begin(), indices.end()));
+  }
   std::sort(rules.begin(), rules.end());
   return rules;
 }

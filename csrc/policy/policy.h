@@ -47,6 +47,10 @@ struct PolicySpec {
   // (op, n): keep calls 1, n+1, 2n+1, ... of the op in each region ("every other matmul" is n=2),
   // counting every call of the op in the region, so forward and recompute count alike.
   std::vector<std::pair<std::string, int64_t>> every_nth_ops;
+  // (op, indices): keep exactly these calls of the op in each region, by 0-based index among the
+  // region's forward calls of it, counted as every-nth rules count them (a memory-budget plan
+  // is one). Indices are >= 0; repeats are merged; an op has one rule of one kind.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> kept_calls;
   // Units whose ops are always recomputed, whatever else would keep them: how a config forces
   // an op back to recompute by the module it runs in.
   std::vector<std::string> recomputed_units;
@@ -57,8 +61,9 @@ struct CallFacts {
   // The call draws from a generator (drawsRandomNumbers); it is recomputed so that forward and
   // recompute draw the same numbers in the same order.
   bool draws_random = false;
-  // For an op with an every-nth rule: this call's 0-based index among the region's calls of it.
-  uint32_t call_index = 0;
+  // For an op with an every-nth or kept-calls rule (countsCalls): this call's 0-based index among
+  // the region's forward calls of it.
+  uint64_t call_index = 0;
   // The call casts a parameter (castsAParameter): never kept.
   bool casts_a_parameter = false;
 };
@@ -67,14 +72,21 @@ class Policy {
  public:
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
   // registered names), a collective, a random or mutating op, an empty unit name, n < 1, two
-  // every-nth rules that give one overload different n.
+  // every-nth rules that give one overload different n, a negative kept-call index, an overload
+  // named by more than one of kept_ops, every_nth_ops and kept_calls.
   static std::shared_ptr<const Policy> create(const PolicySpec& spec);
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
 
   Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
 
-  bool keepsNothing() const { return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty(); }
+  bool keepsNothing() const {
+    return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty();
+  }
+  // Whether decide() needs CallFacts::call_index for this op (an every-nth or kept-calls rule).
+  bool countsCalls(const OpEntry& op) const {
+    return (!every_nth_.empty() && every_nth_.count(&op) > 0) || (!kept_calls_.empty() && kept_calls_.count(&op) > 0);
+  }
   // n of the op's every-nth rule, or 0: the caller then need not count its calls. Stored as
   // given (any n >= 1 that fits int64): an n beyond the calls a region makes keeps only the first.
   uint64_t everyNth(const OpEntry& op) const {
@@ -83,11 +95,15 @@ class Policy {
     return it == every_nth_.end() ? 0 : it->second;
   }
   // Whether the op's overload is named by the kept-op set or an every-nth rule (not by a unit).
-  bool namesOp(const OpEntry& op) const { return kept_ops_.count(&op) > 0 || everyNth(op) > 0; }
+  bool namesOp(const OpEntry& op) const {
+    return kept_ops_.count(&op) > 0 || everyNth(op) > 0 || (!kept_calls_.empty() && kept_calls_.count(&op) > 0);
+  }
   std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
   std::vector<std::string> keptUnitNames() const;  // sorted
   std::vector<std::string> recomputedUnitNames() const;  // sorted
   std::vector<std::pair<std::string, int64_t>> everyNthOps() const;  // sorted by op
+  // Sorted by op; each op's indices ascending, without repeats.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> keptCalls() const;
 
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
@@ -103,6 +119,8 @@ class Policy {
   HashSet<const OpEntry*> kept_ops_;
   HashSet<UnitId> kept_units_;
   HashMap<const OpEntry*, uint64_t> every_nth_;
+  // Each op's kept call indices, ascending and unique (binary search per counted call).
+  HashMap<const OpEntry*, std::vector<uint64_t>> kept_calls_;
   HashSet<UnitId> recomputed_units_;
   mutable std::atomic<size_t> calls_per_pass_hint_{0};
   mutable std::mutex warned_mutex_;

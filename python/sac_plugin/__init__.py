@@ -10,6 +10,7 @@ from .audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
 from .dispatch_mode import engine  # noqa: E402
 from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
+from .planner import Plan, PlanError, plan  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
 from .report import Report, report  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
@@ -21,6 +22,8 @@ __all__ = [
     "ConfigError",
     "KeptCallables",
     "KeptOps",
+    "Plan",
+    "PlanError",
     "Policy",
     "RecomputeConfig",
     "RecomputeTargetMap",
@@ -35,6 +38,7 @@ __all__ = [
     "in_recompute_unit",
     "interception_path",
     "open_units",
+    "plan",
     "recompute_unit",
     "report",
     "resolve_kept_ops",

@@ -78,6 +78,7 @@ def torch_policy_fn(policy: Policy):
 
     kept = frozenset(policy.kept_overloads())
     every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
+    kept_calls = {overload_of(name): frozenset(indices) for name, indices in policy.kept_calls.items()}
     kept_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.kept_units)
     recomputed_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.recomputed_units)
     calls: dict = {}
@@ -100,6 +101,14 @@ def torch_policy_fn(policy: Policy):
             index = calls.get(key, 0)
             calls[key] = index + 1
             if index % n == 0 and not draws:
+                return CheckpointPolicy.MUST_SAVE
+        listed = kept_calls.get(op)
+        if listed is not None:
+            # Counted as every-nth rules count: per pass, every call of the op that reaches here.
+            key = (ctx.is_recompute, op)
+            index = calls.get(key, 0)
+            calls[key] = index + 1
+            if index in listed and not draws:
                 return CheckpointPolicy.MUST_SAVE
         if kept_units and not kept_units.isdisjoint(units) and not (mutates or view or draws):
             return CheckpointPolicy.MUST_SAVE

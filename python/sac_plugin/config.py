@@ -5,13 +5,19 @@ unit means for that model. Everything unset keeps nothing: an unset config is fu
 every layer, so it can never raise peak memory.
 
     {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
-     "first_layer": 0, "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true}
+     "first_layer": 0, "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true,
+     "budget": null}
 
 Which wrap sites (layers, counted from 0) are checkpointed: every_nth_layer=n with first_layer=f
 takes f, f+n, f+2n, ... (the default f=0 takes 0, n, 2n, ...: n=2 of 4 layers is 0 and 2);
 first_layer=n-1 is the other convention, Modalities' ac_freq=n (n=2 of 4 layers is 1 and 3).
 layer_ratio=r takes round(r * count) layers (at least one) spread evenly from layer 0:
 layer floor(i * count / chosen) for i = 0 .. chosen-1 (0.5 of 4 is 0 and 2).
+
+A `budget` (a fraction of the checkpointed layers' no-checkpointing activation bytes, or bytes)
+replaces the hand-written selection: the plugin profiles the layers and keeps what saves the most
+recompute time within it (sac_plugin.plan), so units, ops, every_nth_op and
+force_recompute_modules stay unset.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class RecomputeConfig:
     layer_ratio: float | None = None
     force_recompute_modules: tuple[str, ...] = ()
     preserve_rng_state: bool = True
+    budget: float | int | None = None
 
     def __post_init__(self):
         _check_strings("units", self.units)
@@ -95,6 +102,17 @@ class RecomputeConfig:
         object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
         if not isinstance(self.preserve_rng_state, bool):
             raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {self.preserve_rng_state!r}")
+        if self.budget is not None:
+            from .planner import check_budget
+
+            try:
+                check_budget(self.budget)
+            except (TypeError, ValueError) as error:
+                raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
+            chosen = [name for name in ("units", "ops", "every_nth_op", "force_recompute_modules") if getattr(self, name)]
+            if chosen:
+                raise ConfigError(f"recompute config: budget chooses what to keep by measurement; leave {', '.join(chosen)} "
+                                  "unset (or drop budget to choose by hand)")
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -108,6 +126,7 @@ class RecomputeConfig:
             "layer_ratio": self.layer_ratio,
             "force_recompute_modules": list(self.force_recompute_modules),
             "preserve_rng_state": self.preserve_rng_state,
+            "budget": self.budget,
         }
 
     @classmethod
@@ -285,13 +304,21 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
 
 
 def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> nn.Module:
+                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
+                           example_inputs=None) -> nn.Module:
     """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
 
     Units that resolve to callables are installed on each checkpointed layer; force-recomputed
     modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
     Everything is resolved and checked before any layer is changed: a refused config leaves the
     model as it was.
+
+    With `config.budget`, each distinct layer (by type, parameter shapes and input shapes) is
+    profiled and planned once. Given `example_inputs` (the model's positional arguments as a
+    tuple, or (args, kwargs)), the model runs once to capture each layer's inputs, and the total
+    budget is split over the layers to save the most recompute time (planner/split.py).
+    Without them each layer is planned on its first call, within its own share of the budget.
+    What was chosen is logged on logging.getLogger("sac_plugin").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
@@ -313,6 +340,17 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
         # adapter hands them the policy and finds the target map and the layers.
         return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites)
     config = RecomputeConfig() if config is None else config
+    if example_inputs is not None and config.budget is None:
+        raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
+    if config.budget is not None:
+        from .planner.apply import apply_budget
+
+        sites = _wrap_sites(model, wrap_sites)
+        selected = [sites[i] for i in config.selected_layers(len(sites))]
+        for index, site in zip(config.selected_layers(len(sites)), selected):
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        apply_budget(model, selected, config.budget, example_inputs, preserve_rng_state=config.preserve_rng_state)
+        return model
     target_map = default_target_map(model) if target_map is None else target_map
     sites = _wrap_sites(model, wrap_sites)
     selected = config.selected_layers(len(sites))

@@ -102,6 +102,7 @@ def eager_policy_fn(policy, plan: dict):
 
     kept = frozenset(policy.kept_overloads())
     every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
+    kept_calls = {overload_of(name): frozenset(indices) for name, indices in policy.kept_calls.items()}
     kept_units = frozenset(policy.kept_units)
     recomputed_units = frozenset(policy.recomputed_units)
     calls: dict = {}
@@ -125,6 +126,10 @@ def eager_policy_fn(policy, plan: dict):
             index = calls.get((recompute, op), 0)
             calls[(recompute, op)] = index + 1
             selected = index % every_nth[op] == 0
+        elif not selected and op in kept_calls:
+            index = calls.get((recompute, op), 0)
+            calls[(recompute, op)] = index + 1
+            selected = index in kept_calls[op]
         if selected:
             if draws:
                 random_call_warning(op)

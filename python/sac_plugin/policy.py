@@ -106,6 +106,37 @@ def _every_nth_rules(every_nth_op) -> dict[str, int]:
     return rules
 
 
+def _kept_call_rules(kept_calls) -> dict[str, tuple[int, ...]]:
+    """{op: call indices} as the C++ side takes it: indices sorted, repeats merged, empty lists dropped."""
+    if kept_calls is None:
+        return {}
+    if not isinstance(kept_calls, Mapping):
+        raise TypeError(
+            "sac_plugin: kept_calls must be a mapping from op to call indices such as {'aten::mm.default': [0, 2]}, "
+            f"got {describe_value(kept_calls)}"
+        )
+    rules: dict[str, tuple[int, ...]] = {}
+    for op, indices in kept_calls.items():
+        spelling = op_spelling(op, "kept_calls key")
+        if isinstance(indices, (str, bytes, Mapping)) or not isinstance(indices, Iterable):
+            raise TypeError(
+                f"sac_plugin: kept_calls[{spelling!r}] must be a collection of 0-based call indices such as [0, 2], "
+                f"got {describe_value(indices)}"
+            )
+        indices = list(indices)
+        for index in indices:
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_EVERY_NTH:
+                raise (TypeError if not isinstance(index, int) or isinstance(index, bool) else ValueError)(
+                    f"sac_plugin: kept_calls[{spelling!r}]: a call index is an int from 0 to 2**63 - 1 (0 is the "
+                    f"op's first call in the region), got {describe_value(index)}"
+                )
+        if spelling in rules:
+            raise ValueError(f"sac_plugin: kept_calls names {spelling!r} twice; give each op one list of calls")
+        if indices:
+            rules[spelling] = tuple(sorted(set(indices)))
+    return rules
+
+
 class Policy:
     """Which ops a checkpointed region keeps.
 
@@ -115,22 +146,37 @@ class Policy:
     every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region; {"aten::mm": 2}
         is torchtitan's "every other matmul" rule.
     recomputed_units: units whose ops are always recomputed, whatever else would keep them.
+    kept_calls: {op: [i, j, ...]}: keep exactly these calls of the op in each region, by 0-based
+        index among the region's forward calls of it, counted as every_nth_op counts them (what a
+        memory-budget plan produces: sac_plugin.plan). An op has one rule: kept_ops, every_nth_op
+        or kept_calls.
 
     Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
     """
 
     __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth",
-                 "_recomputed_units", "_unchecked_units", "_watched_forwards")
+                 "_recomputed_units", "_kept_call_spellings", "_kept_calls", "_unchecked_units", "_watched_forwards")
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
-                 every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = ()):
+                 every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = (),
+                 kept_calls: Mapping | None = None):
         # Every argument is checked here, before C++ sees it, so that a bad one is reported by
         # name with what was given (C++ would report a torchbind conversion failure).
         spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
         units = _unit_names(kept_units, "kept_units")
         recomputed = _unit_names(recomputed_units, "recomputed_units")
         every_nth = _every_nth_rules(every_nth_op)
-        self._handle = torch.classes.sac.Policy(spellings, units, list(every_nth), list(every_nth.values()), recomputed)
+        calls = _kept_call_rules(kept_calls)
+        self._handle = torch.classes.sac.Policy(spellings, units, list(every_nth), list(every_nth.values()), recomputed,
+                                                list(calls), [len(v) for v in calls.values()],
+                                                [i for v in calls.values() for i in v])
+        self._kept_call_spellings = calls
+        ops, counts, indices = self._handle.kept_calls()
+        self._kept_calls = {}
+        start = 0
+        for op, count in zip(ops, counts):
+            self._kept_calls[op] = tuple(indices[start:start + count])
+            start += count
         # What the scope C ABI creates regions from (checkpointing.Region); valid while _handle lives.
         self._policy_address = self._handle.policy_address()
         self._spellings = tuple(spellings)
@@ -162,15 +208,21 @@ class Policy:
         return dict(zip(ops, every))
 
     @property
+    def kept_calls(self) -> dict[str, tuple[int, ...]]:
+        """Kept-call rules by kept overload name ("aten::mm": (0, 2, 5)), indices ascending."""
+        return dict(self._kept_calls)
+
+    @property
     def keeps_nothing(self) -> bool:
-        return not self._kept_ops and not self._kept_units and not self._every_nth
+        return not self._kept_ops and not self._kept_units and not self._every_nth and not self._kept_calls
 
     def kept_overloads(self) -> list[torch._ops.OpOverload]:
         """The kept ops as OpOverload objects (what torch.compile's policy functions see)."""
         return [overload_of(name) for name in sorted(self._kept_ops)]
 
     def _identity(self):
-        return (self._kept_ops, self._kept_units, tuple(sorted(self.every_nth_op.items())), self._recomputed_units)
+        return (self._kept_ops, self._kept_units, tuple(sorted(self.every_nth_op.items())), self._recomputed_units,
+                tuple(sorted(self._kept_calls.items())))
 
     def __repr__(self) -> str:
         parts = [f"kept_ops={sorted(self._spellings)!r}", f"kept_units={sorted(self._kept_units)!r}"]
@@ -178,6 +230,8 @@ class Policy:
             parts.append(f"every_nth_op={self._every_nth!r}")
         if self._recomputed_units:
             parts.append(f"recomputed_units={sorted(self._recomputed_units)!r}")
+        if self._kept_call_spellings:
+            parts.append(f"kept_calls={ {op: list(v) for op, v in self._kept_call_spellings.items()}!r}")
         return f"Policy({', '.join(parts)})"
 
     def __eq__(self, other) -> bool:
@@ -195,11 +249,12 @@ class Policy:
 
     def __reduce__(self):
         return (_rebuild_policy, (self._spellings, tuple(sorted(self._kept_units)), self._every_nth,
-                                  tuple(sorted(self._recomputed_units))))
+                                  tuple(sorted(self._recomputed_units)), self._kept_call_spellings))
 
 
-def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units):
-    return Policy(kept_ops, kept_units, every_nth_op=every_nth_op, recomputed_units=recomputed_units)
+def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_calls=None):
+    return Policy(kept_ops, kept_units, every_nth_op=every_nth_op, recomputed_units=recomputed_units,
+                  kept_calls=kept_calls)
 
 
 def overload_of(name: str) -> torch._ops.OpOverload:

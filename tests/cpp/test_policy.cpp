@@ -229,5 +229,53 @@ TEST(PolicyDeclaration, TwoEveryNthRulesForOneOverloadMustAgree) {
   }
 }
 
+// Issue 9: a memory-budget plan keeps an explicit set of calls of an op.
+TEST(PolicyDecision, KeptCallsKeepExactlyTheListedIndices) {
+  PolicySpec spec;
+  spec.kept_calls = {{"aten::mm.default", {5, 0, 2, 2}}};
+  auto policy = Policy::create(spec);
+  const OpEntry& mm = entryOf("aten::mm");
+  EXPECT_TRUE(policy->countsCalls(mm));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::tanh")));
+  EXPECT_TRUE(policy->namesOp(mm));
+  EXPECT_FALSE(policy->keepsNothing());
+  std::vector<bool> kept;
+  for (uint64_t i = 0; i < 7; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+  EXPECT_EQ(kept, (std::vector<bool>{true, false, true, false, false, true, false}));
+  EXPECT_EQ(policy->keptCalls(),
+            (std::vector<std::pair<std::string, std::vector<int64_t>>>{{"aten::mm", {0, 2, 5}}}));
+  // A random call is never kept, even when listed.
+  Decision random = policy->decide(mm, {}, CallFacts{true, 0});
+  EXPECT_FALSE(random.keep);
+  EXPECT_TRUE(random.random_call_of_kept_op);
+}
+
+TEST(PolicyDeclaration, KeptCallsRefuseNegativeIndicesAndASecondRule) {
+  auto message = [](const PolicySpec& spec) {
+    try {
+      Policy::create(spec);
+    } catch (const c10::ValueError& error) {
+      return std::string(error.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  PolicySpec negative;
+  negative.kept_calls = {{"aten::mm.default", {0, -1}}};
+  EXPECT_EQ(message(negative),
+            "sac: kept_calls: 'aten::mm.default' lists call index -1; indices count the op's calls in a region from 0");
+  PolicySpec twice;
+  twice.kept_ops = {"aten::mm.default"};
+  twice.kept_calls = {{"aten::mm", {0}}};
+  EXPECT_EQ(message(twice),
+            "sac: kept_calls: 'aten::mm' names aten::mm, which kept_ops already names; give each op one rule "
+            "(kept_ops, every_nth_op or kept_calls)");
+  PolicySpec mutating;
+  mutating.kept_calls = {{"aten::add_.Tensor", {0}}};
+  EXPECT_NE(message(mutating).find("mutates an input"), std::string::npos) << message(mutating);
+  PolicySpec unknown;
+  unknown.kept_calls = {{"aten::not_an_op", {0}}};
+  EXPECT_EQ(message(unknown).rfind("sac: kept_calls: ", 0), 0u) << message(unknown);
+}
+
 }  // namespace
 }  // namespace sac

@@ -96,11 +96,14 @@ def policies(draw):
     kept_ops = draw(st.lists(st.sampled_from(KEEPABLE), unique=True, max_size=3))
     kept_units = draw(st.lists(st.sampled_from(["attn", "mlp", "rope"]), unique=True, max_size=2))
     recomputed = draw(st.lists(st.sampled_from(["attn", "mlp", "rope"]), unique=True, max_size=1))
-    every_nth = {}
+    every_nth, kept_calls = {}, {}
     for op in ("aten::mm", "aten::addmm"):
         if op not in kept_ops and draw(st.booleans()):
-            every_nth[op] = draw(st.integers(1, 3))
-    return Policy(kept_ops, kept_units, every_nth_op=every_nth, recomputed_units=recomputed)
+            if draw(st.booleans()):
+                every_nth[op] = draw(st.integers(1, 3))
+            else:  # issue 9: an explicit set of kept calls, as a memory-budget plan writes it
+                kept_calls[op] = draw(st.lists(st.integers(0, 9), max_size=4))
+    return Policy(kept_ops, kept_units, every_nth_op=every_nth, recomputed_units=recomputed, kept_calls=kept_calls)
 
 
 modes_strategy = st.fixed_dictionaries({

@@ -1,0 +1,171 @@
+#include "diagnostics/call_profile.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "dispatch/ivalue_tensors.h"
+#include "dispatch/region.h"
+#include "hash_containers.h"
+#include "policy/op_catalog.h"
+#include "policy/op_traits.h"
+
+namespace sac {
+
+// NOTE: [Profiling a region]
+// A profiling region is a region whose policy keeps nothing but which still intercepts, so the
+// fallback sees every call a checkpointed forward would make, under the same rules: calls from
+// inside a kernel, metadata queries, meta tensors and calls a Python handler below our key owns
+// (torch 2.11) never reach it, exactly as they never reach a policy. Each call is numbered with
+// Region::nextCallIndex, the counter kept-call and every-nth rules use, so a plan's indices are
+// the indices the policy that executes it will count. The kernel runs once, as it would without
+// profiling: never again for timing, because repeating a random or mutating call would change
+// results. Instead the layer's forward runs several times (Python drives the runs) and each
+// call's time is the median over them. Time is read around the redispatch: std::chrono's
+// steady clock on CPU; on a CUDA tensor a timing event pair on the current stream, through
+// c10::Event and the device guard the CUDA library registers (no CUDA header or link here),
+// synchronised after the call, which is acceptable while profiling and never happens otherwise.
+
+namespace {
+
+bool onCuda(const c10::IValue* arguments, size_t count, c10::Device* device) {
+  bool found = false;
+  for (size_t i = 0; i < count && !found; ++i) {
+    forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
+      if (!found && tensor.defined() && tensor.device().is_cuda()) {
+        *device = tensor.device();
+        found = true;
+      }
+    });
+  }
+  return found;
+}
+
+double timeOnCuda(c10::Device device, c10::function_ref<void()> run_kernel) {
+  const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  c10::Stream stream = guard->getStream(device);
+  // BACKEND_DEFAULT creates CUDA events with timing enabled (PYTORCH_DEFAULT disables it).
+  c10::Event start(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  c10::Event end(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  start.record(stream);
+  run_kernel();
+  end.record(stream);
+  end.synchronize();
+  return start.elapsedTime(end) / 1000.0;  // milliseconds
+}
+
+const char* whyNotKeepable(const OpTraits& traits, const c10::IValue* arguments) {
+  if (traits.is_collective) return "collective";
+  if (drawsRandomNumbers(traits, arguments)) return "random";
+  if (traits.mutates_inputs) return "mutates an input";
+  if (traits.is_view) return "view";
+  if (traits.writes_out_arguments) return "out= op";
+  if (castsAParameter(traits, arguments)) return "casts a parameter";
+  return "";
+}
+
+}  // namespace
+
+void CallProfile::beginRun() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!in_run_, "sac: a profile run is already open; end it first");
+  in_run_ = true;
+  position_ = 0;
+}
+
+void CallProfile::endRun() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_run_, "sac: no profile run is open");
+  in_run_ = false;
+  if (mismatch_.empty() && runs_ > 0 && position_ != calls_.size()) {
+    mismatch_ = "run " + std::to_string(runs_ + 1) + " made " + std::to_string(position_) +
+                " calls where the first made " + std::to_string(calls_.size());
+  }
+  ++runs_;
+  TORCH_CHECK(mismatch_.empty(), "sac: the layer made different calls in two profiling runs (", mismatch_,
+              "); a profile needs a forward that makes the same calls every time it runs after a warm-up");
+}
+
+void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::FunctionSchema& schema,
+                              torch::jit::Stack* stack, c10::function_ref<void()> run_kernel) {
+  const size_t num_arguments = schema.arguments().size();
+  const size_t num_returns = schema.returns().size();
+  const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
+  ProfiledCall call;
+  call.op = &op;
+  call.index = region.nextCallIndex(op);
+  const std::vector<UnitId>& units = UnitStack::current().units();
+  call.unit = units.empty() ? UINT32_MAX : units.back();
+  call.not_keepable = whyNotKeepable(op.traits, arguments);
+  HashSet<const c10::StorageImpl*> seen;
+  for (size_t i = 0; i < num_arguments; ++i) {
+    forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.has_storage()) seen.insert(tensor.storage().unsafeGetStorageImpl());
+    });
+  }
+
+  c10::Device device(c10::DeviceType::CPU);
+  double seconds = 0;
+  if (onCuda(arguments, num_arguments, &device)) {
+    seconds = timeOnCuda(device, run_kernel);
+  } else {
+    auto start = std::chrono::steady_clock::now();
+    run_kernel();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  bool aliases_an_input = false;
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    forEachTensor((*stack)[i], [&](const at::Tensor& tensor) {
+      if (!tensor.defined() || !tensor.has_storage()) return;
+      if (seen.insert(tensor.storage().unsafeGetStorageImpl()).second) {
+        call.output_bytes += static_cast<int64_t>(tensor.storage().nbytes());
+      } else {
+        aliases_an_input = true;
+      }
+    });
+  }
+  // Keeping an output that shares an input's storage would pin that storage, whose bytes this
+  // call's record does not carry: such calls are not offered to a plan.
+  if (aliases_an_input && call.not_keepable[0] == '\0') call.not_keepable = "aliases an input";
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!in_run_ || !mismatch_.empty()) return;
+  if (runs_ == 0) {
+    call.seconds.push_back(seconds);
+    calls_.push_back(std::move(call));
+    return;
+  }
+  if (position_ >= calls_.size() || calls_[position_].op != &op || calls_[position_].index != call.index) {
+    mismatch_ = "call " + std::to_string(position_) + " is " + op.traits.qualified_name + " #" +
+                std::to_string(call.index) + " in run " + std::to_string(runs_ + 1) + ", but " +
+                (position_ < calls_.size() ? calls_[position_].op->traits.qualified_name + " #" +
+                                                 std::to_string(calls_[position_].index)
+                                           : std::string("nothing")) +
+                " in the first";
+    return;
+  }
+  calls_[position_++].seconds.push_back(seconds);
+}
+
+std::vector<ProfiledCall> CallProfile::calls() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return calls_;
+}
+
+int64_t CallProfile::recordedInRun() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(runs_ == 0 ? calls_.size() : position_);
+}
+
+int64_t CallProfile::runs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return runs_;
+}
+
+}  // namespace sac

@@ -1,0 +1,65 @@
+#pragma once
+// A profile of a checkpointed layer's forward: every call the fallback sees in a profiling
+// region, with its op, its index among the region's calls of that op (counted exactly as
+// kept-call and every-nth rules count them), its innermost unit, the bytes of the storages it
+// creates, whether a policy could keep it, and its kernel time, the median over the profile's
+// runs. A memory-budget plan (python/sac_plugin/planner) chooses the calls to keep from it.
+// NOTE: [Profiling a region] in call_profile.cpp.
+
+#include <ATen/core/stack.h>
+#include <c10/util/FunctionRef.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "policy/unit_stack.h"
+
+namespace sac {
+
+struct OpEntry;
+class Region;
+
+struct ProfiledCall {
+  const OpEntry* op = nullptr;
+  uint64_t index = 0;  // among the run's calls of `op`
+  UnitId unit = UINT32_MAX;  // innermost open unit, or UINT32_MAX (kNoUnit)
+  // Bytes of the unique storages among the outputs that are new: an output whose storage is an
+  // input's or an earlier output's of the same call counts 0; storages count whole.
+  int64_t output_bytes = 0;
+  // Why a policy cannot keep the call ("view", "random", ...), or empty when it can.
+  const char* not_keepable = "";
+  std::vector<double> seconds;  // one per run
+};
+
+class CallProfile {
+ public:
+  // A run is one forward of the layer in a profiling region; calls are matched across runs by
+  // position, and every run must make the same calls as the first.
+  void beginRun();
+  void endRun();
+
+  // From the fallback, for every call in a profiling region: runs the kernel (`run_kernel`),
+  // timed, and records the call. `stack` holds the call's arguments on entry and its results on
+  // return, as for any boxed kernel.
+  void profileCall(Region& region, const OpEntry& op, const c10::FunctionSchema& schema, torch::jit::Stack* stack,
+                   c10::function_ref<void()> run_kernel);
+
+  // The calls of the first run, each with every run's time.
+  std::vector<ProfiledCall> calls() const;
+  int64_t runs() const;
+  // Calls recorded so far in the open run: Python's saved-tensor hook reads it to find where the
+  // recompute of a checkpoint stops (after the last tensor autograd saves).
+  int64_t recordedInRun() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<ProfiledCall> calls_;
+  int64_t runs_ = 0;
+  size_t position_ = 0;  // in calls_, during a run after the first
+  bool in_run_ = false;
+  std::string mismatch_;
+};
+
+}  // namespace sac

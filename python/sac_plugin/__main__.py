@@ -1,0 +1,71 @@
+"""python -m sac_plugin plan --model llama|moe --budget 0.3 [--plot plan.png] [--save plan.json]
+
+Profiles one reference decoder layer (sac_plugin.models) on CPU or --device, plans it within the
+budget and prints the plan's table and its Pareto curve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _budget(text: str):
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a fraction from 0.0 to 1.0 or a byte count, got {text!r}") from None
+
+
+def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, device: str):
+    """One reference layer and its inputs: the Llama block or the MoE block of sac_plugin.models."""
+    import torch
+    from .models import LlamaBlock, MoEBlock, rotary_tables
+
+    torch.manual_seed(0)
+    block = (LlamaBlock if model == "llama" else MoEBlock)(dim, heads).to(device)
+    cos, sin = rotary_tables(dim // heads, seq, device=device)
+    x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
+    return block, (x, cos, sin)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sac_plugin", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan_parser = commands.add_parser("plan", help="plan a reference layer within a memory budget")
+    plan_parser.add_argument("--model", choices=["llama", "moe"], required=True)
+    plan_parser.add_argument("--budget", type=_budget, default=0.3,
+                             help="fraction of the layer's no-checkpointing activation bytes, or bytes (default 0.3)")
+    plan_parser.add_argument("--dim", type=int, default=256)
+    plan_parser.add_argument("--heads", type=int, default=4)
+    plan_parser.add_argument("--seq", type=int, default=256)
+    plan_parser.add_argument("--batch", type=int, default=2)
+    plan_parser.add_argument("--runs", type=int, default=5, help="timed forwards (medians)")
+    plan_parser.add_argument("--device", default="cpu")
+    plan_parser.add_argument("--plot", help="write the Pareto curve as a PNG here (needs matplotlib)")
+    plan_parser.add_argument("--save", help="write the plan as JSON here (Plan.load reads it)")
+    args = parser.parse_args(argv)
+
+    from . import plan as make_plan
+
+    block, inputs = reference_layer(args.model, args.dim, args.heads, args.seq, args.batch, args.device)
+    try:
+        plan = make_plan(block, *inputs, budget=args.budget, runs=args.runs)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    print(f"{args.model} layer: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.device}")
+    print(plan.table())
+    print()
+    print("Pareto curve (budget: fraction of no-checkpointing bytes):")
+    print(plan.curve())
+    print()
+    print("policy:", plan.policy)
+    if args.save:
+        print("saved", plan.save(args.save))
+    if args.plot:
+        print("plotted", plan.plot(args.plot, title=f"{args.model} layer, dim {args.dim}, seq {args.seq}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

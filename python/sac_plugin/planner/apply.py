@@ -1,0 +1,115 @@
+"""Applying a budget to a model's wrap sites (RecomputeConfig.budget): plan each distinct layer
+once, split the budget, checkpoint every site with its plan's policy, and log the choice."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..checkpointing import InstanceForward, apply_selective_checkpointing
+from .plan import Plan, plan as plan_layer
+from .split import split, total_budget_bytes
+
+log = logging.getLogger("sac_plugin")
+
+
+def layer_signature(site: torch.nn.Module, args, kwargs) -> tuple:
+    """What makes two layers the same planning problem: type, parameters and input shapes."""
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
+        return ("value", type(value).__name__)
+
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in site.named_parameters())
+    return (type(site).__qualname__, params, tuple(describe(a) for a in tree_leaves((args, kwargs))))
+
+
+def _describe(plan: Plan) -> str:
+    return (f"keeps {len(plan.kept)} of {len(plan.profile.calls)} calls, holds {plan.held_bytes / 2**20:.2f} MiB of "
+            f"{plan.profile.no_checkpoint_bytes / 2**20:.2f} MiB, recompute {plan.recompute_seconds * 1e3:.2f} ms of "
+            f"{plan.full_recompute_seconds * 1e3:.2f} ms")
+
+
+def _capture_inputs(model, sites, example_inputs):
+    if isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict) \
+            and isinstance(example_inputs[0], tuple):
+        args, kwargs = example_inputs
+    elif isinstance(example_inputs, tuple):
+        args, kwargs = example_inputs, {}
+    else:
+        raise TypeError("sac_plugin: apply_recompute_config: example_inputs must be the model's positional arguments "
+                        f"as a tuple, or (args, kwargs), got {type(example_inputs).__name__}")
+    captured = {}
+
+    def hook(index):
+        def capture(module, call_args, call_kwargs):
+            if index not in captured:
+                detach = lambda v: v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                captured[index] = (tuple(detach(a) for a in call_args), {k: detach(v) for k, v in call_kwargs.items()})
+        return capture
+
+    handles = [site.register_forward_pre_hook(hook(i), with_kwargs=True) for i, site in enumerate(sites)]
+    try:
+        with torch.random.fork_rng():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i in range(len(sites)) if i not in captured]
+    if missing:
+        raise ValueError(f"sac_plugin: apply_recompute_config: the example forward never called wrap sites {missing}; "
+                         "pass inputs that run every checkpointed layer")
+    return [captured[i] for i in range(len(sites))]
+
+
+def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bool) -> None:
+    if example_inputs is None:
+        share = budget if isinstance(budget, float) else budget // max(1, len(sites))
+        cache: dict = {}
+        for site in sites:
+            _PlanOnFirstCall.install(site)
+            site._sac_plan_request = (share, cache, preserve_rng_state)
+        log.info("sac_plugin: budget %r: %d layers are planned on their first call, each within %r", budget,
+                 len(sites), share)
+        return
+    inputs = _capture_inputs(model, sites, example_inputs)
+    plans, by_signature = [], {}
+    for site, (args, kwargs) in zip(sites, inputs):
+        signature = layer_signature(site, args, kwargs)
+        if signature not in by_signature:
+            by_signature[signature] = plan_layer(site, *args, budget=1.0, **kwargs)
+        plans.append(by_signature[signature])
+    total = total_budget_bytes(budget, plans)
+    chosen = split(plans, total)
+    for i, (site, plan) in enumerate(zip(sites, chosen)):
+        apply_selective_checkpointing(site, plan.policy, preserve_rng_state=preserve_rng_state)
+        log.info("sac_plugin: layer %d (%s): %s", i, type(site).__name__, _describe(plan))
+    log.info("sac_plugin: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB, recompute %.2f ms "
+             "per step", budget, total / 2**20, len(sites), len(by_signature),
+             sum(p.held_bytes for p in chosen) / 2**20, sum(p.recompute_seconds for p in chosen) * 1e3)
+
+
+class _PlanOnFirstCall(InstanceForward):
+    """A wrap site's forward until its first call: plans the layer on that call's inputs (once
+    per distinct layer), checkpoints it with the plan's policy, then runs the call."""
+
+    __slots__ = ()
+    what = "waiting for its first call to plan a memory budget (apply_recompute_config with a budget)"
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        share, cache, preserve_rng_state = module._sac_plan_request
+        del module.__dict__["forward"]
+        module.__dict__.pop("__prepare_scriptable__", None)
+        del module._sac_plan_request
+        signature = layer_signature(module, args, kwargs)
+        plan = cache.get(signature)
+        if plan is None:
+            with torch.enable_grad():
+                plan = plan_layer(module, *args, budget=share, **kwargs)
+            cache[signature] = plan
+            log.info("sac_plugin: planned %s within %r: %s", type(module).__name__, share, _describe(plan))
+        apply_selective_checkpointing(module, plan.policy, preserve_rng_state=preserve_rng_state)
+        return module(*args, **kwargs)

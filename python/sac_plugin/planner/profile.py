@@ -1,0 +1,152 @@
+"""Profiling a layer: every call of its forward as the plugin's fallback sees it, with bytes,
+kernel time and whether it may be kept (csrc/diagnostics/call_profile.h), plus the activation
+bytes the layer holds without checkpointing and with full recompute, counted as
+sac_plugin.memory (and tools/bench_memory.py) counts them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from ..checkpointing import context_fn
+from ..memory import track_activation_memory
+from ..policy import Policy
+
+
+AFTER_THE_RECOMPUTE_STOPS = "after the recompute stops"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledCall:
+    op: str          # "aten::mm" (default overload) or "aten::add.Tensor"
+    index: int       # 0-based among the forward's calls of this op, as kept_calls counts
+    unit: str        # innermost open recompute unit, "" for none
+    bytes: int       # bytes of the new storages it creates (aliases count 0)
+    seconds: float   # median kernel time over the profile's runs
+    why_not_keepable: str  # "" when a policy may keep it
+    # Whether a checkpoint's recompute reaches the call: it stops once autograd has saved its
+    # last tensor again, so calls after that point never run twice (keeping them saves nothing).
+    recomputed: bool = True
+
+    @property
+    def keepable(self) -> bool:
+        """Worth offering to a plan: a policy may keep it and the recompute would run it."""
+        return not self.why_not_keepable
+
+    @property
+    def policy_may_keep(self) -> bool:
+        """A policy that names it keeps it (and holds its bytes), even where that saves nothing."""
+        return self.why_not_keepable in ("", AFTER_THE_RECOMPUTE_STOPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    calls: tuple[ProfiledCall, ...]
+    no_checkpoint_bytes: int   # held between forward and backward without checkpointing
+    full_recompute_bytes: int  # held with checkpointing that keeps nothing (the floor)
+    runs: int
+
+
+def _leaves(value):
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _backward(output) -> None:
+    tensors = [t for t in _leaves(output) if t.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+def _fresh(value):
+    """A detached copy of each tensor argument that keeps requires_grad, so that profiling adds
+    nothing to the caller's graph and no gradient to its tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+@contextlib.contextmanager
+def _leaves_no_trace(module: torch.nn.Module, devices):
+    """Restores what profiling runs change: the RNG streams, parameter gradients and buffers."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for p, grad in grads:
+                p.grad = grad
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+
+def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
+    """Bytes held between forward and backward for one forward (sac_plugin.memory's count)."""
+    args = tuple(_fresh(a) for a in args)
+    kwargs = {k: _fresh(v) for k, v in kwargs.items()}
+    with track_activation_memory(module.parameters()) as memory:
+        if policy is None:
+            out = module(*args, **kwargs)
+        else:
+            out = checkpoint(module, *args, use_reentrant=False, context_fn=context_fn(policy), **kwargs)
+        held = memory.bytes()
+    _backward(out)
+    return held
+
+
+def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: int = 5,
+                  warmup: int = 1) -> LayerProfile:
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
+        raise ValueError(f"sac_plugin: plan: runs must be an int >= 1 (timed forwards per call), got {runs!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"sac_plugin: plan: warmup must be an int >= 0, got {warmup!r}")
+    if torch.ops.sac.interception_path() == "not installed":
+        raise RuntimeError("sac_plugin: plan: profiling needs the plugin's C++ interception, which could not be "
+                           "installed in this torch (see the warning at import); write a Policy by hand instead")
+    devices = sorted({t.device.index or 0 for t in _leaves((args, kwargs)) if t.is_cuda})
+    handle = torch.classes.sac.CallProfile()
+    with _leaves_no_trace(module, devices):
+        for _ in range(warmup):
+            _backward(module(*(_fresh(a) for a in args), **{k: _fresh(v) for k, v in kwargs.items()}))
+        no_checkpoint = held_bytes(module, args, kwargs, None)
+        floor = held_bytes(module, args, kwargs, Policy())
+        for _ in range(runs):
+            call_args = tuple(_fresh(a) for a in args)
+            call_kwargs = {k: _fresh(v) for k, v in kwargs.items()}
+            region = handle.new_region()
+            packed_at = []
+
+            def pack(tensor):
+                packed_at.append(handle.recorded_in_run())
+                return tensor
+
+            handle.begin_run()
+            try:
+                depth = region.enter_forward()
+                try:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                        out = module(*call_args, **call_kwargs)
+                finally:
+                    region.exit_forward(depth)
+            finally:
+                handle.end_run()
+            # NOTE: [Where the recompute stops] torch.utils.checkpoint (non-reentrant) stops the
+            # recompute as soon as every tensor the forward saved has been saved again; autograd
+            # saves a call's inputs before it runs and its outputs after, so the calls recorded
+            # before the last save are the ones a recompute runs.
+            recomputed_prefix = max(packed_at, default=0)
+            _backward(out)
+    ops, indices, units, sizes, why, seconds = handle.rows()
+    count = handle.runs()
+    calls = tuple(
+        ProfiledCall(op, index, unit, size, statistics.median(seconds[i * count:(i + 1) * count]),
+                     reason if reason or i < recomputed_prefix else AFTER_THE_RECOMPUTE_STOPS,
+                     i < recomputed_prefix)
+        for i, (op, index, unit, size, reason) in enumerate(zip(ops, indices, units, sizes, why)))
+    return LayerProfile(calls, no_checkpoint, floor, count)

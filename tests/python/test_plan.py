@@ -1,0 +1,288 @@
+"""Issue 9: memory-budget plans. A plan never holds more than its budget, its policy gives the
+same gradients bitwise and keeps exactly the planned calls, profiling changes nothing, and plans
+survive a file round trip; bad budgets and plan files are refused by name."""
+
+import copy
+import itertools
+import json
+import math
+
+import pytest
+import sac_plugin
+import torch
+from sac_plugin import Plan, PlanError, Policy
+from sac_plugin.memory import track_activation_memory
+from sac_plugin.models import LlamaBlock, MoEBlock, rotary_tables
+from sac_plugin.planner import knapsack
+from torch.utils.checkpoint import checkpoint
+
+from hypothesis import given, strategies as st
+from test_property import DIM, examples, run_steps, steps_strategy
+
+pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
+
+
+def llama_inputs(dim=32, heads=4, seq=16, batch=2, moe=False):
+    torch.manual_seed(0)
+    block = (MoEBlock if moe else LlamaBlock)(dim, heads)
+    cos, sin = rotary_tables(dim // heads, seq)
+    x = torch.randn(batch, seq, dim, requires_grad=True)
+    return block, (x, cos, sin)
+
+
+def measured_bytes(module, args, policy):
+    with track_activation_memory(module.parameters()) as memory:
+        out = checkpoint(module, *args, use_reentrant=False, context_fn=sac_plugin.context_fn(policy))
+        held = memory.bytes()
+    out.sum().backward()
+    return held
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "moe"])
+@pytest.mark.parametrize("budget", [0.1, 0.3, 0.6])
+def test_plan_policy_gives_bitwise_gradients_and_keeps_exactly_the_planned_calls(moe, budget):
+    block, (x, cos, sin) = llama_inputs(moe=moe)
+    plan = sac_plugin.plan(block, x, cos, sin, budget=budget, runs=2)
+    assert plan.held_bytes <= plan.budget_bytes
+    assert all(p.grad is None for p in block.parameters()) and x.grad is None
+    reference = copy.deepcopy(block)
+    sac_plugin.apply_selective_checkpointing(block, plan.policy)
+    xa, xb = (x.detach().clone().requires_grad_() for _ in range(2))
+    with sac_plugin.audit() as audit:
+        loss = block(xa, cos, sin).pow(2).sum()
+        loss.backward()
+    ref_loss = reference(xb, cos, sin).pow(2).sum()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(xa.grad, xb.grad)
+    for (name, p), r in zip(block.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, r.grad), name
+    planned = {}
+    for op, _ in plan.kept:
+        planned[op] = planned.get(op, 0) + 1
+    assert planned, "a budget above the floor keeps something"
+    for op, count in planned.items():
+        assert audit.hits(op) == count, op
+    assert sum(row.hits for row in audit.rows()) == len(plan.kept)
+
+
+@pytest.mark.native_engine("the plugin's store holds exactly the planned outputs; torch's SAC cache is counted by "
+                           "tools/bench_memory.py, not by track_activation_memory")
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "moe"])
+def test_measured_bytes_are_the_predicted_bytes(moe):
+    block, args = llama_inputs(moe=moe)
+    for budget in (0.0, 0.2, 0.5, 1.0):
+        plan = sac_plugin.plan(block, *args, budget=budget, runs=1)
+        held = measured_bytes(block, args, plan.policy)
+        assert held == plan.held_bytes, budget
+        assert held <= max(plan.budget_bytes, plan.profile.full_recompute_bytes), budget
+
+
+@examples(25, shrink=False)
+@given(steps=steps_strategy, budget=st.one_of(st.floats(0.0, 1.0), st.integers(0, 4096)))
+def test_plan_never_exceeds_its_budget_on_random_layers(steps, budget):
+    """Over random layers of the property suite's ops and random budgets (fractions and bytes):
+    what the plan predicts and what its policy measurably holds stay within the budget, or at
+    the floor (full recompute's bytes) when the budget is below it."""
+    torch.manual_seed(0)
+    weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(DIM, DIM) * 0.5) for _ in range(3))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = weights
+
+        def forward(self, h):
+            return run_steps(steps, h, list(self.weights), dropout=False)
+
+    layer = Layer()
+    x = torch.randn(4, DIM, requires_grad=True)
+    plan = sac_plugin.plan(layer, x, budget=budget, runs=1, warmup=0)
+    limit = max(plan.budget_bytes, plan.profile.full_recompute_bytes)
+    assert plan.held_bytes <= limit
+    if sac_plugin.engine() == "native":
+        assert measured_bytes(layer, (x,), plan.policy) <= limit
+
+
+@examples(200)
+@given(items=st.lists(st.tuples(st.integers(1, 64), st.floats(0.0, 10.0)), max_size=9), capacity=st.integers(0, 300))
+def test_knapsack_is_optimal_and_within_capacity(items, capacity):
+    weights = [w * 4096 for w, _ in items]
+    values = [v for _, v in items]
+    chosen = knapsack.solve(weights, values, capacity * 4096)
+    assert sum(weights[i] for i in chosen) <= capacity * 4096
+    best = max((sum(values[i] for i in subset) for r in range(len(items) + 1)
+                for subset in itertools.combinations(range(len(items)), r)
+                if sum(weights[i] for i in subset) <= capacity * 4096), default=0.0)
+    assert math.isclose(sum(values[i] for i in chosen), best, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_knapsack_on_a_coarse_grid_never_overshoots():
+    """Capacities beyond the exact grid round weights up: possibly less value, never more bytes."""
+    weights = [3 * 2**20 + 7 * i + 1 for i in range(40)]
+    values = [float(i % 7 + 1) for i in range(40)]
+    capacity = 50 * 2**20 + 13
+    solver = knapsack.Knapsack(weights, values, capacity)
+    assert solver.grid > 1
+    chosen = solver.solve(capacity)
+    assert chosen and sum(weights[i] for i in chosen) <= capacity
+
+
+def test_profiling_changes_no_result_and_plan_leaves_no_trace():
+    block, (x, cos, sin) = llama_inputs()
+    rng = torch.get_rng_state()
+    buffers = [b.clone() for b in block.buffers()]
+    sac_plugin.plan(block, x, cos, sin, budget=0.3, runs=2)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in block.parameters()) and x.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(block.buffers(), buffers))
+    # A forward inside a profiling region computes what a plain forward computes, bitwise.
+    profile = torch.classes.sac.CallProfile()
+    region = profile.new_region()
+    profile.begin_run()
+    depth = region.enter_forward()
+    profiled = block(x, cos, sin)
+    region.exit_forward(depth)
+    profile.end_run()
+    profiled.pow(2).sum().backward()
+    profiled_grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad(set_to_none=True)
+    plain = block(x, cos, sin)
+    plain.pow(2).sum().backward()
+    assert torch.equal(profiled, plain)
+    assert all(torch.equal(a, p.grad) for a, p in zip(profiled_grads, block.parameters()))
+
+
+def test_profile_counts_bytes_by_unique_storage():
+    def layer(a):
+        b = a * 2           # new storage: 4 * 8 * 4 bytes
+        c = b.view(8, 4)    # a view: 0, not keepable
+        d, e = torch.split(c, 4)  # views of b
+        f = torch.cat([d, e])  # new storage: 128 bytes
+        return torch.tanh(f.add_(1))  # add_: in place, 0, mutates; tanh saves its output
+
+    class Layer(torch.nn.Module):
+        def forward(self, a):
+            return layer(a)
+
+    class SavesNothing(torch.nn.Module):
+        def forward(self, a):
+            return (a + 1).sum()  # autograd saves nothing: a recompute would stop before any call
+
+    nothing = sac_plugin.plan(SavesNothing(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=1)
+    assert [(c.op, c.why_not_keepable, c.recomputed) for c in nothing.profile.calls] == [
+        ("aten::add.Tensor", "after the recompute stops", False), ("aten::sum", "after the recompute stops", False)]
+    assert nothing.kept == frozenset() and nothing.recompute_seconds == 0
+
+    plan = sac_plugin.plan(Layer(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=2)
+    calls = {(c.op, c.index): c for c in plan.profile.calls}
+    assert (calls[("aten::mul.Tensor", 0)].bytes, calls[("aten::mul.Tensor", 0)].why_not_keepable) == (128, "")
+    assert (calls[("aten::view", 0)].bytes, calls[("aten::view", 0)].why_not_keepable) == (0, "view")
+    assert calls[("aten::cat", 0)].bytes == 128
+    assert calls[("aten::add_.Tensor", 0)].why_not_keepable == "mutates an input"
+    assert all(c.recomputed for c in plan.profile.calls)
+    assert all(c.recomputed for c in plan.profile.calls)
+
+
+def test_save_and_load_give_the_same_plan(tmp_path):
+    block, args = llama_inputs()
+    plan = sac_plugin.plan(block, *args, budget=0.4, runs=1)
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded.kept == plan.kept
+    assert loaded.policy == plan.policy
+    assert (loaded.held_bytes, loaded.budget, loaded.profile) == (plan.held_bytes, plan.budget, plan.profile)
+    assert loaded.table() == plan.table()
+
+
+@pytest.mark.parametrize("budget, error, message", [
+    (-0.1, PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got -0.1; pass an int for a byte count"),
+    (1.5, PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count"),
+    (float("nan"), PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int for a "
+                              "byte count"),
+    (-5, PlanError, "sac_plugin: budget as a byte count must be >= 0, got -5"),
+    ("0.3", TypeError, "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
+                       "from 0.0 to 1.0) or a byte count (an int >= 0), got '0.3' (str)"),
+    (True, TypeError, "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
+                      "from 0.0 to 1.0) or a byte count (an int >= 0), got True (bool)"),
+])
+def test_bad_budgets_are_refused_by_name(budget, error, message):
+    block, args = llama_inputs()
+    with pytest.raises(error) as raised:
+        sac_plugin.plan(block, *args, budget=budget)
+    assert str(raised.value) == message
+    assert all(p.grad is None for p in block.parameters())
+
+
+def _edit(data, **changes):
+    data = copy.deepcopy(data)
+    for key, value in changes.items():
+        data[key] = value
+    return data
+
+
+def test_bad_plan_files_are_refused_by_name(tmp_path):
+    block, args = llama_inputs()
+    plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
+    good = plan.to_dict()
+    not_keepable = next(c for c in good["calls"] if c["not_keepable"])
+    cases = [
+        ("[]", "expected a JSON object, got list"),
+        ("{", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        (json.dumps(_edit(good, format="other")), "'format' must be 'sac_plugin.plan', got 'other': not a sac_plugin plan"),
+        (json.dumps(_edit(good, version=2)), "version 2 is not supported; this sac_plugin reads version 1"),
+        (json.dumps(_edit(good, budget=2.0)), "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int for a "
+                                              "byte count"),
+        (json.dumps(_edit(good, kept=[["aten::mm", 999]])), "kept[0] = ['aten::mm', 999] is not a profiled call"),
+        (json.dumps(_edit(good, kept=[[not_keepable["op"], not_keepable["index"]]])),
+         f"kept[0] = {[not_keepable['op'], not_keepable['index']]!r} cannot be kept: {not_keepable['not_keepable']}"),
+        (json.dumps(_edit(good, extra=1)), "unknown key 'extra'; known keys: budget, calls, full_recompute_bytes, "
+                                           "kept, no_checkpoint_bytes, runs, torch, version, format".replace(
+                                               "torch, version, format", "format, kept").replace(
+                                               "kept, no_checkpoint_bytes, runs, format, kept",
+                                               "format, full_recompute_bytes")),
+    ]
+    path = tmp_path / "plan.json"
+    for text, message in cases[:7]:
+        path.write_text(text)
+        with pytest.raises(PlanError) as raised:
+            Plan.load(path)
+        assert str(raised.value) == f"sac_plugin: plan file {path}: {message}"
+    path.write_text(json.dumps(_edit(good, extra=1)))
+    with pytest.raises(PlanError, match="unknown key 'extra'; known keys: budget, calls, format, full_recompute_bytes"):
+        Plan.load(path)
+    over = _edit(good, budget=0, kept=good["kept"])
+    path.write_text(json.dumps(over))
+    with pytest.raises(PlanError, match=r"so it holds \d+, over its budget of 0 bytes"):
+        Plan.load(path)
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    import builtins
+
+    block, args = llama_inputs()
+    plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError) as raised:
+        plan.plot(tmp_path / "plan.png")
+    assert str(raised.value) == ("sac_plugin: Plan.plot needs matplotlib, which is not installed; install the extra: "
+                                 "pip install 'sac_plugin[plot]' (or pip install matplotlib)")
+
+
+def test_pareto_is_monotone_and_within_each_budget():
+    block, args = llama_inputs(moe=True)
+    plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
+    points = plan.pareto()
+    assert [p["budget"] for p in points] == [i / 20 for i in range(21)]
+    for p in points:
+        assert p["held_bytes"] <= max(p["budget_bytes"], plan.profile.full_recompute_bytes)
+    times = [p["recompute_seconds"] for p in points]
+    assert all(a >= b - 1e-12 for a, b in zip(times, times[1:]))
+    assert points[0]["kept_bytes"] == 0
