@@ -9,7 +9,9 @@ and median) and, for the intercepting modes, the overhead per intercepted op:
 (mode - full recompute) / ops intercepted, where ops intercepted is what the audit counts in
 the forward and the recompute (executions + kept outputs served). Two ratios: with the same
 kept-op list (both modes also skip the kept ops' recompute), and "intercept only", a policy that
-intercepts every op and keeps none, which isolates the interception cost itself.
+intercepts every op and keeps none, which isolates the interception cost itself. "median" is the
+median of paired differences: each round's (mode - full recompute) from the same round, so load
+that drifts between rounds cancels; "min" uses each mode's fastest sample.
 
 Each of the plugin's three ways of running is measured in its own process, each against torch's
 SAC in that same process (--paths, all three by default): the native path (its fallback on the
@@ -175,8 +177,15 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     ops = intercepted_ops(modes["sac_plugin"])
     times = time_interleaved(modes, reps, steps_per_sample, device, audited=("sac_plugin + audit",))
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
+    # The median of paired differences: each round times every mode once, back to back, so a
+    # mode's overhead in that round is its time minus full recompute's in the same round. Load
+    # that drifts between rounds (a shared machine) cancels out; a median of all of one mode's
+    # samples minus a median of another's does not.
+    paired = {name: statistics.median(a - b for a, b in zip(t, times["full recompute"])) for name, t in times.items()}
 
     def overhead(name, stat):
+        if stat == "median":
+            return paired[name]
         return summary[name][stat] - summary["full recompute"][stat]
 
     for name in summary:
@@ -284,11 +293,13 @@ def measure_layers(name: str, reps: int, steps_per_sample: int, device) -> dict:
         modes["torch_remat"] = stack(lambda layer, h: wrapped[id(layer)](h))
     times = time_interleaved(modes, reps, steps_per_sample, device)
     median = {mode: statistics.median(t) for mode, t in times.items()}
+    full = times["full recompute"]
     return {
         "config": name,
         "median_ms": {mode: m * 1e3 for mode, m in median.items()},
-        "minus_full_recompute_ms": {mode: (m - median["full recompute"]) * 1e3 for mode, m in median.items()
-                                    if mode not in ("no checkpointing", "full recompute")},
+        # Median of paired differences, round by round (see measure()).
+        "minus_full_recompute_ms": {mode: statistics.median(a - b for a, b in zip(t, full)) * 1e3
+                                    for mode, t in times.items() if mode not in ("no checkpointing", "full recompute")},
         "torch_remat": remat is not None,
     }
 
@@ -316,7 +327,8 @@ def print_report(report):
                            ("plugin with nothing kept / full recompute", "nothing_kept_over_full")):
             print(f"  {label}: {r[key]['min']:.3f} (min), {r[key]['median']:.3f} (median)")
     for layers in report.get("layers", []):
-        print(f"\n{layers['config']}, attention core kept: step time (median) minus full recompute's")
+        print(f"\n{layers['config']}, attention core kept: step time minus full recompute's (median of paired "
+              "differences)")
         for mode, ms in layers["minus_full_recompute_ms"].items():
             print(f"  {mode:<28}{ms:>+10.2f} ms")
         if not layers["torch_remat"]:

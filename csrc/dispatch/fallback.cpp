@@ -29,6 +29,8 @@
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
 #include "policy/op_catalog.h"
+#include "policy/op_resolution.h"
+#include "policy/op_traits.h"
 #include "policy/unit_stack.h"
 
 namespace sac {
@@ -195,6 +197,24 @@ void sacFallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
   interceptCall(op, keys, stack);
 }
 
+// NOTE: [Calls that never count skip the key]
+// On the native path the key has no other owner, so an op the fallback would only pass through
+// uncounted (detach, metadata queries) can skip the key altogether: a fallthrough kernel for
+// it on the key makes the dispatcher go straight to the next key, without boxing the call for
+// the fallback and unboxing it again below. torch's checkpoint detaches every tensor it saves in
+// the recompute, so on a block of small ops that is a third of the calls the fallback received.
+// Not on the coexisting path: there the other owner must keep receiving these calls.
+void letNeverCountedOpsSkipTheKey() {
+  static std::vector<c10::RegistrationHandleRAII>* registrations = new std::vector<c10::RegistrationHandleRAII>();
+  for (const std::string& name : neverCountedOpNames()) {
+    for (const c10::OperatorHandle& op : resolveOpSpelling(name)) {
+      registrations->push_back(c10::Dispatcher::singleton().registerImpl(
+          op.operator_name(), kSacKey, c10::KernelFunction::makeFallthrough(), std::nullopt, nullptr,
+          "sac_plugin: never counted, skips the key (NOTE: [Calls that never count skip the key])"));
+    }
+  }
+}
+
 std::mutex install_mutex;
 InterceptionPath installed_path = InterceptionPath::kNotInstalled;
 c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long as the process
@@ -216,6 +236,7 @@ InterceptionPath installInterception() {
     registration = new c10::RegistrationHandleRAII(dispatcher.registerFallback(
         kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
         "sac_plugin: selective activation checkpointing"));
+    letNeverCountedOpsSkipTheKey();
     installed_path = InterceptionPath::kNative;
   }
   return installed_path;

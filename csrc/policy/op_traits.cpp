@@ -74,6 +74,8 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   return traits;
 }
 
+std::vector<std::string> neverCountedOpNames() { return {kNeverCountedOps.begin(), kNeverCountedOps.end()}; }
+
 bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments) {
   if (!traits.is_random) return false;
   if (traits.dropout_p_argument < 0) return true;

@@ -2,6 +2,7 @@
 // What the policy needs to know about an op overload, read once from its schema and tags.
 
 #include <string>
+#include <vector>
 
 namespace c10 {
 class OperatorHandle;
@@ -43,6 +44,10 @@ OpTraits classifyOp(const c10::OperatorHandle& op);
 
 // Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
 // points at the call's first argument on the dispatcher stack.
+// The ops (base names, every overload) that are never counted; the native path lets them skip
+// the key (NOTE: [Calls that never count skip the key] in fallback.cpp).
+std::vector<std::string> neverCountedOpNames();
+
 bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
 
 // NOTE: [Autocast's weight casts]

@@ -16,9 +16,11 @@ _EXPECTED_VERSION = 1
 
 
 def _bind():
-    # ctypes.CDLL on the path torch.ops.load_library loaded returns that very library (dlopen
+    # ctypes on the path torch.ops.load_library loaded returns that very library (dlopen
     # hands back the loaded object), so a SAC_PLUGIN_LIBRARY build serves these calls too.
-    lib = ctypes.CDLL(str(_library.library_path()))
+    # PyDLL: the calls keep the GIL (CDLL would release and retake it around each one, which
+    # cost more than the call itself); none of them calls back into Python or blocks.
+    lib = ctypes.PyDLL(str(_library.library_path()))
     signatures = {
         "sac_scope_c_api_version": (ctypes.c_int32, []),
         "sac_region_new": (ctypes.c_void_p, [ctypes.c_void_p]),

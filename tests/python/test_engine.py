@@ -79,3 +79,19 @@ def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatc
     with pytest.raises(ImportError, match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
                                           r"here: no key$"):
         _library.load()
+
+
+def _fake_key_entry(op: str) -> str:
+    return next((line for line in torch._C._dispatch_dump_table(op).splitlines() if line.startswith("Fake:")), "")
+
+
+def test_never_counted_ops_skip_the_key_only_on_the_native_path():
+    # NOTE: [Calls that never count skip the key]: a fallthrough for detach and the metadata
+    # queries on the native path; on the coexisting path the other owner still gets them.
+    entry = _fake_key_entry("aten::detach")
+    if sac_plugin.interception_path() == "native":
+        assert entry.startswith("Fake: fallthrough sac_plugin: never counted, skips the key"), entry
+    else:
+        assert "never counted" not in entry, entry
+    # Counted ops keep reaching the fallback (native) or the plugin's per-op kernel (coexisting).
+    assert "fallthrough" not in _fake_key_entry("aten::mm")
