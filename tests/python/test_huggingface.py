@@ -184,3 +184,11 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="has transformers' gradient checkpointing enabled; call "
                                          r"model.gradient_checkpointing_disable\(\) first"):
         huggingface.apply_recompute_config(other)
+
+
+def test_a_budget_config_is_refused_for_transformers_models_not_run_as_full_recompute():
+    model = build("llama", "sdpa", dropout=False)
+    with pytest.raises(ConfigError) as error:
+        sac_plugin.apply_recompute_config(model, RecomputeConfig(budget=0.3))
+    assert str(error.value).startswith("recompute config: budget is not supported for transformers models yet")
+    assert not any("_sac_policy" in vars(module) for module in model.modules())

@@ -123,6 +123,18 @@ def _check_model(model, where: str) -> None:
         )
 
 
+def _refuse_budget(config: RecomputeConfig) -> None:
+    # A budget is planned from the layers' own forward (planner/apply.py), which checkpoints the
+    # sites itself; transformers layers checkpoint through their own hook, so the two do not
+    # compose yet. Refused rather than silently run as full recompute.
+    if config.budget is not None:
+        raise ConfigError(
+            "recompute config: budget is not supported for transformers models yet; choose units or ops for them "
+            "(see the README's Hugging Face section), or plan one decoder layer with sac_plugin.plan(layer, ...) and "
+            "keep its plan.policy through sac_plugin.context_fn"
+        )
+
+
 def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
                            target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> nn.Module:
     """Checkpoints a transformers model's decoder layers as `config` says; returns the model.
@@ -139,6 +151,7 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
         raise TypeError("sac_plugin: huggingface.apply_recompute_config: config must be a RecomputeConfig or None, "
                         f"got {describe_value(config)}")
     config = RecomputeConfig() if config is None else config
+    _refuse_budget(config)
     target_map = target_map_for(model) if target_map is None else target_map
     layers = decoder_layers(model) if wrap_sites is None else _config._wrap_sites(model, wrap_sites)
     for i, layer in enumerate(layers):
@@ -181,6 +194,7 @@ def gradient_checkpointing_kwargs(model: nn.Module, config: RecomputeConfig | No
     if not isinstance(config, RecomputeConfig):
         raise TypeError("sac_plugin: huggingface.gradient_checkpointing_kwargs: config must be a RecomputeConfig or "
                         f"None, got {describe_value(config)}")
+    _refuse_budget(config)
     if config.every_nth_layer != 1 or config.first_layer != 0 or config.layer_ratio not in (None, 1.0):
         raise ConfigError(
             "recompute config: transformers' gradient checkpointing checkpoints every decoder layer, so "
