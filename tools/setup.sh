@@ -55,6 +55,18 @@ if ! "$venv/bin/python" -c "import transformers" 2>/dev/null; then
   "$venv/bin/pip" install -q "huggingface-hub>=1.31.0,<3.0" "tokenizers>=0.23.1,<0.24.0" "safetensors>=0.8.0" \
     "regex>=2025.10.22" "packaging>=20.0" "tqdm>=4.60" typer
 fi
+# torchtitan (the torchtitan integration's tests): --no-deps, with only what its model code and
+# activation-checkpoint module import (tyro, spmd_types, and triton, which its expert-parallel
+# kernels import at module level; the CUDA torch wheels already bring triton).
+# torchtitan 0.3.0 needs torch >= 2.13 (torch.distributed.fsdp.DataParallelMeshDims); on older
+# torch its tests skip, saying so.
+if [ "$(printf '%s\n' 2.13.0 "$torch_version" | sort -V | head -1)" = 2.13.0 ] &&
+   ! "$venv/bin/python" -c "import torchtitan.models.deepseek_v3, torchtitan.distributed.activation_checkpoint" 2>/dev/null; then
+  echo "setup: installing torchtitan (no deps) and the modules its models import into $venv"
+  "$venv/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro==1.0.17" docstring-parser typeguard \
+    typing-extensions
+  "$venv/bin/python" -c "import triton" 2>/dev/null || "$venv/bin/pip" install -q --no-deps "triton==3.6.0"
+fi
 if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
   echo "setup: installing matplotlib into $venv"
   "$venv/bin/pip" install -q matplotlib

@@ -117,11 +117,7 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   Decision decision;
   const OpTraits& traits = op.traits;
   if (traits.is_collective || traits.never_counts || call.casts_a_parameter) return decision;
-  if (!recomputed_units_.empty()) {
-    for (UnitId unit : open_units) {
-      if (recomputed_units_.count(unit) > 0) return decision;
-    }
-  }
+  if (insideRecomputedUnit(open_units)) return decision;
   if (kept_ops_.count(&op) > 0) {
     decision.keep = !call.draws_random;
     decision.random_call_of_kept_op = call.draws_random;

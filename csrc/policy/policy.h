@@ -62,7 +62,7 @@ struct CallFacts {
   // recompute draw the same numbers in the same order.
   bool draws_random = false;
   // For an op with an every-nth or kept-calls rule (countsCalls): this call's 0-based index among
-  // the region's forward calls of it.
+  // the region's forward calls of it that ran inside no recomputed unit.
   uint64_t call_index = 0;
   // The call casts a parameter (castsAParameter): never kept.
   bool casts_a_parameter = false;
@@ -83,9 +83,25 @@ class Policy {
   bool keepsNothing() const {
     return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty();
   }
-  // Whether decide() needs CallFacts::call_index for this op (an every-nth or kept-calls rule).
-  bool countsCalls(const OpEntry& op) const {
-    return (!every_nth_.empty() && every_nth_.count(&op) > 0) || (!kept_calls_.empty() && kept_calls_.count(&op) > 0);
+  // Whether this call takes the next CallFacts::call_index of its op: it has an every-nth or
+  // kept-calls rule and runs inside no recomputed unit. A call that a recomputed unit forces back
+  // to recompute takes no index, so it does not use up a keep slot: with every_nth_op {mm: 2} and
+  // a recomputed router gate, the mms around the gate alternate as if the gate's mm were not
+  // there (torchtitan's selective AC counts its matmuls the same way; so do torch_policy_fn and
+  // the dispatch-mode engine, which return before counting).
+  bool countsCalls(const OpEntry& op, const std::vector<UnitId>& open_units) const {
+    if ((every_nth_.empty() || every_nth_.count(&op) == 0) && (kept_calls_.empty() || kept_calls_.count(&op) == 0)) {
+      return false;
+    }
+    return !insideRecomputedUnit(open_units);
+  }
+  // Whether any open unit is a recomputed unit: then nothing is kept, whatever else would keep it.
+  bool insideRecomputedUnit(const std::vector<UnitId>& open_units) const {
+    if (recomputed_units_.empty()) return false;
+    for (UnitId unit : open_units) {
+      if (recomputed_units_.count(unit) > 0) return true;
+    }
+    return false;
   }
   // n of the op's every-nth rule, or 0: the caller then need not count its calls. Stored as
   // given (any n >= 1 that fits int64): an n beyond the calls a region makes keeps only the first.

@@ -185,6 +185,25 @@ TEST(PolicyDecision, RecomputedUnitWinsOverKeptOpsAndUnits) {
   EXPECT_EQ(policy->recomputedUnitNames(), std::vector<std::string>{"router"});
 }
 
+// Issue 10: a call forced back to recompute takes no every-nth or kept-calls index, so the calls
+// around it alternate as if it were not there (torchtitan's every-second-matmul counter).
+TEST(PolicyDecision, CallsInsideARecomputedUnitTakeNoCallIndex) {
+  PolicySpec spec;
+  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.kept_calls = {{"aten::bmm.default", {1}}};
+  spec.recomputed_units = {"gate"};
+  auto policy = Policy::create(spec);
+  UnitId gate = internUnit("gate");
+  UnitId attn = internUnit("attn");
+  EXPECT_TRUE(policy->countsCalls(entryOf("aten::mm"), {}));
+  EXPECT_TRUE(policy->countsCalls(entryOf("aten::mm"), {attn}));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::mm"), {gate}));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::mm"), {gate, attn}));
+  EXPECT_TRUE(policy->countsCalls(entryOf("aten::bmm"), {attn}));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::bmm"), {attn, gate}));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::tanh"), {}));
+}
+
 TEST(PolicyDeclaration, EveryNthNeedsAPositiveN) {
   PolicySpec spec;
   spec.every_nth_ops = {{"aten::mm", 0}};
@@ -235,8 +254,8 @@ TEST(PolicyDecision, KeptCallsKeepExactlyTheListedIndices) {
   spec.kept_calls = {{"aten::mm.default", {5, 0, 2, 2}}};
   auto policy = Policy::create(spec);
   const OpEntry& mm = entryOf("aten::mm");
-  EXPECT_TRUE(policy->countsCalls(mm));
-  EXPECT_FALSE(policy->countsCalls(entryOf("aten::tanh")));
+  EXPECT_TRUE(policy->countsCalls(mm, {}));
+  EXPECT_FALSE(policy->countsCalls(entryOf("aten::tanh"), {}));
   EXPECT_TRUE(policy->namesOp(mm));
   EXPECT_FALSE(policy->keepsNothing());
   std::vector<bool> kept;

@@ -20,3 +20,9 @@ def first_python_block(section: str) -> str:
 def test_hugging_face_snippet_runs():
     pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
     exec(compile(first_python_block("Hugging Face"), "README.md: Hugging Face", "exec"), {})
+
+
+@pytest.mark.slow
+def test_torchtitan_snippet_runs():
+    pytest.importorskip("torchtitan", reason="torchtitan is not importable: tools/setup.sh installs torchtitan 0.3.0, which needs torch >= 2.13")
+    exec(compile(first_python_block("torchtitan"), "README.md: torchtitan", "exec"), {})

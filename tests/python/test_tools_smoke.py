@@ -72,3 +72,13 @@ def test_demo_report_prints_the_per_layer_table_and_draws_it(tmp_path):
         assert line in out
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (tools/setup.sh installs it)")
     assert f"per-layer chart: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_torchtitan_benchmark_prints_both_modes():
+    pytest.importorskip("torchtitan.distributed.activation_checkpoint",
+                        reason="torchtitan is not importable: tools/setup.sh installs torchtitan 0.3.0, which needs "
+                               "torch >= 2.13")
+    out = run_tool("tools/bench_torchtitan.py", "--layers", "1", "--seq", "16", "--samples", "1")
+    for mode in ("none", "torchtitan SAC", "sac_plugin", "step ratio sac_plugin / torchtitan SAC"):
+        assert mode in out

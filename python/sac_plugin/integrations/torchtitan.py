@@ -1,0 +1,264 @@
+"""torchtitan: its selective activation checkpointing (SAC), run by the plugin.
+
+    from sac_plugin.integrations import torchtitan as titan_sac
+    titan_sac.apply_ac(model, SelectiveAC.Config())      # torchtitan's own config object
+    # or hand torchtitan a config whose build() runs the plugin:
+    parallelize_llama(model, ..., ac_config=titan_sac.PluginSelectiveAC.Config())
+
+torchtitan's `SelectiveAC` (torchtitan/distributed/activation_checkpoint.py, 0.3.0) wraps each
+`model.layers` block with torch's SAC and a policy function that, per op call:
+
+| torchtitan's rule | the plugin's terms |
+|---|---|
+| save torch's compute-intensive ops (partitioner's list: mm, addmm, bmm, SDPA flash/efficient, ...), SDPA math/cudnn/overrideable, `aten.max.default`, `aten.linear`, `aten.topk` | `Policy(kept_ops=save_ops())`, built from the same partitioner list at run time |
+| ... except every second `mm`/`linear` (calls 2, 4, ... of the block's forward) | `every_nth_op={"aten::mm.default": 2}` (calls 0, 2, ... kept); `linear` is composite and reaches neither policy as itself on CPU or CUDA |
+| force recompute of matmuls whose right operand has the shape of a Linear whose FQN contains `moe.router.gate` (`force_recompute_mm_shapes_by_fqns`); they do not count towards "every second" | every `nn.Linear` of the block with such a weight shape runs in a recomputed unit; its calls take no every-nth index |
+| keep CUDA->CPU `_to_copy` (the expert-parallel dispatcher's split sizes, a device sync) | the dispatcher's `_sync_token_count_exchange` runs in a kept unit |
+| keep `_c10d_functional.reduce_scatter_tensor`, `all_to_all_single` | refused: the plugin never keeps a collective; one warning says so |
+| keep the flex_attention and inductor_compiled_code higher-order ops | not dispatcher ops: the plugin sees the aten ops inside them (or none, for compiled code) |
+
+The plugin checkpoints each block in place (state_dict keys unchanged; torchtitan's wrapper adds
+`_checkpoint_wrapped_module.`). torchtitan is imported only by what needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch import nn
+
+from ..checkpointing import apply_selective_checkpointing
+from ..policy import Policy, describe_value, resolve_kept_ops
+from ..targets import run_in_unit
+
+FORCED_RECOMPUTE_UNIT = "torchtitan_forced_recompute"
+CPU_OFFLOAD_UNIT = "torchtitan_cpu_offload"
+
+# torchtitan's additions to the partitioner's compute-intensive list, as plugin names; spellings
+# this build lacks are skipped (resolve_kept_ops).
+_TORCHTITAN_COMPUTE_OPS = (
+    "aten::_scaled_dot_product_cudnn_attention.default",
+    "aten::_scaled_dot_product_attention_math.default",
+    "aten::_scaled_dot_product_fused_attention_overrideable.default",
+    "aten::max.default",       # the absolute maximum behind a low-precision scale
+    "aten::linear.default",    # for backends that register linear as a leaf op
+    "aten::topk.default",      # MoE expert choice, which may not be deterministic
+    "torch_attn::_varlen_attn.default",
+    "deepep::dispatch.default", "deepep::combine.default",
+    "hybridep::dispatch.default", "hybridep::combine.default",
+)
+# torchtitan keeps these; the plugin refuses every collective (README: "What is kept").
+TORCHTITAN_KEPT_COLLECTIVES = (
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_to_all_single",
+)
+COLLECTIVES_WARNING = (
+    "sac_plugin: torchtitan's selective AC keeps the outputs of the collectives "
+    + " and ".join(TORCHTITAN_KEPT_COLLECTIVES)
+    + "; sac_plugin never keeps a collective, so under tensor or expert parallelism they run again in "
+    "the recompute (README: 'torchtitan')"
+)
+# torchtitan 0.3.0's default force_recompute_mm_shapes_by_fqns.
+DEFAULT_FORCE_RECOMPUTE_FQNS = ("moe.router.gate",)
+MM = "aten::mm.default"
+
+
+def save_ops() -> list[str]:
+    """torchtitan's save list in plugin names, collectives left out: the `.default` overload of
+    each op in torch's partitioner list of compute-intensive ops, plus torchtitan's own additions
+    that this installation registers. `aten::mm.default` is among them: it gets its every-second
+    rule instead of a kept-op entry (policy_for_block)."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    names = {f"{op._qualified_op_name}.default" for op in get_default_op_list().compute_intensive_ops}
+    return sorted(names | resolve_kept_ops([*_TORCHTITAN_COMPUTE_OPS, *names]))
+
+
+def forced_recompute_shapes(block: nn.Module, fqns, base_fqn: str | None = None) -> set[tuple[int, int]]:
+    """torchtitan's rule: the (out, in) weight shapes of the block's nn.Linear modules whose FQN
+    (base_fqn.module_path) contains any of `fqns`. A match that is not an nn.Linear is refused."""
+    shapes = set()
+    for path, module in block.named_modules():
+        fqn = f"{base_fqn}.{path}" if base_fqn else path
+        if not any(f in fqn for f in fqns):
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"sac_plugin: torchtitan: force_recompute_mm_shapes_by_fqns matches '{fqn}', a "
+                f"{type(module).__name__}; it must name nn.Linear modules (as in torchtitan)"
+            )
+        shapes.add(tuple(module.weight.shape))
+    return shapes
+
+
+def _owner_and_name(block: nn.Module, path: str):
+    parent, _, name = path.rpartition(".")
+    return (block.get_submodule(parent) if parent else block), name
+
+
+def policy_for_block(block: nn.Module, *, force_recompute_fqns=DEFAULT_FORCE_RECOMPUTE_FQNS,
+                     base_fqn: str | None = None):
+    """(Policy, [(owner, attribute, unit)]): torchtitan's selective AC for one block, and where its
+    units go. Every nn.Linear whose weight has a forced shape is recomputed, as torchtitan's
+    shape match recomputes any matmul with that right operand; the expert-parallel dispatcher's
+    token-count exchange (its CUDA->CPU copies) is kept."""
+    _check_fqns(force_recompute_fqns)
+    shapes = forced_recompute_shapes(block, force_recompute_fqns, base_fqn) if force_recompute_fqns else set()
+    in_units = []
+    for path, module in block.named_modules():
+        if path and isinstance(module, nn.Linear) and tuple(module.weight.shape) in shapes:
+            in_units.append((*_owner_and_name(block, path), FORCED_RECOMPUTE_UNIT))
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if callable(getattr(dispatcher, "_sync_token_count_exchange", None)):
+            in_units.append((dispatcher, "_sync_token_count_exchange", CPU_OFFLOAD_UNIT))
+    # Units only where the block has them: a unit no forward opens would be reported as a typo.
+    units = {unit for _, _, unit in in_units}
+    policy = Policy(kept_ops=[op for op in save_ops() if op != MM],
+                    kept_units=[CPU_OFFLOAD_UNIT] if CPU_OFFLOAD_UNIT in units else [],
+                    every_nth_op={MM: 2},
+                    recomputed_units=[FORCED_RECOMPUTE_UNIT] if FORCED_RECOMPUTE_UNIT in units else [])
+    return policy, in_units
+
+
+def _check_fqns(fqns) -> None:
+    if isinstance(fqns, str) or not all(isinstance(f, str) and f for f in fqns):
+        raise TypeError("sac_plugin: torchtitan: force_recompute_mm_shapes_by_fqns must be a list of non-empty "
+                        f"module names, e.g. ['moe.router.gate'], got {describe_value(fqns)}")
+
+
+def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, preserve_rng_state: bool) -> nn.Module:
+    policy, in_units = policy_for_block(block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn)
+    for owner, name, unit in in_units:
+        run_in_unit(owner, name, unit)
+    return apply_selective_checkpointing(block, policy, preserve_rng_state=preserve_rng_state)
+
+
+def _layers(model: nn.Module) -> nn.Module:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.Module):
+        raise ValueError(f"sac_plugin: torchtitan.apply_ac: {type(model).__name__} has no `layers` module; torchtitan "
+                         "checkpoints the blocks of model.layers (a ModuleDict or ModuleList)")
+    return layers
+
+
+def _check_ac_config(config) -> None:
+    """The fields the plugin does not implement must be at their defaults."""
+    if getattr(config, "debug", False):
+        raise ValueError("sac_plugin: torchtitan: debug=True (torch's checkpoint debug capture) is not supported by "
+                         "the plugin; set debug=False")
+    if getattr(config, "determinism_check", "default") != "default":
+        raise ValueError(f"sac_plugin: torchtitan: determinism_check={config.determinism_check!r} is not supported; "
+                         "the plugin runs torch's default check, so leave it 'default'")
+
+
+def apply_ac(model: nn.Module, ac_config) -> nn.Module:
+    """Drop-in for torchtitan's `ac_config.build().apply(model)` on the plugin: checkpoints every
+    block of model.layers in place and returns the model.
+
+    ac_config: torchtitan's SelectiveAC.Config (torchtitan's selective AC: see this module's
+    table), FullAC.Config (plain full recompute) or None (nothing). Its preserve_rng_state is
+    honoured; debug and determinism_check must be at their defaults. Warns once that the
+    collectives torchtitan keeps are recomputed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sac_plugin: torchtitan.apply_ac: model must be a torch.nn.Module, got {describe_value(model)}")
+    if ac_config is None:
+        return model
+    kind = _config_kind(ac_config)
+    _check_ac_config(ac_config)
+    layers = _layers(model)
+    preserve = bool(getattr(ac_config, "preserve_rng_state", True))
+    if kind == "full":
+        for _, block in layers.named_children():
+            apply_selective_checkpointing(block, None, preserve_rng_state=preserve)
+        return model
+    fqns = tuple(getattr(ac_config, "force_recompute_mm_shapes_by_fqns", DEFAULT_FORCE_RECOMPUTE_FQNS))
+    _check_fqns(fqns)
+    # Every block is checked before any changes: a refused config leaves the model as it was.
+    for layer_id, block in layers.named_children():
+        policy_for_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}")
+    warnings.warn(COLLECTIVES_WARNING, stacklevel=2)
+    for layer_id, block in layers.named_children():
+        _checkpoint_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}",
+                          preserve_rng_state=preserve)
+    return model
+
+
+def _config_kind(ac_config) -> str:
+    names = [cls.__qualname__ for cls in type(ac_config).__mro__]
+    if "SelectiveAC.Config" in names or "PluginSelectiveAC.Config" in names:
+        return "selective"
+    if "FullAC.Config" in names:
+        return "full"
+    raise TypeError(
+        "sac_plugin: torchtitan.apply_ac: ac_config must be torchtitan's SelectiveAC.Config, FullAC.Config or None "
+        f"(MemoryBudgetAC is torch.compile's partitioner, not a per-op policy), got {describe_value(ac_config)}"
+    )
+
+
+def __getattr__(name: str):
+    # PluginSelectiveAC subclasses torchtitan's SelectiveAC, so it is built on first use: this
+    # module imports without torchtitan.
+    if name == "PluginSelectiveAC":
+        cls = _plugin_selective_ac()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _plugin_selective_ac():
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    class PluginSelectiveAC(SelectiveAC):
+        """torchtitan's SelectiveAC, each block checkpointed by the plugin: pass
+        PluginSelectiveAC.Config(...) wherever torchtitan takes an activation-checkpoint config
+        (its parallelize functions call config.build(...).apply(model))."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(SelectiveAC.Config):
+            pass
+
+        def apply(self, model: nn.Module) -> None:
+            apply_ac(model, self.config)
+
+        def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
+            _check_ac_config(self.config)
+            return _checkpoint_block(module, force_recompute_fqns=tuple(self.config.force_recompute_mm_shapes_by_fqns),
+                                     base_fqn=base_fqn, preserve_rng_state=self.config.preserve_rng_state)
+
+    PluginSelectiveAC.__module__ = __name__
+    return PluginSelectiveAC
+
+
+def cpu_debug_model(name: str = "llama3", *, n_layers: int | None = None, seed: int = 0) -> nn.Module:
+    """torchtitan's debug model `name` ("llama3", "deepseek_v3" or "qwen3_moe"), with SDPA as the
+    inner attention, initialised from `seed`.
+
+    torchtitan's language models accept only flex and varlen attention: flex is compiled
+    (max-autotune) and varlen needs CUDA, so on CPU each block's inner attention is swapped for
+    torchtitan's own ScaledDotProductAttention (causal, as a model called without masks asks).
+    n_layers keeps the first n blocks (deepseek_v3: block 0 is dense, the rest MoE).
+    """
+    import importlib
+
+    registries = {"llama3": ("llama3", "debugmodel"), "deepseek_v3": ("deepseek_v3", "debugmodel"),
+                  "qwen3_moe": ("qwen3", "debugmodel_moe")}
+    if name not in registries:
+        raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: unknown model {name!r}; "
+                         f"choose one of {sorted(registries)}")
+    package, flavor = registries[name]
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    config = importlib.import_module(f"torchtitan.models.{package}").model_registry(flavor, attn_backend="flex").model
+    if n_layers is not None:
+        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 1 <= n_layers <= len(config.layers):
+            raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: n_layers must be an int from 1 to "
+                             f"{len(config.layers)}, got {describe_value(n_layers)}")
+        config.layers = config.layers[:n_layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return config.build()
