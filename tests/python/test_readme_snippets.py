@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -25,4 +26,8 @@ def test_hugging_face_snippet_runs():
 @pytest.mark.slow
 def test_torchtitan_snippet_runs():
     pytest.importorskip("torchtitan", reason="torchtitan is not importable: tools/setup.sh installs torchtitan 0.3.0, which needs torch >= 2.13")
-    exec(compile(first_python_block("torchtitan"), "README.md: torchtitan", "exec"), {})
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(first_python_block("torchtitan"), "README.md: torchtitan", "exec"), {})
+    finally:
+        torch.set_num_threads(threads)  # the snippet sets one thread
