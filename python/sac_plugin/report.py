@@ -109,7 +109,8 @@ class _PassScope:
         self._scope.__enter__()
         self._audit = torch.classes.sac.Audit()
         self._audit.start()
-        _stack().append((self._layer, self._phase, self._kept_calls, self._region, self._audit))
+        _stack().append((self._layer, self._phase, self._kept_calls, self._region, self._audit,
+                         len(self._report._modules)))
         self._inner.__enter__()
         return self
 
@@ -168,13 +169,12 @@ class _TraceMode(torch.utils._python_dispatch.TorchDispatchMode):
         passes = _stack()
         if not passes or _never_counted(func):
             return func(*args, **kwargs)
-        layer, phase, kept_calls, _, audit = passes[-1]
+        layer, phase, kept_calls, _, audit, depth = passes[-1]
         report = self._report
-        module = report._innermost_module()
-        if not (module == layer or module.startswith(layer + ".")):
-            # The recompute reruns the checkpointed function, not the module's __call__, so the
-            # module hooks see only its submodules: the calls in its own body are the layer's.
-            module = layer
+        # The modules called since the pass began are the layer's submodules; with none, the call
+        # is in the layer's own body (the recompute reruns the checkpointed function, not the
+        # module's __call__, so the layer itself is not on the stack then).
+        module = report._innermost_module() if len(report._modules) > depth else layer
         open_units = torch.ops.sac.open_units()
         unit = open_units[-1] if open_units else ""
         if phase == "forward":
@@ -294,7 +294,7 @@ class Report:
         passes = _stack()
         if not passes:
             return None
-        layer, phase, kept_calls, region, _ = passes[-1]
+        layer, phase, kept_calls, region, _, _ = passes[-1]
         scope = torch.autograd.profiler.record_function(f"sac_plugin.{phase}: {layer} unit {unit}")
         scope.__enter__()
         audit = torch.classes.sac.Audit()

@@ -273,3 +273,16 @@ def test_profiler_attributes_allocations_to_the_checkpointed_module():
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model(x).backward()
     assert not [e for e in prof.key_averages() if e.key.startswith("sac_plugin.")]
+
+
+@needs_trace
+def test_trace_of_a_root_layer_names_its_submodules():
+    # The checkpointed module is the report's model itself: named by its type, its submodules by
+    # their qualified names, in the forward and in the recompute alike.
+    model, x = _tiny(sac_plugin.Policy(kept_ops=["aten::tanh"]))
+    block = model.block
+    with sac_plugin.trace(block) as report:
+        block(x).sum().backward()
+    assert [(e.layer, e.module, e.phase) for e in report.trace] == (
+        [("_Block", {"block.inner.lin": "inner.lin", "block.inner": "inner", "block": "_Block",
+                     "block.out": "out"}[m], p) for m, _, _, p in TINY_FORWARD + TINY_RECOMPUTE])
