@@ -5,6 +5,7 @@ import json
 
 import pytest
 import sac_plugin
+from sac_plugin.report import _TraceMode
 import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
@@ -237,7 +238,8 @@ def test_no_trace_no_mode_and_no_trace_key():
     seen = []
 
     def forward_hook(module, args, output):
-        seen.append(torch._C._len_torch_dispatch_stack())
+        modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+        seen.append(sum(isinstance(mode, _TraceMode) for mode in modes))
 
     handle = model.block.out.register_forward_hook(forward_hook)
     try:
@@ -245,7 +247,7 @@ def test_no_trace_no_mode_and_no_trace_key():
             model(x).backward()
     finally:
         handle.remove()
-    assert seen == [0]  # no dispatch mode while a plain report runs
+    assert seen == [0]  # no trace mode while a plain report runs
     assert report.trace == [] and "trace" not in report.to_dict()
     with pytest.raises(RuntimeError, match=r"^sac_plugin: this report was not asked for a trace"):
         report.trace_table()
