@@ -12,7 +12,7 @@ from .dispatch_mode import engine  # noqa: E402
 from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
 from .planner import Plan, PlanError, plan  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
-from .report import Report, report  # noqa: E402
+from .report import Report, TraceEntry, report, trace  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
 from .units import in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
@@ -30,6 +30,7 @@ __all__ = [
     "RecomputeUnit",
     "Region",
     "Report",
+    "TraceEntry",
     "apply_recompute_config",
     "apply_selective_checkpointing",
     "audit",
@@ -42,4 +43,5 @@ __all__ = [
     "recompute_unit",
     "report",
     "resolve_kept_ops",
+    "trace",
 ]

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 
 import torch
+import torch.utils._python_dispatch
 
 from . import checkpointing, units
 from .audit import Audit, AuditRow, PHASES
@@ -93,16 +95,22 @@ class SavedStorage:
 class _PassScope:
     """A region's forward or recompute context, wrapped to count what runs in it."""
 
-    __slots__ = ("_report", "_layer", "_phase", "_inner", "_kept_calls", "_region", "_audit")
+    __slots__ = ("_report", "_layer", "_phase", "_inner", "_kept_calls", "_region", "_audit", "_scope")
 
     def __init__(self, report, layer, phase, inner, kept_calls, region):
         self._report, self._layer, self._phase = report, layer, phase
         self._inner, self._kept_calls, self._region = inner, kept_calls, region
 
     def __enter__(self):
+        # NOTE: [Allocation sites] A profiler scope named after the checkpointed module and the
+        # pass, so torch.profiler (profile_memory=True) and the CUDA memory snapshot attribute each
+        # allocation made in the forward or the recompute to the layer that made it.
+        self._scope = torch.autograd.profiler.record_function(f"sac_plugin.{self._phase}: {self._layer}")
+        self._scope.__enter__()
         self._audit = torch.classes.sac.Audit()
         self._audit.start()
-        _stack().append((self._layer, self._phase, self._kept_calls, self._region))
+        _stack().append((self._layer, self._phase, self._kept_calls, self._region, self._audit,
+                         len(self._report._modules)))
         self._inner.__enter__()
         return self
 
@@ -112,7 +120,87 @@ class _PassScope:
         finally:
             _stack().pop()
             self._audit.stop()
+            self._scope.__exit__(None, None, None)
             self._report._pass_done(self, self._audit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEntry:
+    """One intercepted call inside a checkpointed region, in the order the calls ran."""
+
+    layer: str   # the checkpointed module (its qualified name in the report's model)
+    module: str  # the innermost module being called (qualified name; "" outside any module)
+    unit: str    # the innermost open recompute unit, "" for none
+    op: str      # the overload, "aten::mm.default"
+    phase: str   # "forward" or "recompute"
+    status: str  # forward: "kept" or "recomputed"; recompute: "recomputed" or "served"
+
+
+def _check_trace_supported() -> None:
+    from . import _compat, dispatch_mode
+
+    if dispatch_mode.engine() != "native":
+        raise RuntimeError("sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
+                           "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
+                           "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace")
+    if _compat.python_handlers_run_below_the_plugin():
+        raise RuntimeError(f"sac_plugin: the per-op trace needs torch >= 2.13, where TorchDispatchModes run above the "
+                           f"plugin's key; in torch {torch.__version__} a mode's calls are never kept, so tracing "
+                           "would change what is kept")
+
+
+class _TraceMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each call made inside a report's region passes (report(model, trace=True)).
+
+    NOTE: [The per-op trace costs nothing without a trace]
+    A TorchDispatchMode that exists only while a traced report runs: it sees every call before
+    the plugin's fallback (torch >= 2.13 puts `Python` above the plugin's key), runs it, and reads
+    the outcome from what the plugin already exposes: in the forward, whether the region's kept-call
+    count grew; in the recompute, whether the pass audit's hits grew (a served call runs no kernel).
+    Nothing in the fallback knows about it, so there is no branch on the hot path.
+    """
+
+    def __init__(self, report: Report):
+        super().__init__()
+        self._report = report
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        passes = _stack()
+        if not passes or _never_counted(func):
+            return func(*args, **kwargs)
+        layer, phase, kept_calls, _, audit, depth = passes[-1]
+        report = self._report
+        # The modules called since the pass began are the layer's submodules; with none, the call
+        # is in the layer's own body (the recompute reruns the checkpointed function, not the
+        # module's __call__, so the layer itself is not on the stack then).
+        module = report._innermost_module() if len(report._modules) > depth else layer
+        open_units = torch.ops.sac.open_units()
+        unit = open_units[-1] if open_units else ""
+        if phase == "forward":
+            before = kept_calls()
+            out = func(*args, **kwargs)
+            status = "kept" if kept_calls() > before else "recomputed"
+        else:
+            before = sum(audit.rows()[4])
+            out = func(*args, **kwargs)
+            status = "served" if sum(audit.rows()[4]) > before else "recomputed"
+        report.trace.append(TraceEntry(layer, module, unit, _op_name(func), phase, status))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _op_name(func) -> str:
+    return f"{func._schema.name}.{func._overloadname}"
+
+
+@functools.lru_cache(maxsize=None)
+def _never_counted(func) -> bool:
+    """The ops the fallback lets through uncounted (detach, metadata, profiler, sac's own)."""
+    try:
+        return bool(torch.ops.sac.op_traits(_op_name(func))[1])
+    except (RuntimeError, ValueError):
+        return True
 
 
 def _stack() -> list:
@@ -122,8 +210,10 @@ def _stack() -> list:
 
 
 class Report:
-    def __init__(self, model: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module | None = None, *, trace: bool = False):
         self._model = model
+        self._trace = trace
+        self.trace: list[TraceEntry] = []
         self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()} if model is not None else {}
         self.layers: dict[str, Breakdown] = {}
         self.units: dict[tuple[str, str], Breakdown] = {}
@@ -149,6 +239,9 @@ class Report:
         stack.enter_context(torch.nn.modules.module.register_module_forward_hook(self._module_returned,
                                                                                  always_call=True))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
+        if self._trace:
+            _check_trace_supported()
+            stack.enter_context(_TraceMode(self))
         _active.append(self)
         stack.callback(_active.remove, self)
         return self
@@ -160,6 +253,9 @@ class Report:
 
     def _name(self, module) -> str:
         return self._names.get(id(module), type(module).__name__)
+
+    def _innermost_module(self) -> str:
+        return self._name(self._modules[-1]) if self._modules else ""
 
     def _module_called(self, module, args):
         self._modules.append(module)
@@ -198,14 +294,17 @@ class Report:
         passes = _stack()
         if not passes:
             return None
-        layer, phase, kept_calls, region = passes[-1]
+        layer, phase, kept_calls, region, _, _ = passes[-1]
+        scope = torch.autograd.profiler.record_function(f"sac_plugin.{phase}: {layer} unit {unit}")
+        scope.__enter__()
         audit = torch.classes.sac.Audit()
         audit.start()
-        return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit
+        return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
 
     def unit_exited(self, unit: str, token) -> None:
-        layer, phase, kept_calls, region, kept_before, bytes_before, audit = token
+        layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
         audit.stop()
+        scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
         names, forward, recompute, backward, hits = audit.rows()
         breakdown.add_rows(AuditRow(*values) for values in zip(names, forward, recompute, backward, hits))
@@ -266,7 +365,25 @@ class Report:
             "saved_for_backward": {"bytes_by_place": self.saved_bytes_by_place(),
                                    "storages": [s.to_dict() for s in self.saved_tensors()]},
             "totals": {phase: sum(getattr(row, phase) for row in self.totals) for phase in (*PHASES, "hits")},
+            **({"trace": [dataclasses.asdict(entry) for entry in self.trace]} if self._trace else {}),
         }
+
+    def trace_table(self) -> str:
+        """The per-op trace (report(..., trace=True) or sac_plugin.trace()), one line per call in
+        the order they ran: forward calls kept or recomputed, recompute calls recomputed or served."""
+        if not self._trace:
+            raise RuntimeError("sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
+                               "trace=True) or sac_plugin.trace(model)")
+        width = max([len("module")] + [len(e.module) for e in self.trace])
+        unit_width = max([len("unit")] + [len(e.unit) for e in self.trace])
+        layer_width = max([5] + [len(e.layer) for e in self.trace])
+        header = f"{'#':>5}  {'layer':<{layer_width}}  {'module':<{width}}  {'unit':<{unit_width}}  " \
+                 f"{'phase':<9}  {'status':<10}  op"
+        lines = [header, "-" * len(header)]
+        for i, e in enumerate(self.trace):
+            lines.append(f"{i:>5}  {e.layer:<{layer_width}}  {e.module or '-':<{width}}  {e.unit or '-':<{unit_width}}  "
+                         f"{e.phase:<9}  {e.status:<10}  {e.op}")
+        return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -309,13 +426,30 @@ def _bytes(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
 
 
-def report(model: torch.nn.Module | None = None) -> Report:
-    """A report of one or more steps run inside it; `model` names the checkpointed modules."""
+def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Report:
+    """A report of one or more steps run inside it; `model` names the checkpointed modules.
+    trace=True also records every call in the checkpointed regions, in order (Report.trace,
+    Report.trace_table(), "trace" in to_json())."""
     if model is not None and not isinstance(model, torch.nn.Module):
         from .policy import describe_value
 
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
-    return Report(model)
+    if not isinstance(trace, bool):
+        from .policy import describe_value
+
+        raise TypeError(f"sac_plugin: report: trace must be a bool, got {describe_value(trace)}")
+    return Report(model, trace=trace)
+
+
+def trace(model: torch.nn.Module | None = None) -> Report:
+    """A report that also records the per-op trace: with sac_plugin.trace(model) as t: ...;
+    print(t.trace_table()). Each entry: checkpointed layer, innermost module, unit, op, phase
+    and kept / recomputed / served (torch_remat's collect_trace, per aten call)."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        from .policy import describe_value
+
+        raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
+    return Report(model, trace=True)
 
 
 def install_oom_observer() -> None:

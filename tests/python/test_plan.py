@@ -286,3 +286,25 @@ def test_pareto_is_monotone_and_within_each_budget():
     times = [p["recompute_seconds"] for p in points]
     assert all(a >= b - 1e-12 for a, b in zip(times, times[1:]))
     assert points[0]["kept_bytes"] == 0
+
+
+def test_plot_keeps_coinciding_policies_visible(tmp_path, monkeypatch):
+    # Two policies at one point (the units policy of a layer that opens no units keeps what
+    # "attention kept" keeps): different hollow markers, the first larger and drawn on top.
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sac_plugin.planner import reference_policies
+
+    block, args = llama_inputs()
+    plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
+    same = reference_policies()["attention kept"]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plan.plot(tmp_path / "plan.png", policies={"attention kept": same, "units": same})
+    axes = figures[0].axes[0]
+    dots = {c.get_label(): c for c in axes.collections}
+    first, second = dots["attention kept"], dots["units"]
+    assert list(first.get_offsets()[0]) == list(second.get_offsets()[0])
+    assert first.get_sizes()[0] > second.get_sizes()[0] and first.get_zorder() > second.get_zorder()
+    assert len(first.get_facecolors()) == 0 or first.get_facecolors()[0][3] == 0  # hollow: the other shows through

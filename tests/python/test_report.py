@@ -5,6 +5,7 @@ import json
 
 import pytest
 import sac_plugin
+from sac_plugin.report import _TraceMode
 import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
@@ -101,3 +102,189 @@ def test_oom_observer_prints_the_report(capfd):
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(1 << 50, device="cuda")
     assert "sac_plugin: CUDA out of memory on device" in capfd.readouterr().out
+
+
+# --- the per-op trace (report(model, trace=True), sac_plugin.trace) ------------------------------
+
+def needs_trace(test):
+    test = pytest.mark.native_engine("the trace reads the native engine's regions; the dispatch-mode engine "
+                                     "refuses it")(test)
+    return pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
+                              reason="the trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")(test)
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with sac_plugin.recompute_unit("u"):
+            return torch.tanh(self.lin(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.out = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.out(torch.sin(h) * h)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x).sum()
+
+
+def _tiny(policy):
+    torch.manual_seed(0)
+    model = _Tiny()
+    sac_plugin.apply_selective_checkpointing(model.block, policy)
+    return model, torch.randn(3, 4, requires_grad=True)
+
+
+# (module, unit, op, phase, status), in order. The recompute runs until autograd has saved its
+# last tensor again (torch.utils.checkpoint stops there), so out's mm never runs twice.
+TINY_FORWARD = [
+    ("block.inner.lin", "u", "aten::t.default", "forward"),
+    ("block.inner.lin", "u", "aten::addmm.default", "forward"),
+    ("block.inner", "u", "aten::tanh.default", "forward"),
+    ("block", "", "aten::sin.default", "forward"),
+    ("block", "", "aten::mul.Tensor", "forward"),
+    ("block.out", "", "aten::t.default", "forward"),
+    ("block.out", "", "aten::mm.default", "forward"),
+]
+TINY_RECOMPUTE = [
+    ("block.inner.lin", "u", "aten::t.default", "recompute"),
+    ("block.inner.lin", "u", "aten::addmm.default", "recompute"),
+    ("block.inner", "u", "aten::tanh.default", "recompute"),
+    ("block", "", "aten::sin.default", "recompute"),
+    ("block", "", "aten::mul.Tensor", "recompute"),
+    ("block.out", "", "aten::t.default", "recompute"),
+]
+
+
+def _rows(report):
+    return [(e.module, e.unit, e.op, e.phase, e.status) for e in report.trace]
+
+
+@needs_trace
+def test_trace_kept_ops_exact_sequence():
+    model, x = _tiny(sac_plugin.Policy(kept_ops=["aten::tanh", "aten::mm"]))
+    with sac_plugin.trace(model) as report:
+        model(x).backward()
+    kept = {"aten::tanh.default", "aten::mm.default"}
+    assert _rows(report) == (
+        [(*row, "kept" if row[2] in kept else "recomputed") for row in TINY_FORWARD]
+        + [(*row, "served" if row[2] in kept else "recomputed") for row in TINY_RECOMPUTE])
+    assert {e.layer for e in report.trace} == {"block"}
+
+
+@needs_trace
+def test_trace_kept_unit_and_full_recompute():
+    model, x = _tiny(sac_plugin.Policy(kept_units=["u"]))
+    with sac_plugin.report(model, trace=True) as report:
+        model(x).backward()
+    # The unit keeps addmm and tanh; t is a view (kept by no unit). Once tanh is served the
+    # recompute has nothing more to serve, and torch's checkpoint still replays up to its last save.
+    in_unit = {"aten::addmm.default", "aten::tanh.default"}
+    assert _rows(report) == (
+        [(*row, "kept" if row[2] in in_unit else "recomputed") for row in TINY_FORWARD]
+        + [(*row, "served" if row[2] in in_unit else "recomputed") for row in TINY_RECOMPUTE])
+
+    model, x = _tiny(sac_plugin.Policy())
+    with sac_plugin.trace(model) as report:
+        model(x).backward()
+    assert _rows(report) == [(*row, "recomputed") for row in TINY_FORWARD + TINY_RECOMPUTE]
+
+
+@needs_trace
+def test_trace_table_json_and_no_change_to_results():
+    policy = sac_plugin.Policy(kept_ops=["aten::tanh"])
+    model, x = _tiny(policy)
+    with sac_plugin.audit() as plain_audit:
+        model(x).backward()
+    plain = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model, x = _tiny(policy)
+    with sac_plugin.audit() as traced_audit, sac_plugin.trace(model) as report:
+        model(x).backward()
+    traced = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    # What the regions ran and served is the same (the backward may differ: with a dispatch mode on,
+    # autograd accumulates gradients out of place, add instead of add_).
+    in_regions = lambda audit: [(r.op, r.forward, r.recompute, r.hits) for r in audit.rows()  # noqa: E731
+                                if r.forward or r.recompute or r.hits]
+    assert in_regions(plain_audit) == in_regions(traced_audit)
+    table = report.trace_table().splitlines()
+    assert table[0].split() == ["#", "layer", "module", "unit", "phase", "status", "op"]
+    assert table[2].split() == ["0", "block", "block.inner.lin", "u", "forward", "recomputed", "aten::t.default"]
+    assert table[4].split() == ["2", "block", "block.inner", "u", "forward", "kept", "aten::tanh.default"]
+    assert table[11].split() == ["9", "block", "block.inner", "u", "recompute", "served", "aten::tanh.default"]
+    data = json.loads(report.to_json())
+    assert data["trace"][2] == {"layer": "block", "module": "block.inner", "unit": "u", "op": "aten::tanh.default",
+                                "phase": "forward", "status": "kept"}
+    assert len(data["trace"]) == len(TINY_FORWARD) + len(TINY_RECOMPUTE)
+
+
+def test_no_trace_no_mode_and_no_trace_key():
+    model, x = _tiny(sac_plugin.Policy(kept_ops=["aten::tanh"]))
+    seen = []
+
+    def forward_hook(module, args, output):
+        modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+        seen.append(sum(isinstance(mode, _TraceMode) for mode in modes))
+
+    handle = model.block.out.register_forward_hook(forward_hook)
+    try:
+        with sac_plugin.report(model) as report:
+            model(x).backward()
+    finally:
+        handle.remove()
+    assert seen == [0]  # no trace mode while a plain report runs
+    assert report.trace == [] and "trace" not in report.to_dict()
+    with pytest.raises(RuntimeError, match=r"^sac_plugin: this report was not asked for a trace"):
+        report.trace_table()
+    with pytest.raises(TypeError, match=r"^sac_plugin: report: trace must be a bool, got 1 \(int\)$"):
+        sac_plugin.report(model, trace=1)
+    with pytest.raises(TypeError, match=r"^sac_plugin: trace: model must be a torch.nn.Module or None"):
+        sac_plugin.trace("model")
+
+
+def test_profiler_attributes_allocations_to_the_checkpointed_module():
+    from torch.profiler import ProfilerActivity, profile
+
+    model, x = _tiny(sac_plugin.Policy(kept_units=["u"]))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, sac_plugin.report(model):
+        model(x).backward()
+    events = {e.key: e for e in prof.key_averages()}
+    for scope in ("sac_plugin.forward: block", "sac_plugin.recompute: block", "sac_plugin.forward: block unit u"):
+        assert events[scope].count == 1
+    # Net bytes allocated in a scope (allocations minus frees; 3x4 fp32 = 48 bytes a tensor): the
+    # forward leaves the unit's two kept outputs (addmm, tanh) and the block's output alive; sin's
+    # and mul's outputs are freed (the checkpoint saves nothing). The unit scope: its two kept outputs.
+    assert events["sac_plugin.forward: block"].cpu_memory_usage == 3 * 48
+    assert events["sac_plugin.forward: block unit u"].cpu_memory_usage == 2 * 48
+    # Without a report there is no such scope.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x).backward()
+    assert not [e for e in prof.key_averages() if e.key.startswith("sac_plugin.")]
+
+
+@needs_trace
+def test_trace_of_a_root_layer_names_its_submodules():
+    # The checkpointed module is the report's model itself: named by its type, its submodules by
+    # their qualified names, in the forward and in the recompute alike.
+    model, x = _tiny(sac_plugin.Policy(kept_ops=["aten::tanh"]))
+    block = model.block
+    with sac_plugin.trace(block) as report:
+        block(x).sum().backward()
+    assert [(e.layer, e.module, e.phase) for e in report.trace] == (
+        [("_Block", {"block.inner.lin": "inner.lin", "block.inner": "inner", "block": "_Block",
+                     "block.out": "out"}[m], p) for m, _, _, p in TINY_FORWARD + TINY_RECOMPUTE])

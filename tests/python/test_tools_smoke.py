@@ -82,3 +82,48 @@ def test_torchtitan_benchmark_prints_both_modes():
     out = run_tool("tools/bench_torchtitan.py", "--layers", "1", "--seq", "16", "--samples", "1")
     for mode in ("none", "torchtitan SAC", "sac_plugin", "step ratio sac_plugin / torchtitan SAC"):
         assert mode in out
+
+
+def test_budget_benchmark_quick_prints_every_column(tmp_path):
+    try:
+        import torch_remat  # noqa: F401
+        remat = True
+    except ImportError:
+        remat = False
+    out = run_tool("tools/bench_budget.py", "--quick", "--json", str(tmp_path / "budget.json"))
+    assert out.startswith("command: ") and "tools/bench_budget.py --quick" in out.splitlines()[0]
+    assert "solver: a 1,000-call profile planned in" in out
+    for model in ("llama", "moe"):
+        assert f"{model} layer, dim 64, seq 32, batch 2, heads 4" in out
+    header = [line for line in out.splitlines() if line.startswith("mode ")]
+    assert len(header) == 2 and all(h.split() == ["mode", "held", "MiB", "predicted", "off", "step", "ms", "fits",
+                                                  "0.25"] for h in header)
+    rows = ["no checkpointing", "full recompute", "attention kept", "attention + every other mm",
+            "attention + all mm", "units", "plan 0.25 (", "torch.compile budget 0.25"]
+    rows += ["torch_remat, plan 0.25's modules"] if remat else []
+    lines = out.splitlines()
+    for row in rows:
+        found = [line for line in lines if line.startswith(row)]
+        assert len(found) == 2, row  # one per layer
+        for line in found:
+            cells = line[34:].split()
+            assert len(cells) == 5 and cells[3].replace(".", "").isdigit() and cells[4] in ("yes", "NO"), line
+    plan_lines = [line for line in lines if line.startswith("plan 0.25 (")]
+    assert all(line[34:].split()[2] == "0.0%" for line in plan_lines)  # predicted == measured
+    assert out.count("verdict (medians; plan <= best fitting hand-written when plan <= best x 1.05):") == 2
+    assert out.count("  budget 0.25: best fitting hand-written: ") == 2 and "plan <= best: " in out
+    if remat:
+        assert out.count("  torch_remat 0.25 regions: ") == 2
+    else:
+        assert "torch_remat is not installed" in out
+    assert "\nwall time: " in out
+    import json
+
+    data = json.loads((tmp_path / "budget.json").read_text())
+    assert [(r["model"], r["budget"]) for r in data["rows"]] == [("llama", 0.25), ("moe", 0.25)]
+    for r in data["rows"]:
+        assert r["plan_fits"] and r["plan_measured_bytes"] == r["plan_predicted_bytes"] <= r["budget_bytes"]
+        assert set(r["hand"]) == {"attention kept", "attention + every other mm", "attention + all mm", "units"}
+        assert r["compile"]["bytes"] > 0 and r["compile"]["step_s"] > 0
+        assert ("torch_remat" in r) == remat
+        assert r["tolerance"] == 0.05 and (r["plan_le_best"] is None) == (r["best_fitting_hand"] is None)

@@ -170,11 +170,18 @@ class Plan:
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         ax.step([p["held_bytes"] / base for p in points], [p["recompute_seconds"] * 1e3 for p in points],
                 where="post", marker=".", label="plan (Pareto curve)")
-        for name, policy in policies.items():
+        # Policies can land on one point (the units policy of a layer that opens no units keeps
+        # what "attention kept" keeps): each gets its own hollow marker, the first ones largest and
+        # drawn on top, so a marker under another still shows as a ring around it.
+        markers = ["o", "s", "D", "^", "v", "P", "X", "*"]
+        count = len(policies)
+        for i, (name, policy) in enumerate(policies.items()):
             e = self.evaluate(policy)
-            ax.scatter([e["held_bytes"] / base], [e["recompute_seconds"] * 1e3], marker="x", s=50, label=name)
-        ax.scatter([self.held_bytes / base], [self.recompute_seconds * 1e3], marker="o", s=80, facecolors="none",
-                   edgecolors="black", label=f"this plan (budget {self.budget})")
+            ax.scatter([e["held_bytes"] / base], [e["recompute_seconds"] * 1e3], marker=markers[i % len(markers)],
+                       s=40 + 45 * (count - i), facecolors="none", edgecolors=f"C{i + 1}", linewidths=1.6,
+                       zorder=3 + count - i, label=name)
+        ax.scatter([self.held_bytes / base], [self.recompute_seconds * 1e3], marker="x", s=70, color="black",
+                   zorder=4 + count, label=f"this plan (budget {self.budget})")
         ax.set_xlabel("activation bytes held / no checkpointing")
         ax.set_ylabel("recompute kernel time (ms)")
         ax.set_title(title or "sac_plugin memory-budget plan")
