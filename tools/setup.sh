@@ -67,6 +67,12 @@ if [ "$(printf '%s\n' 2.13.0 "$torch_version" | sort -V | head -1)" = 2.13.0 ] &
     typing-extensions
   "$venv/bin/python" -c "import triton" 2>/dev/null || "$venv/bin/pip" install -q --no-deps "triton==3.6.0"
 fi
+# torch_remat (Meta's region-based rematerialization, PyPI): the benchmarks measure the plugin
+# side by side with it (tools/bench_overhead.py, tools/bench_budget.py). --no-deps: it needs only torch.
+if ! "$venv/bin/python" -c "import torch_remat" 2>/dev/null; then
+  echo "setup: installing torch_remat (no deps) into $venv"
+  "$venv/bin/pip" install -q --no-deps "torch_remat==0.2.2"
+fi
 if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
   echo "setup: installing matplotlib into $venv"
   "$venv/bin/pip" install -q matplotlib
