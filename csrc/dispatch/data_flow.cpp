@@ -116,13 +116,17 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
     // No origin to name: unique to this pass and to this tensor.
     return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
   }
-  const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   auto found = storages_.find(storage);
   uint64_t seed = found != storages_.end() ? found->second.origin : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
-  mix(seed, static_cast<uint64_t>(tensor.scalar_type()));
-  mix(seed, static_cast<uint64_t>(impl->storage_offset()));
-  for (int64_t size : impl->sizes()) mix(seed, static_cast<uint64_t>(size));
-  for (int64_t stride : impl->strides()) mix(seed, static_cast<uint64_t>(stride));
+  // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
+  // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
+  mix(seed, (static_cast<uint64_t>(impl->storage_offset()) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
+  c10::IntArrayRef sizes = impl->sizes();
+  c10::IntArrayRef strides = impl->strides();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    mix(seed, static_cast<uint64_t>(sizes[d]) * 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(strides[d]));
+  }
   return seed;
 }
 
@@ -132,7 +136,7 @@ void DataFlow::mixValue(uint64_t& seed, const c10::IValue& value) const {
     mix(seed, provenanceOf(value.toTensor()));
   } else if (value.isTensorList()) {
     mix(seed, 2);
-    for (const at::Tensor& tensor : value.toTensorList()) mix(seed, provenanceOf(tensor));
+    for (const c10::IValue& element : value.toListRef()) mix(seed, provenanceOf(element.toTensor()));
   } else if (value.isInt()) {
     mix(seed, 3);
     mix(seed, static_cast<uint64_t>(value.toInt()));

@@ -128,8 +128,9 @@ class InterceptedCall {
     CallFacts facts;
     facts.draws_random = drawsRandomNumbers(entry_.traits, arguments);
     facts.casts_a_parameter = castsAParameter(entry_.traits, arguments);
-    if (policy.countsCalls(entry_, UnitStack::current().units())) facts.call_index = region->nextCallIndex(entry_);
-    Decision decision = policy.decide(entry_, UnitStack::current().units(), facts);
+    const std::vector<UnitId>& open_units = UnitStack::current().units();
+    if (policy.countsCalls(entry_, open_units)) facts.call_index = region->nextCallIndex(entry_);
+    Decision decision = policy.decide(entry_, open_units, facts);
     if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
     countAndRun(state.phase());
     if (decision.keep) region->keep(entry_, call, decision.unit, *stack_, num_returns);

@@ -11,7 +11,9 @@ void forEachTensor(const c10::IValue& value, Visit visit) {
   if (value.isTensor()) {
     visit(value.toTensor());
   } else if (value.isTensorList()) {
-    for (const at::Tensor& tensor : value.toTensorList().vec()) visit(tensor);
+    // Through the list's IValues, by reference: toTensorList().vec() would copy every tensor,
+    // and a copy of a tensor Python holds retains its PyObject, which takes the GIL.
+    for (const c10::IValue& element : value.toListRef()) visit(element.toTensor());
   }
 }
 
