@@ -22,6 +22,9 @@ def test_demo_prints_identical_losses():
     out = run_tool("tools/demo.py", "--steps", "2", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2")
     assert "losses identical across modes at every step: True" in out
     assert "selective (attn kept)" in out
+    # The per-layer report is part of every run's output (the chart only with --report).
+    assert "per-layer report, selective (attn kept), one more step on the last batch:" in out
+    assert "no chart" not in out and "sac_report.png" not in out
 
 
 @pytest.mark.slow
