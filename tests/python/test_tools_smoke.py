@@ -87,6 +87,8 @@ def test_torchtitan_benchmark_prints_both_modes():
         assert mode in out
 
 
+@pytest.mark.native_engine("bench_budget maps each plan to torch_remat regions through sac_plugin.trace, which "
+                           "reads the native engine's kept calls")
 def test_budget_benchmark_quick_prints_every_column(tmp_path):
     try:
         import torch_remat  # noqa: F401

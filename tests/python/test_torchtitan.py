@@ -88,6 +88,8 @@ def test_same_kept_calls_and_bitwise_gradients_as_torchtitan(name, monkeypatch):
     else:  # the router gate's mm is forced to recompute and does not count towards "every second"
         assert saved == {"aten::mm": 8, "aten::bmm": 4, "aten::topk": 1}
     reference, theirs_grads, ours_grads = _grads(base), _grads(theirs), _grads(ours)
+    # A NaN would make torch.equal fail for the wrong reason (and hide a real difference).
+    assert all(torch.isfinite(grad).all() for grad in reference.values() if grad is not None)
     assert reference.keys() == ours_grads.keys() == theirs_grads.keys()
     for key, grad in reference.items():
         assert torch.equal(ours_grads[key], grad), key

@@ -261,4 +261,10 @@ def cpu_debug_model(name: str = "llama3", *, n_layers: int | None = None, seed: 
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return config.build()
+        model = config.build()
+        # torchtitan builds parameters and buffers uninitialised (it builds on the meta device and
+        # initialises after sharding), then its trainer calls init_weights: without that call
+        # some of them hold whatever memory was there, NaN now and then.
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        return model
