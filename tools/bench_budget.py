@@ -379,6 +379,16 @@ def main(argv=None):
     if args.remat and not have_remat():
         print("torch_remat is not installed (pip install --no-deps torch_remat==0.2.2): its rows are left out")
         args.remat = False
+    if args.remat:
+        # The plan's calls are mapped to torch_remat regions through sac_plugin.trace, which needs the
+        # native engine on torch >= 2.13 (it says why otherwise).
+        from sac_plugin.report import _check_trace_supported
+
+        try:
+            _check_trace_supported()
+        except RuntimeError as error:
+            print(f"torch_remat rows are left out: mapping a plan to its regions needs sac_plugin.trace: {error}")
+            args.remat = False
     # One compiled copy per layer, size and budget, all of the same forward: let dynamo keep
     # them all, and fail rather than fall back to eager silently.
     torch._dynamo.config.recompile_limit = 256
