@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import random
 import shlex
@@ -55,6 +54,8 @@ from sac_plugin.planner import reference_policies
 from sac_plugin.planner.plan import _choose, _solver_for, Plan
 from sac_plugin.planner.profile import LayerProfile, ProfiledCall
 from sac_plugin.targets import LLAMA_TARGETS, MOE_TARGETS
+
+from interleaved_timing import time_interleaved  # tools/, the script's own directory
 
 MIB = 2**20
 QUICK = {"sizes": ["64x32"], "budgets": [0.25], "reps": 2, "steps": 1, "runs": 1}
@@ -97,33 +98,11 @@ def step(layer, args):
     layer(x, *args[1:]).sum().backward()
 
 
-def time_interleaved(modes: dict, args, reps: int, steps: int, device) -> dict:
-    """Median seconds per step of every mode: `reps` samples of `steps` steps each, modes
-    interleaved in a shuffled order per sample, the garbage collector off while timing (as
-    tools/bench_overhead.py's time_interleaved)."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    samples = {name: [] for name in modes}
-    for layer in modes.values():  # warm-up
-        for _ in range(2):
-            step(layer, args)
-    gc.collect()
-    gc.disable()
-    try:
-        order = list(modes.items())
-        shuffle = random.Random(0).shuffle
-        for _ in range(reps):
-            shuffle(order)
-            for name, layer in order:
-                sync()
-                started = time.perf_counter()
-                for _ in range(steps):
-                    step(layer, args)
-                sync()
-                samples[name].append((time.perf_counter() - started) / steps)
-            gc.collect()
-    finally:
-        gc.enable()
-    return {name: statistics.median(values) for name, values in samples.items()}
+def median_step_times(modes: dict, args, reps: int, steps: int, device) -> dict:
+    """Median seconds per step of every layer in `modes` (interleaved_timing.time_interleaved)."""
+    runs = {name: (lambda layer=layer: step(layer, args)) for name, layer in modes.items()}
+    times = time_interleaved(runs, reps, steps, warmup=2, device=device)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 class _Compiled(torch.nn.Module):
@@ -241,7 +220,7 @@ def run_layer(args, model, size):
     if args.plot_dir:
         plot(args, model, dim, seq, plans[args.budgets[0]], hand)
     measured = {name: held(layer, inputs) for name, layer in layers.items()}
-    times = time_interleaved(layers, inputs, args.reps, args.steps, args.device)
+    times = median_step_times(layers, inputs, args.reps, args.steps, args.device)
     rows = []
     for budget in args.budgets:
         limit = int(budget * none_bytes)

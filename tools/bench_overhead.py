@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -51,6 +48,8 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from sac_plugin.targets import ATTENTION_OPS  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
+
+from interleaved_timing import time_interleaved  # noqa: E402  (tools/, the script's own directory)
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("native", "coexisting", "dispatch_mode")
@@ -137,37 +136,6 @@ def intercepted_ops(run) -> int:
     return sum(row.forward + row.recompute + row.hits for row in audit.rows())
 
 
-def time_interleaved(modes: dict, reps: int, steps_per_sample: int, device, audited=()) -> dict:
-    """Seconds per step of every mode, `reps` samples each, modes interleaved in shuffled order."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {name: [] for name in modes}
-    for name, run in modes.items():  # warm-up
-        for _ in range(3):
-            run()
-    # Like timeit: the garbage collector stays off while timing, and each sample is the mean
-    # of a few steps, so one sample is not one timer tick or one collection.
-    gc.collect()
-    gc.disable()
-    try:
-        order = list(modes.items())
-        shuffle = random.Random(0).shuffle
-        for _ in range(reps):
-            shuffle(order)  # no mode always runs first, right after a collection
-            for name, run in order:
-                audit = sac_plugin.audit() if name in audited else contextlib.nullcontext()
-                with audit:
-                    sync()
-                    started = time.perf_counter()
-                    for _ in range(steps_per_sample):
-                        run()
-                    sync()
-                    times[name].append((time.perf_counter() - started) / steps_per_sample)
-            gc.collect()
-    finally:
-        gc.enable()
-    return times
-
-
 def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> dict:
     block, _ = make_attention_block(size, dim, device)
     x = torch.randn(16, dim, device=device)
@@ -175,7 +143,8 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
     modes = run_modes(block, x, grad, policy)
     ops = intercepted_ops(modes["sac_plugin"])
-    times = time_interleaved(modes, reps, steps_per_sample, device, audited=("sac_plugin + audit",))
+    times = time_interleaved(modes, reps, steps_per_sample, device=device,
+                             around=lambda name: sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext())
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
     # The median of paired differences: each round times every mode once, back to back, so a
     # mode's overhead in that round is its time minus full recompute's in the same round. Load
@@ -291,7 +260,7 @@ def measure_layers(name: str, reps: int, steps_per_sample: int, device) -> dict:
     if remat is not None:
         wrapped = {id(layer): remat_forward(remat, layer) for layer in layers}
         modes["torch_remat"] = stack(lambda layer, h: wrapped[id(layer)](h))
-    times = time_interleaved(modes, reps, steps_per_sample, device)
+    times = time_interleaved(modes, reps, steps_per_sample, device=device)
     median = {mode: statistics.median(t) for mode, t in times.items()}
     full = times["full recompute"]
     return {

@@ -10,16 +10,15 @@ as the plugin's audit counts them). Usage:
 
 import argparse
 import copy
-import gc
-import random
 import statistics
-import time
 import warnings
 
 import sac_plugin
 import torch
 from sac_plugin.integrations import torchtitan as titan_sac
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+from interleaved_timing import time_interleaved  # tools/, the script's own directory
 
 
 def main() -> None:
@@ -45,20 +44,8 @@ def main() -> None:
     with sac_plugin.audit() as audit:
         step(models["sac_plugin"])
     ops = sum(row.forward + row.recompute for row in audit.rows())
-    for model in models.values():
-        step(model)  # warm-up
-    times = {name: [] for name in models}
-    gc.disable()
-    try:
-        for _ in range(args.samples):
-            order = list(models)
-            random.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                step(models[name])
-                times[name].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
+    runs = {name: (lambda model=model: step(model)) for name, model in models.items()}
+    times = time_interleaved(runs, args.samples, 1, warmup=1)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"{args.model}, {args.layers} blocks, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
           f"{args.samples} interleaved samples; {ops} ops intercepted per step (forward + recompute)")
