@@ -1,20 +1,27 @@
 """sac_plugin: selective activation checkpointing as a C++ dispatcher plugin."""
 
-from . import _library
-from ._version import __version__  # noqa: F401
+from . import _engine, _library
+from ._version import __version__
 
-_library.load()
+_engine.choose_engine(_library.load())
 
+from ._apply_config import apply_recompute_config  # noqa: E402
+from ._engine import engine  # noqa: E402
 from ._library import interception_path  # noqa: E402
 from .audit import Audit, AuditRow, audit  # noqa: E402
-from .checkpointing import Region, apply_selective_checkpointing, context_fn  # noqa: E402
-from .dispatch_mode import engine  # noqa: E402
-from .config import ConfigError, RecomputeConfig, apply_recompute_config  # noqa: E402
+from .checkpointing import (  # noqa: E402
+    Region,
+    apply_selective_checkpointing,
+    context_fn,
+    remove_checkpointing,
+    torch_policy_fn,
+)
+from .config import ConfigError, RecomputeConfig  # noqa: E402
 from .planner import Plan, PlanError, plan  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
 from .report import Report, TraceEntry, report, trace  # noqa: E402
-from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit  # noqa: E402
-from .units import in_recompute_unit, open_units, recompute_unit  # noqa: E402
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap  # noqa: E402
+from .units import RecomputeUnit, in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
 __all__ = [
     "Audit",
@@ -31,6 +38,7 @@ __all__ = [
     "Region",
     "Report",
     "TraceEntry",
+    "__version__",
     "apply_recompute_config",
     "apply_selective_checkpointing",
     "audit",
@@ -41,7 +49,9 @@ __all__ = [
     "open_units",
     "plan",
     "recompute_unit",
+    "remove_checkpointing",
     "report",
     "resolve_kept_ops",
+    "torch_policy_fn",
     "trace",
 ]

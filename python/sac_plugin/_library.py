@@ -40,7 +40,9 @@ def _built_for(path: Path) -> str | None:
     return stamp.read_text().strip() if stamp.exists() else None
 
 
-def load() -> None:
+def load() -> str | None:
+    """Loads the library and installs the interception; returns why the native engine cannot run
+    here (the interception could not be installed), or None when it can."""
     path = library_path()
     if not path.exists():
         raise ImportError(f"sac_plugin: compiled library not found at {path}; {_REBUILD_HINT}")
@@ -64,15 +66,12 @@ def load() -> None:
             f"is installed; {_REBUILD_HINT}"
         )
     # The native fallback, or per-op kernels beside another owner of the key; if neither can be
-    # installed, the dispatch-mode engine runs instead (dispatch_mode.choose_engine says so once).
-    install_error = None
+    # installed, the dispatch-mode engine runs instead (_engine.choose_engine says so once).
     try:
         torch.ops.sac.install_fallback()
     except RuntimeError as error:
-        install_error = str(error).splitlines()[0]
-    from .dispatch_mode import choose_engine
-
-    choose_engine(install_error)
+        return str(error).splitlines()[0]
+    return None
 
 
 def interception_path() -> str:

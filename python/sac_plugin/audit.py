@@ -7,27 +7,23 @@ from typing import NamedTuple
 
 import torch
 
+from . import _observers
 from .policy import describe_value, op_spelling
+
+__all__ = ["Audit", "AuditRow", "PHASES", "audit"]
 
 PHASES = ("forward", "recompute", "backward")
 
 
-# Audits running in this process, on any thread. A region that keeps nothing creates no plugin
-# state unless an audit wants its recompute counted as "recompute". Each audit adds itself once
-# when it starts and removes itself once when it stops (or is dropped running), under a lock:
-# the count can never go below zero, whatever exits are attempted.
-_active_lock = threading.Lock()
-_active_audits = 0
+class _RunningAudit(_observers.Observer):
+    """A running audit, registered in the observer seam: a region that keeps nothing creates no
+    plugin state unless something, such as an audit that wants its recompute counted as
+    "recompute", is observing. Each audit registers once when it starts and unregisters once when
+    it stops (or is dropped running), whatever exits are attempted."""
 
 
 def any_active() -> bool:
-    return _active_audits > 0
-
-
-def _count_active(delta: int) -> None:
-    global _active_audits
-    with _active_lock:
-        _active_audits += delta
+    return any(isinstance(o, _RunningAudit) for o in _observers.observers())
 
 
 class AuditRow(NamedTuple):
@@ -52,7 +48,7 @@ class Audit:
     def __init__(self):
         self._handle = None
         self._thread = None
-        self._counted = False
+        self._presence = None
 
     def __enter__(self):
         if self._handle is not None:
@@ -60,8 +56,8 @@ class Audit:
         handle = torch.classes.sac.Audit()
         handle.start()
         self._handle, self._thread = handle, threading.get_ident()
-        self._counted = True
-        _count_active(+1)
+        self._presence = _RunningAudit()
+        _observers.register(self._presence)
         return self
 
     def __exit__(self, *exc_info):
@@ -83,16 +79,17 @@ class Audit:
         return False
 
     def _uncount(self) -> None:
-        if self._counted and not self._handle.running():
-            self._counted = False
-            _count_active(-1)
+        if self._presence is not None and not self._handle.running():
+            _observers.unregister(self._presence)
+            self._presence = None
 
     def __del__(self):
         # Dropped while running: the C++ handle closes its scope when it is freed on the thread
-        # that opened it; the count must not stay raised either way.
-        if getattr(self, "_counted", False):
-            self._counted = False
-            _count_active(-1)
+        # that opened it; the registration must not stay either way.
+        presence = getattr(self, "_presence", None)
+        if presence is not None:
+            self._presence = None
+            _observers.unregister(presence)
 
     def rows(self) -> list[AuditRow]:
         if self._handle is None:

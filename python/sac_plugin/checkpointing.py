@@ -7,13 +7,15 @@ import functools
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.utils.checkpoint import checkpoint
 
-from . import _compat, _scopes, dispatch_mode, unit_checks
+from . import _compat, _engine, _observers, _scopes, _unit_checks, dispatch_mode
+from ._call_facts import draws_random, op_traits
+from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
-from .audit import any_active as any_audit_active
-from .policy import Policy, describe_value, op_spelling, overload_of
+from .policy import Policy, describe_value, overload_of
 from .units import UNIT_ANNOTATION_PREFIX
+
+__all__ = ["Region", "apply_selective_checkpointing", "context_fn", "remove_checkpointing", "torch_policy_fn"]
 
 
 class Region:
@@ -42,29 +44,6 @@ class Region:
         return self.handle.kept_calls()
 
 
-# Regions created by _selective_contexts are reported here when a test or benchmark asks.
-_region_observers: list = []
-# Functions (region, policy, forward, recompute, kept_calls) -> (forward, recompute) that wrap a
-# region's pass contexts while a report runs (report.py). Empty otherwise: no cost per region.
-_scope_wrappers: list = []
-
-
-@functools.lru_cache(maxsize=None)
-def _op_traits(op) -> tuple[bool, bool, bool, bool, bool, int]:
-    """(collective, never counted, random, mutates an input, view, index of dropout_p or -1): the
-    very traits the C++ fallback decides with, for the policy function torch calls."""
-    return tuple(torch.ops.sac.op_traits(op_spelling(op)))
-
-
-def _draws_random(random: bool, dropout_p: int, args, kwargs) -> bool:
-    if not random:
-        return False
-    if dropout_p < 0:
-        return True
-    value = args[dropout_p] if dropout_p < len(args) else kwargs.get("dropout_p", 0.0)
-    return not isinstance(value, (int, float)) or value != 0
-
-
 def torch_policy_fn(policy: Policy):
     """The same selection as a policy function for torch's SAC, and so for torch.compile, whose
     partitioner honours MUST_SAVE. Call it once per region: every-nth rules count per region.
@@ -84,7 +63,8 @@ def torch_policy_fn(policy: Policy):
     calls: dict = {}
 
     def decide(ctx, op, *args, **kwargs):
-        collective, never, random, mutates, view, dropout_p = _op_traits(op)
+        traits = op_traits(op)
+        collective, never, mutates, view = traits.collective, traits.never_counted, traits.mutates_inputs, traits.view
         if collective:
             return CheckpointPolicy.MUST_RECOMPUTE
         if never:
@@ -92,7 +72,7 @@ def torch_policy_fn(policy: Policy):
         units = fx_traceback.current_meta.get("custom", {}).keys() if (kept_units or recomputed_units) else ()
         if recomputed_units and not recomputed_units.isdisjoint(units):
             return CheckpointPolicy.MUST_RECOMPUTE
-        draws = _draws_random(random, dropout_p, args, kwargs)
+        draws = draws_random(traits, args, kwargs)
         if op in kept:
             return CheckpointPolicy.PREFER_RECOMPUTE if draws else CheckpointPolicy.MUST_SAVE
         n = every_nth.get(op)
@@ -134,33 +114,34 @@ _PHASE_MARKER_POLICY = Policy()
 def _selective_contexts(policy: Policy):
     if _compat.is_compiling():
         return _compiled_contexts(policy)
-    if policy.keeps_nothing and not any_audit_active() and not _region_observers and not _scope_wrappers:
-        # Plain full recompute: nothing to intercept, and no audit that wants its recompute
-        # labelled as such, so no plugin state at all.
+    observing = _observers.observing()
+    if policy.keeps_nothing and not observing:
+        # Plain full recompute: nothing to intercept, and nothing observing (an audit that wants
+        # its recompute labelled as such, a report), so no plugin state at all.
         return _NO_CONTEXTS
-    if dispatch_mode.engine() == "dispatch_mode":
+    if _engine.engine() == "dispatch_mode":
         region = Region(_PHASE_MARKER_POLICY)
         plan: dict = {}
         forward, recompute = dispatch_mode.dispatch_mode_contexts(policy, region, plan)
 
         def kept_calls():
             return sum(sum(kept) for kept in plan.values())
-    elif not (_region_observers or policy._unchecked_units or _scope_wrappers):
+    elif not (observing or policy._unchecked_units):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
         # (NOTE: [Scopes through a C ABI]).
         return _scopes.new_region_scopes(policy._policy_address)
     else:
         region = Region(policy)
-        for observe in _region_observers:
-            observe(region)
+        for observer in _observers.observers():
+            observer.region_created(region)
         forward, recompute = region.forward, region.recompute
 
         def kept_calls():
             return region.kept_calls
     if policy._unchecked_units:
-        forward = unit_checks.WatchedForward(policy, forward, kept_calls)
-    for wrap in _scope_wrappers:
-        forward, recompute = wrap(region, policy, forward, recompute, kept_calls)
+        forward = _unit_checks.WatchedForward(policy, forward, kept_calls)
+    for observer in _observers.observers():
+        forward, recompute = observer.wrap_passes(region, policy, forward, recompute, kept_calls)
     return forward, recompute
 
 
@@ -172,73 +153,6 @@ def context_fn(policy: Policy | None = None):
         )
     policy = Policy() if policy is None else policy
     return functools.partial(_selective_contexts, policy)
-
-
-class InstanceForward:
-    """Base of the callables the package installs as an instance's `forward`.
-
-    An object rather than types.MethodType(function, module): a bound method pickles as
-    getattr(module, function name), which the unpickled module does not have, so torch.save
-    worked and torch.load failed. This one pickles (and deep-copies) as its class and its module;
-    pickle memoizes the module before its attributes, so the reference back resolves to the copy.
-    TorchScript cannot compile it, so the owning module also gets a __prepare_scriptable__ that
-    says so (torch.jit.script calls it on every submodule before compiling anything).
-    """
-
-    __slots__ = ("module",)
-    # What the module became, for the TorchScript refusal.
-    what = ""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def __reduce__(self):
-        return (type(self), (self.module,))
-
-    @classmethod
-    def install(cls, module: torch.nn.Module) -> None:
-        module.forward = cls(module)
-        module.__prepare_scriptable__ = _RefuseScripting(module)
-
-
-class _RefuseScripting:
-    """A module's __prepare_scriptable__: refuses torch.jit.script with what to do instead."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def __reduce__(self):
-        return (_RefuseScripting, (self.module,))
-
-    def __call__(self):
-        forward = self.module.__dict__.get("forward")
-        what = forward.what if isinstance(forward, InstanceForward) else "changed by sac_plugin"
-        raise TypeError(
-            f"sac_plugin: torch.jit.script cannot compile {type(self.module).__name__}: its forward is {what}, "
-            "which TorchScript does not support. Script the model before applying sac_plugin, or use "
-            "torch.compile, which honours the same policy"
-        )
-
-
-class _CheckpointedForward(InstanceForward):
-    """The forward of a module that apply_selective_checkpointing checkpointed."""
-
-    __slots__ = ()
-    what = "checkpointed (apply_selective_checkpointing runs it through torch.utils.checkpoint)"
-
-    def __call__(self, *args, **kwargs):
-        module = self.module
-        return checkpoint(
-            type(module).forward,
-            module,
-            *args,
-            use_reentrant=False,
-            context_fn=module._sac_context_fn,
-            preserve_rng_state=module._sac_preserve_rng_state,
-            **kwargs,
-        )
 
 
 def apply_selective_checkpointing(
@@ -271,7 +185,7 @@ def apply_selective_checkpointing(
     module._sac_policy = policy
     module._sac_context_fn = context
     module._sac_preserve_rng_state = preserve_rng_state
-    _CheckpointedForward.install(module)
+    CheckpointedForward.install(module)
     return module
 
 
@@ -289,3 +203,23 @@ def check_checkpointable(module, where: str) -> None:
             f"sac_plugin: {type(module).__name__} is already selectively checkpointed with {module._sac_policy}; "
             "apply_selective_checkpointing once per module"
         )
+
+
+def remove_checkpointing(module: torch.nn.Module) -> torch.nn.Module:
+    """Undoes everything sac_plugin installed on `module` and its submodules, and returns it.
+
+    Checkpointed forwards, forwards and methods that a target map runs inside recompute units,
+    and pending budget plans are removed; each module runs its class's own forward again. State
+    dict keys never changed, so nothing else needs restoring. A module sac_plugin never touched
+    is refused, so that a wrong object is noticed rather than silently accepted.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"sac_plugin: remove_checkpointing: module must be a torch.nn.Module, got {describe_value(module)}")
+    if not installed_anything(module):
+        raise ValueError(
+            f"sac_plugin: remove_checkpointing: sac_plugin installed nothing on {type(module).__name__} or its "
+            "submodules; there is nothing to remove"
+        )
+    changed = remove_installed(module)
+    logger.debug("removed sac_plugin from %d modules of %s", changed, type(module).__name__)
+    return module

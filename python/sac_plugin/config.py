@@ -1,4 +1,5 @@
-"""Recompute configs: what a training config file says about checkpointing, and applying it.
+"""Recompute configs: what a training config file says about checkpointing (applying one is
+sac_plugin.apply_recompute_config).
 
 A config names units (from RecomputeUnit) rather than ops; the model's target map says what each
 unit means for that model. Everything unset keeps nothing: an unset config is full recompute of
@@ -32,12 +33,13 @@ from pathlib import Path
 
 from torch import nn
 
-from ._logging import describe_layers, logger
-from .checkpointing import apply_selective_checkpointing, check_checkpointable
 from .policy import MAX_EVERY_NTH, Policy, describe_value
-from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, default_target_map, run_in_unit
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
 
-_RECOMPUTE_UNIT_PREFIX = "recompute:"
+__all__ = ["ConfigError", "RecomputeConfig", "check_target_map", "policy_for"]
+
+# A force-recomputed module runs in a unit of this prefix and its path, which the policy recomputes.
+RECOMPUTE_UNIT_PREFIX = "recompute:"
 
 
 class ConfigError(ValueError):
@@ -294,158 +296,10 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
             kept_ops |= target.resolve()
         else:
             kept_units.append(unit.value)
-    recomputed = [_RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
+    recomputed = [RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
     try:
         return Policy(kept_ops=sorted(kept_ops), kept_units=kept_units, every_nth_op=config.every_nth_op,
                       recomputed_units=recomputed)
     except ValueError as error:
         field = "ops" if any(op in str(error) for op in config.ops) else "every_nth_op"
         raise ConfigError(f"recompute config: {field}: {error}") from None
-
-
-def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
-                           example_inputs=None) -> nn.Module:
-    """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
-
-    Units that resolve to callables are installed on each checkpointed layer; force-recomputed
-    modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
-    Everything is resolved and checked before any layer is changed: a refused config leaves the
-    model as it was.
-
-    With `config.budget`, each distinct layer (by type, parameter shapes and input shapes) is
-    profiled and planned once. Given `example_inputs` (the model's positional arguments as a
-    tuple, or (args, kwargs)), the model runs once to capture each layer's inputs, and the total
-    budget is split over the layers to save the most recompute time (planner/split.py).
-    Without them each layer is planned on its first call, within its own share of the budget.
-    What was chosen is logged on logging.getLogger("sac_plugin").
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
-    if config is not None and not isinstance(config, RecomputeConfig):
-        hint = "; build one with RecomputeConfig.from_dict(...)" if isinstance(config, Mapping) else ""
-        raise TypeError(
-            f"sac_plugin: apply_recompute_config: config must be a RecomputeConfig or None, got "
-            f"{describe_value(config)}{hint}"
-        )
-    if target_map is not None and not isinstance(target_map, RecomputeTargetMap):
-        raise TypeError(
-            "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
-            f"{describe_value(target_map)}"
-        )
-    from .integrations import huggingface
-
-    if huggingface.is_hf_model(model):
-        # transformers layers checkpoint themselves (and drop their KV cache when they do); the
-        # adapter hands them the policy and finds the target map and the layers.
-        return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites)
-    config = RecomputeConfig() if config is None else config
-    if example_inputs is not None and config.budget is None:
-        raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
-    if config.budget is not None:
-        from .planner.apply import apply_budget
-
-        sites = _wrap_sites(model, wrap_sites)
-        selected = [sites[i] for i in config.selected_layers(len(sites))]
-        for index, site in zip(config.selected_layers(len(sites)), selected):
-            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
-        apply_budget(model, selected, config.budget, example_inputs, preserve_rng_state=config.preserve_rng_state)
-        return model
-    target_map = default_target_map(model) if target_map is None else target_map
-    sites = _wrap_sites(model, wrap_sites)
-    selected = config.selected_layers(len(sites))
-    policy = prepare_layers(model, config, target_map, sites, selected, checkpointed=True)
-    for index in selected:
-        apply_selective_checkpointing(sites[index], policy, preserve_rng_state=config.preserve_rng_state)
-    skipped = sorted(set(range(len(sites))) - set(selected))
-    if skipped:
-        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
-                     type(model).__name__, skipped)
-    if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
-    return model
-
-
-def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, sites, selected,
-                   *, checkpointed: bool = False) -> Policy:
-    """Checks the config against the selected wrap sites, then makes each callable unit (and each
-    force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
-    changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
-    apply_selective_checkpointing, so they are checked for that too."""
-    check_target_map(target_map, sites[0])
-    policy = policy_for(config, target_map)
-
-    # Plan: every (owner, attribute, unit) to run in a unit, per selected site.
-    plan = []
-    for index in selected:
-        site = sites[index]
-        if checkpointed:
-            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
-        in_units = []
-        for unit in config.units:
-            target = target_map[unit]
-            if isinstance(target, KeptCallables):
-                in_units.extend((owner, name, unit.value) for owner, name in target.find(site))
-        for i, path in enumerate(config.force_recompute_modules):
-            found = KeptCallables([path]).find(site)
-            if not found:
-                raise ConfigError(
-                    f"recompute config: force_recompute_modules[{i}]: '{path}' matches nothing in "
-                    f"{type(site).__name__} (layer {index})"
-                )
-            in_units.extend((owner, name, _RECOMPUTE_UNIT_PREFIX + path) for owner, name in found)
-        plan.append((index, site, in_units))
-
-    names = {id(module): name for name, module in model.named_modules()}
-    for index, site, in_units in plan:
-        for owner, name, unit in in_units:
-            run_in_unit(owner, name, unit)
-            logger.debug("%s (wrap site %d): %s.%s runs in unit '%s'", names.get(id(site), type(site).__name__),
-                         index, names.get(id(owner), type(owner).__name__) or "<layer>", name, unit)
-    return policy
-
-
-def describe_application(model_name: str, selected, count: int, policy: Policy, config: RecomputeConfig,
-                         target_map: RecomputeTargetMap | None) -> str:
-    """The INFO line for one checkpointed model: its sites, its policy, what each unit means."""
-    if config.layer_ratio is not None:
-        rule = f"layer_ratio={config.layer_ratio}"
-    else:
-        rule = f"every_nth_layer={config.every_nth_layer}, first_layer={config.first_layer}"
-    units = []
-    for unit in config.units:
-        target = target_map[unit] if target_map is not None else None
-        if isinstance(target, KeptOps):
-            units.append(f"{unit.value} -> {len(target.resolve())} ops")
-        elif isinstance(target, KeptCallables):
-            units.append(f"{unit.value} -> {', '.join(target.paths)}")
-    what = "full recompute" if policy.keeps_nothing else repr(policy)
-    return (f"{model_name}: checkpointed {describe_layers(selected, count)} wrap sites ({rule}) with "
-            f"{what}" + (f"; units: {'; '.join(units)}" if units else "")
-            + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else ""))
-
-
-def _wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:
-    if wrap_sites is None:
-        declared = getattr(model, "recompute_wrap_sites", None)
-        if not callable(declared):
-            raise ConfigError(
-                f"{type(model).__name__} declares no wrap sites (no recompute_wrap_sites() method); pass "
-                "wrap_sites=[the layers to checkpoint]"
-            )
-        wrap_sites, where = declared(), f"{type(model).__name__}.recompute_wrap_sites()"
-    else:
-        where = "apply_recompute_config: wrap_sites"
-    if isinstance(wrap_sites, (str, bytes, nn.Module)) or not isinstance(wrap_sites, Iterable):
-        raise TypeError(f"sac_plugin: {where} must be a list of nn.Module, got {describe_value(wrap_sites)}")
-    sites = list(wrap_sites)
-    if not sites:
-        raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
-    seen = {}
-    for i, site in enumerate(sites):
-        if not isinstance(site, nn.Module):
-            raise TypeError(f"sac_plugin: {where}[{i}] must be an nn.Module, got {describe_value(site)}")
-        if id(site) in seen:
-            raise ValueError(f"sac_plugin: {where} lists one {type(site).__name__} twice (at {seen[id(site)]} and {i})")
-        seen[id(site)] = i
-    return sites

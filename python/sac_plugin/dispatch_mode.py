@@ -97,8 +97,12 @@ def _display_name(op) -> str:
 def eager_policy_fn(policy, plan: dict):
     """torch's policy function for one region, deciding as the native engine does. It records in
     `plan[op]`, call by call, which forward calls it kept (torch serves them in the recompute)."""
-    from .checkpointing import _draws_random, _op_traits
+    from ._call_facts import draws_random, op_traits as _op_traits
     from .policy import overload_of
+
+    def _draws_random(random, dropout_p, args, kwargs):
+        return draws_random(_op_traits.__wrapped__ and type("T", (), {"random": random, "dropout_argument": dropout_p})(),
+                            args, kwargs)
 
     kept = frozenset(policy.kept_overloads())
     every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}

@@ -13,13 +13,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from . import checkpointing
+from . import _observers
+
+__all__ = ["ActivationMemory", "track_activation_memory"]
 
 
-class ActivationMemory:
+class ActivationMemory(_observers.Observer):
+    """What a `track_activation_memory` block saw; `bytes()` counts it."""
+
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._saved: list[torch.Tensor] = []
-        self._regions: list[checkpointing.Region] = []
+        self._regions: list = []  # sac_plugin.Region
         self._extra: list[Callable[[], Iterable[torch.Tensor]]] = []
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
 
@@ -45,6 +49,9 @@ class ActivationMemory:
             storages[key] = storage.nbytes()
         return sum(storages.values())
 
+    def region_created(self, region) -> None:
+        self._regions.append(region)
+
     def kept_by_plugin(self) -> int:
         return sum(region.kept_bytes for region in self._regions)
 
@@ -58,9 +65,5 @@ def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
         memory._saved.append(tensor)
         return tensor
 
-    checkpointing._region_observers.append(memory._regions.append)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield memory
-    finally:
-        checkpointing._region_observers.remove(memory._regions.append)
+    with _observers.observe(memory), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield memory

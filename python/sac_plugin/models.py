@@ -1,4 +1,6 @@
-"""Small reference models that declare recompute units the way real models do."""
+"""Small reference models that declare recompute units the way real models do, each with its
+target map: GPT opens its units in code; Llama and MoEModel declare them by a map
+(`recompute_targets`), the way a model one cannot edit does."""
 
 from __future__ import annotations
 
@@ -6,7 +8,28 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .units import recompute_unit
+from .targets import ATTENTION_OPS, KeptCallables, KeptOps, RecomputeTargetMap
+from .units import RecomputeUnit, recompute_unit
+
+__all__ = ["GPT", "GPTBlock", "LLAMA_TARGETS", "Llama", "LlamaBlock", "MOE_TARGETS", "MoEBlock", "MoEModel",
+           "SHIPPED_TARGET_MAPS", "rotary_tables"]
+
+LLAMA_TARGETS = RecomputeTargetMap("Llama", {
+    RecomputeUnit.ATTN: ATTENTION_OPS,
+    RecomputeUnit.MLP: KeptCallables(["feed_forward"]),
+    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+})
+
+MOE_TARGETS = RecomputeTargetMap("MoEModel", {
+    RecomputeUnit.ATTN: ATTENTION_OPS,
+    RecomputeUnit.MOE_GATE: KeptCallables(["moe.router"]),
+    # Routing with ties must not change in the recompute: keep the sort and the counts.
+    RecomputeUnit.MOE_DISPATCH: KeptOps(["aten::sort.stable", "aten::histc"]),
+    RecomputeUnit.MLP: KeptCallables(["moe.experts.*"]),
+    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+})
+
+SHIPPED_TARGET_MAPS = (LLAMA_TARGETS, MOE_TARGETS)
 
 
 class CausalSelfAttention(nn.Module):
@@ -152,7 +175,9 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """A Llama-style dense decoder: RMSNorm, rotary attention through SDPA, SwiGLU MLP. Its
-    recompute units are declared by LLAMA_TARGETS (sac_plugin.targets), not opened in code."""
+    recompute units are declared by LLAMA_TARGETS, not opened in code."""
+
+    recompute_targets = LLAMA_TARGETS
 
     def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
                  kv_heads: int | None = None):
@@ -243,7 +268,9 @@ class MoEBlock(nn.Module):
 
 class MoEModel(Llama):
     """A MoE decoder: Llama attention, and a top-k routed MoE of SwiGLU experts. Its recompute
-    units are declared by MOE_TARGETS (sac_plugin.targets)."""
+    units are declared by MOE_TARGETS."""
+
+    recompute_targets = MOE_TARGETS
 
     def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
                  experts: int = 4, top_k: int = 2):

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+__all__ = ['Policy', 'describe_value', 'op_spelling', 'check_unit_name', 'overload_of', 'resolve_kept_ops']
+
 OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
 
 # Mirrors of the C++ bounds (kMaxOpNameLength in op_resolution.h, kMaxUnitNameLength in

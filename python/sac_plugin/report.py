@@ -11,9 +11,9 @@ outside them (autograd's saved tensors, by the module that saved them), each onc
 tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report, per layer.
 
 How the data gets here: everything is Python-side and only while a report runs. The report
-runs an audit (so every op is counted and every checkpointed call creates a region), wraps each
-region's forward and recompute contexts (checkpointing._scope_wrappers) and each unit opening
-(units._report_hook) in a per-pass audit, keeps a stack of the modules being called (global module
+runs an audit (so every op is counted and every checkpointed call creates a region) and registers
+an observer (sac_plugin._observers) that wraps each region's forward and recompute contexts and
+each unit opening in a per-pass audit, keeps a stack of the modules being called (global module
 hooks) to name regions, and a saved-tensors pack hook that notes (never holds) what autograd
 saves outside regions. Without a report none of this exists: no cost per op or per region.
 The report's saved-tensors hook is the innermost while it runs, so saved_tensors_hooks entered
@@ -33,8 +33,11 @@ import threading
 import torch
 import torch.utils._python_dispatch
 
-from . import checkpointing, units
+from . import _compat, _engine, _observers
 from .audit import Audit, AuditRow, PHASES
+from .policy import describe_value
+
+__all__ = ['Breakdown', 'OpCounts', 'Report', 'SavedStorage', 'TraceEntry', 'install_oom_observer', 'report', 'trace']
 
 OUTSIDE = "(outside regions)"
 _local = threading.local()
@@ -137,9 +140,7 @@ class TraceEntry:
 
 
 def _check_trace_supported() -> None:
-    from . import _compat, dispatch_mode
-
-    if dispatch_mode.engine() != "native":
+    if _engine.engine() != "native":
         raise RuntimeError("sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
                            "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
                            "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace")
@@ -209,6 +210,25 @@ def _stack() -> list:
     return _local.passes
 
 
+class _ReportObserver(_observers.Observer):
+    """What a running Report registers in the observer seam."""
+
+    __slots__ = ("report",)
+
+    def __init__(self, report: Report):
+        self.report = report
+
+    def wrap_passes(self, region, policy, forward, recompute, kept_calls):
+        return self.report._wrap(region, policy, forward, recompute, kept_calls)
+
+    def unit_entered(self, name: str):
+        return self.report.unit_entered(name)
+
+    def unit_exited(self, name: str, token) -> None:
+        if token is not None:
+            self.report.unit_exited(name, token)
+
+
 class Report:
     def __init__(self, model: torch.nn.Module | None = None, *, trace: bool = False):
         self._model = model
@@ -231,10 +251,7 @@ class Report:
             self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
         stack = self._exit
         stack.enter_context(self._audit)
-        checkpointing._scope_wrappers.append(self._wrap)
-        stack.callback(checkpointing._scope_wrappers.remove, self._wrap)
-        units._report_hooks.append(self)
-        stack.callback(units._report_hooks.remove, self)
+        stack.enter_context(_observers.observe(_ReportObserver(self)))
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(self._module_called))
         stack.enter_context(torch.nn.modules.module.register_module_forward_hook(self._module_returned,
                                                                                  always_call=True))
@@ -288,7 +305,7 @@ class Report:
             kept = list(region.handle.kept_tensors()) if region.handle.kept_calls() else []
             layer.kept_bytes += self._note_storages(scope._layer, kept)
 
-    # --- units (called by units._UnitScope while a report runs) --------------------------------
+    # --- units (called through _ReportObserver while a report runs) -----------------------------
 
     def unit_entered(self, unit: str):
         passes = _stack()
@@ -431,11 +448,9 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
     trace=True also records every call in the checkpointed regions, in order (Report.trace,
     Report.trace_table(), "trace" in to_json())."""
     if model is not None and not isinstance(model, torch.nn.Module):
-        from .policy import describe_value
 
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
     if not isinstance(trace, bool):
-        from .policy import describe_value
 
         raise TypeError(f"sac_plugin: report: trace must be a bool, got {describe_value(trace)}")
     return Report(model, trace=trace)
@@ -446,7 +461,6 @@ def trace(model: torch.nn.Module | None = None) -> Report:
     print(t.trace_table()). Each entry: checkpointed layer, innermost module, unit, op, phase
     and kept / recomputed / served (torch_remat's collect_trace, per aten call)."""
     if model is not None and not isinstance(model, torch.nn.Module):
-        from .policy import describe_value
 
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)

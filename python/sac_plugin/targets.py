@@ -8,27 +8,18 @@ units to either kind.
 
 from __future__ import annotations
 
-import enum
 import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
-from . import unit_checks
-from .checkpointing import InstanceForward
+from ._forwards import run_in_unit
 from .policy import describe_value, resolve_kept_ops
-from .units import recompute_unit
+from .units import RecomputeUnit
 
-
-class RecomputeUnit(enum.StrEnum):
-    """Named units a config can keep. Values are what config files spell."""
-
-    ATTN = "attn"
-    MLP = "mlp"
-    MOE_GATE = "moe_gate"
-    MOE_DISPATCH = "moe_dispatch"
-    NORM = "norm"
+__all__ = ["ATTENTION_OPS", "KeptCallables", "KeptOps", "RecomputeTargetMap", "RecomputeUnit", "default_target_map",
+           "run_in_unit"]
 
 
 @dataclass(frozen=True)
@@ -138,60 +129,6 @@ def _find(owner, segments: list[str]) -> list[tuple[object, str]]:
     return found
 
 
-# --- running callables inside a unit ---------------------------------------------------------
-
-
-class _ForwardInUnits(InstanceForward):
-    """The forward of a submodule that run_in_unit runs inside units (picklable, see InstanceForward)."""
-
-    __slots__ = ()
-    what = "run inside recompute units (a recompute config or run_in_unit installed them)"
-
-    def __call__(self, *args, **kwargs):
-        module = self.module
-        return _call_in_units(module._sac_forward_units, type(module).forward, module, *args, **kwargs)
-
-
-def _call_in_units(units, function, *args, **kwargs):
-    if not units:
-        return function(*args, **kwargs)
-    with recompute_unit(units[0]):
-        return _call_in_units(units[1:], function, *args, **kwargs)
-
-
-class _MethodInUnits:
-    """A method of one instance run inside units; rebinds to the copy on deepcopy."""
-
-    def __init__(self, owner, name: str, units: tuple[str, ...]):
-        self._owner, self._name, self.units = owner, name, units
-
-    def __call__(self, *args, **kwargs):
-        return _call_in_units(self.units, getattr(type(self._owner), self._name), self._owner, *args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        return _MethodInUnits(copy.deepcopy(self._owner, memo), self._name, self.units)
-
-
-def run_in_unit(owner, name: str, unit: str) -> None:
-    """Makes `owner.name` (a submodule, or a method of owner) run inside `unit`. Idempotent."""
-    target = getattr(owner, name)
-    unit_checks.declare(unit)
-    if isinstance(target, nn.Module):
-        units = target.__dict__.get("_sac_forward_units", ())
-        if unit not in units:
-            target._sac_forward_units = (*units, unit)
-            _ForwardInUnits.install(target)
-        return
-    current = owner.__dict__.get(name)
-    units = current.units if isinstance(current, _MethodInUnits) else ()
-    if unit not in units:
-        setattr(owner, name, _MethodInUnits(owner, name, (*units, unit)))
-
-
-# --- the reference models' declarations ---------------------------------------------------------
-
 # Every spelling of attention a build may have; resolve_kept_ops keeps the ones that exist.
 ATTENTION_OPS = KeptOps([
     "aten::_scaled_dot_product_flash_attention",
@@ -202,29 +139,9 @@ ATTENTION_OPS = KeptOps([
     "aten::_efficient_attention_forward",
 ])
 
-LLAMA_TARGETS = RecomputeTargetMap("Llama", {
-    RecomputeUnit.ATTN: ATTENTION_OPS,
-    RecomputeUnit.MLP: KeptCallables(["feed_forward"]),
-    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
-})
-
-MOE_TARGETS = RecomputeTargetMap("MoEModel", {
-    RecomputeUnit.ATTN: ATTENTION_OPS,
-    RecomputeUnit.MOE_GATE: KeptCallables(["moe.router"]),
-    # Routing with ties must not change in the recompute: keep the sort and the counts.
-    RecomputeUnit.MOE_DISPATCH: KeptOps(["aten::sort.stable", "aten::histc"]),
-    RecomputeUnit.MLP: KeptCallables(["moe.experts.*"]),
-    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
-})
-
-
 def default_target_map(model: nn.Module) -> RecomputeTargetMap:
-    from .models import Llama, MoEModel
-
-    if isinstance(model, MoEModel):
-        return MOE_TARGETS
-    if isinstance(model, Llama):
-        return LLAMA_TARGETS
+    """The target map a model declares as its `recompute_targets` attribute (the reference models
+    in sac_plugin.models do), or ValueError saying how to give one."""
     declared = getattr(model, "recompute_targets", None)
     if isinstance(declared, RecomputeTargetMap):
         return declared
@@ -233,10 +150,3 @@ def default_target_map(model: nn.Module) -> RecomputeTargetMap:
         "or give the model a `recompute_targets` attribute"
     )
 
-
-SHIPPED_TARGET_MAPS = (LLAMA_TARGETS, MOE_TARGETS)
-
-__all__ = [
-    "ATTENTION_OPS", "KeptCallables", "KeptOps", "LLAMA_TARGETS", "MOE_TARGETS", "RecomputeTargetMap",
-    "RecomputeUnit", "SHIPPED_TARGET_MAPS", "default_target_map", "run_in_unit",
-]

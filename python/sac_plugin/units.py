@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 
 import torch
 
-from . import _scopes, unit_checks
+from . import _observers, _scopes, _unit_checks
 from .policy import check_unit_name, describe_value
+
+__all__ = ["RecomputeUnit", "UNIT_ANNOTATION_PREFIX", "in_recompute_unit", "open_units", "recompute_unit"]
+
+
+class RecomputeUnit(enum.StrEnum):
+    """Named units a config can keep. Values are what config files spell."""
+
+    ATTN = "attn"
+    MLP = "mlp"
+    MOE_GATE = "moe_gate"
+    MOE_DISPATCH = "moe_dispatch"
+    NORM = "norm"
+
+
+_unit_checks.add_vocabulary(unit.value for unit in RecomputeUnit)
 
 
 # Under torch.compile a unit is carried as node metadata: torch.fx.traceback.annotate writes
@@ -16,15 +32,13 @@ from .policy import check_unit_name, describe_value
 # from fx_traceback.current_meta while AOTAutograd traces the checkpointed region (see
 # checkpointing.torch_policy_fn). One key per unit, so nested units accumulate.
 UNIT_ANNOTATION_PREFIX = "sac_unit:"
-# The running per-layer reports (report.py), which count what each unit opening runs and keeps.
-_report_hooks: list = []
 
 
 class _UnitScope:
     """Eager: opens the unit on this thread's C++ unit stack (units nest).
 
     One scope object may be entered more than once (recursion, or on several threads), so it
-    remembers each opening as (thread, depth, unit check token, report token). An exit is checked before anything changes: from
+    remembers each opening as (thread, depth, observer tokens). An exit is checked before anything changes: from
     a thread that did not enter it, or out of order, it is refused and the opening stays, so
     the unit can still be closed correctly afterwards.
     """
@@ -40,10 +54,10 @@ class _UnitScope:
         depth = _scopes.unit_push(self._id)
         if depth < 0:
             _scopes.raise_last_error(-depth)
-        # While a region's forward is watched (unit_checks.py), note what this unit keeps.
-        token = unit_checks.unit_entered(self._name) if unit_checks.watching else None
-        report_token = _report_hooks[-1].unit_entered(self._name) if _report_hooks else None
-        self._openings.append((threading.get_ident(), depth, token, report_token))
+        # Diagnostics that watch units (reports, the unit checks) see each opening.
+        watching = _observers.observers()
+        tokens = tuple((o, o.unit_entered(self._name)) for o in watching) if watching else ()
+        self._openings.append((threading.get_ident(), depth, tokens))
         return self
 
     def __exit__(self, *exc_info):
@@ -55,13 +69,11 @@ class _UnitScope:
                 f"sac_plugin: exiting recompute unit {self._name!r} on a thread that did not enter it ({where}); "
                 "exit it on the thread that entered it; nothing was changed"
             )
-        _, depth, token, report_token = self._openings[index]
+        _, depth, tokens = self._openings[index]
         _scopes.unit_pop(self._id, depth)  # refuses misnesting, changing nothing
         del self._openings[index]
-        if token is not None:
-            unit_checks.unit_exited(self._name, token)
-        if report_token is not None:
-            _report_hooks[-1].unit_exited(self._name, report_token)
+        for observer, token in tokens:
+            observer.unit_exited(self._name, token)
         return False
 
 
@@ -90,7 +102,7 @@ def recompute_unit(name: str):
 def in_recompute_unit(name: str, fn=None):
     """Runs a callable inside unit `name`: a decorator, or `in_recompute_unit(name, fn)`."""
     check_unit_name(name, "in_recompute_unit: name")
-    unit_checks.declare(name)
+    _unit_checks.declare(name)
 
     def decorate(function):
         if not callable(function):

@@ -7,3 +7,5 @@
 
 Neither imports its framework at import time: transformers and torchtitan are optional.
 """
+
+__all__ = ["huggingface", "torchtitan"]

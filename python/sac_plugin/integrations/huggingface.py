@@ -31,12 +31,14 @@ from collections.abc import Mapping
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import config as _config
+from .. import _layers
 from .._logging import logger as _logger
 from ..checkpointing import context_fn
 from ..config import ConfigError, RecomputeConfig
 from ..policy import describe_value
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
+
+__all__ = ['apply_recompute_config', 'decoder_layers', 'gradient_checkpointing_kwargs', 'is_hf_model', 'target_map_for']
 
 _NORMS = KeptCallables(["input_layernorm", "post_attention_layernorm"])
 # Routing: the experts implementations sort tokens by expert and count them (grouped_mm path), or
@@ -136,7 +138,8 @@ def _refuse_budget(config: RecomputeConfig) -> None:
 
 
 def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> nn.Module:
+                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
+                           example_inputs=None) -> nn.Module:
     """Checkpoints a transformers model's decoder layers as `config` says; returns the model.
 
     The target map is chosen from model.config.model_type and the decoder layers are found by
@@ -152,8 +155,10 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                         f"got {describe_value(config)}")
     config = RecomputeConfig() if config is None else config
     _refuse_budget(config)
+    if example_inputs is not None:
+        raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
     target_map = target_map_for(model) if target_map is None else target_map
-    layers = decoder_layers(model) if wrap_sites is None else _config._wrap_sites(model, wrap_sites)
+    layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(model, wrap_sites)
     for i, layer in enumerate(layers):
         if not any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(layer).__mro__):
             raise TypeError(
@@ -162,7 +167,7 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                 "call sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
             )
     selected = config.selected_layers(len(layers))
-    policy = _config.prepare_layers(model, config, target_map, layers, selected)
+    policy = _layers.prepare_layers(model, config, target_map, layers, selected)
     checkpoint_fn = functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn(policy),
                                       preserve_rng_state=config.preserve_rng_state)
     for index in selected:
@@ -174,7 +179,7 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
     # the forward would be written again by the recompute.
     model.base_model.gradient_checkpointing = True
     if _logger.isEnabledFor(logging.INFO):
-        _logger.info("%s", _config.describe_application(type(model).__name__, selected, len(layers), policy, config,
+        _logger.info("%s", _layers.describe_application(type(model).__name__, selected, len(layers), policy, config,
                                                          target_map))
     return model
 
@@ -203,5 +208,5 @@ def gradient_checkpointing_kwargs(model: nn.Module, config: RecomputeConfig | No
         )
     target_map = target_map_for(model) if target_map is None else target_map
     layers = decoder_layers(model)
-    policy = _config.prepare_layers(model, config, target_map, layers, list(range(len(layers))))
+    policy = _layers.prepare_layers(model, config, target_map, layers, list(range(len(layers))))
     return {"use_reentrant": False, "context_fn": context_fn(policy), "preserve_rng_state": config.preserve_rng_state}

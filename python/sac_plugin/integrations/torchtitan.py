@@ -33,6 +33,8 @@ from ..checkpointing import apply_selective_checkpointing
 from ..policy import Policy, describe_value, resolve_kept_ops
 from ..targets import run_in_unit
 
+__all__ = ['apply_ac', 'cpu_debug_model', 'forced_recompute_shapes', 'policy_for_block', 'save_ops']
+
 FORCED_RECOMPUTE_UNIT = "torchtitan_forced_recompute"
 CPU_OFFLOAD_UNIT = "torchtitan_cpu_offload"
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from ..policy import Policy, describe_value
-from . import knapsack
-from .profile import LayerProfile, ProfiledCall, profile_layer
+from . import _knapsack as knapsack
+from ._profile import LayerProfile, ProfiledCall, profile_layer
 
 FORMAT = "sac_plugin.plan"
 VERSION = 1
@@ -162,7 +162,7 @@ class Plan:
             raise ImportError("sac_plugin: Plan.plot needs matplotlib, which is not installed; install the extra: "
                               "pip install 'sac_plugin[plot]' (or pip install matplotlib)") from None
         path = _path_of(path, "plot")
-        from . import reference_policies
+        from ._reference import reference_policies
 
         policies = reference_policies() if policies is None else policies
         base = self.profile.no_checkpoint_bytes or 1

@@ -8,9 +8,10 @@ import logging
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..checkpointing import InstanceForward, apply_selective_checkpointing
-from .plan import Plan, plan as plan_layer
-from .split import split, total_budget_bytes
+from .._forwards import InstanceForward
+from ..checkpointing import apply_selective_checkpointing
+from ._plan import Plan, plan as plan_layer
+from ._split import split, total_budget_bytes
 
 log = logging.getLogger("sac_plugin")
 

@@ -22,13 +22,16 @@ import difflib
 import threading
 import warnings
 
+from . import _observers
 from ._logging import logger
 
 # Units some model declares: installed by a target map (run_in_unit), named by in_recompute_unit,
 # or opened while a forward was watched. Only ever grows (unit names live for the process anyway).
 _declared: set[str] = set()
-# Forwards watched on any thread: the one test _UnitScope makes when no forward is watched.
-watching = 0
+# The unit names every model may use (RecomputeUnit's values), offered as closest matches.
+_vocabulary: set[str] = set()
+# Forwards watched on any thread; while there is one, the unit observer below is registered.
+_watching = 0
 _watching_lock = threading.Lock()
 _local = threading.local()
 # A unit declared elsewhere but not opened is given up on after this many watched forwards.
@@ -37,6 +40,10 @@ MAX_WATCHED_FORWARDS = 8
 
 def declare(unit: str) -> None:
     _declared.add(unit)
+
+
+def add_vocabulary(units) -> None:
+    _vocabulary.update(units)
 
 
 class _Watch:
@@ -49,19 +56,24 @@ class _Watch:
         self.opened: dict[str, int] = {}
 
 
-def unit_entered(unit: str):
-    """Called by a unit scope on entry while some forward is watched; returns its exit token."""
-    watches = getattr(_local, "watches", None)
-    if not watches:
-        return None
-    watch = watches[-1]
-    watch.opened.setdefault(unit, 0)
-    return watch, watch.kept_calls()
+class _UnitObserver(_observers.Observer):
+    """Notes, for the forward watched on this thread, each unit opened and what it kept."""
+
+    def unit_entered(self, name: str):
+        watches = getattr(_local, "watches", None)
+        if not watches:
+            return None
+        watch = watches[-1]
+        watch.opened.setdefault(name, 0)
+        return watch, watch.kept_calls()
+
+    def unit_exited(self, name: str, token) -> None:
+        if token is not None:
+            watch, kept_before = token
+            watch.opened[name] += watch.kept_calls() - kept_before
 
 
-def unit_exited(unit: str, token) -> None:
-    watch, kept_before = token
-    watch.opened[unit] += watch.kept_calls() - kept_before
+_UNIT_OBSERVER = _UnitObserver()
 
 
 class WatchedForward:
@@ -73,18 +85,22 @@ class WatchedForward:
         self._policy, self._forward, self._watch = policy, forward, _Watch(kept_calls)
 
     def __enter__(self):
-        global watching
+        global _watching
         self._forward.__enter__()
         _local.__dict__.setdefault("watches", []).append(self._watch)
         with _watching_lock:
-            watching += 1
+            _watching += 1
+            if _watching == 1:
+                _observers.register(_UNIT_OBSERVER)
         return self
 
     def __exit__(self, *exc_info):
-        global watching
+        global _watching
         _local.watches.remove(self._watch)
         with _watching_lock:
-            watching -= 1
+            _watching -= 1
+            if _watching == 0:
+                _observers.unregister(_UNIT_OBSERVER)
         suppressed = self._forward.__exit__(*exc_info)
         if exc_info[0] is None:
             check(self._policy, self._watch.opened)
@@ -118,9 +134,7 @@ def check(policy, opened: dict[str, int]) -> None:
 
 
 def _closest(unit: str, opened) -> str:
-    from .targets import RecomputeUnit
-
-    candidates = sorted(set(opened) | _declared | {u.value for u in RecomputeUnit})
+    candidates = sorted(set(opened) | _declared | _vocabulary)
     match = difflib.get_close_matches(unit, candidates, n=1)
     return f"closest match: '{match[0]}'" if match else "no known unit is close to it"
 

@@ -1,0 +1,59 @@
+"""sac_plugin.apply_recompute_config: the one entry point for configs, above the integrations.
+
+The core never imports an integration; this module, above both, chooses: a transformers model goes
+to the Hugging Face adapter (transformers layers checkpoint themselves), anything else to the core
+(_layers.apply_to_layers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from . import _layers
+from .config import RecomputeConfig
+from .integrations import huggingface
+from .policy import describe_value
+from .targets import RecomputeTargetMap
+
+__all__ = ["apply_recompute_config"]
+
+
+def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
+                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
+                           example_inputs=None) -> nn.Module:
+    """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
+
+    Units that resolve to callables are installed on each checkpointed layer; force-recomputed
+    modules are wrapped in their own unit, which the policy always recomputes. Returns the model.
+    Everything is resolved and checked before any layer is changed: a refused config leaves the
+    model as it was.
+
+    With `config.budget`, each distinct layer (by type, parameter shapes and input shapes) is
+    profiled and planned once. Given `example_inputs` (the model's positional arguments as a
+    tuple, or (args, kwargs)), the model runs once to capture each layer's inputs, and the total
+    budget is split over the layers to save the most recompute time (planner/split.py).
+    Without them each layer is planned on its first call, within its own share of the budget.
+    What was chosen is logged on logging.getLogger("sac_plugin").
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
+    if config is not None and not isinstance(config, RecomputeConfig):
+        hint = "; build one with RecomputeConfig.from_dict(...)" if isinstance(config, Mapping) else ""
+        raise TypeError(
+            f"sac_plugin: apply_recompute_config: config must be a RecomputeConfig or None, got "
+            f"{describe_value(config)}{hint}"
+        )
+    if target_map is not None and not isinstance(target_map, RecomputeTargetMap):
+        raise TypeError(
+            "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
+            f"{describe_value(target_map)}"
+        )
+    if huggingface.is_hf_model(model):
+        # transformers layers checkpoint themselves (and drop their KV cache when they do); the
+        # adapter hands them the policy and finds the target map and the layers.
+        return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites,
+                                                  example_inputs=example_inputs)
+    config = RecomputeConfig() if config is None else config
+    return _layers.apply_to_layers(model, config, target_map=target_map, wrap_sites_given=wrap_sites,
+                                   example_inputs=example_inputs)

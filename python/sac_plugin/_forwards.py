@@ -1,0 +1,183 @@
+"""The callables sac_plugin installs on module instances, and how they are removed.
+
+sac_plugin never replaces a module's class: it installs an instance attribute. A checkpointed
+module gets a `forward` that runs the class's forward through torch.utils.checkpoint; a submodule
+a target map runs inside a recompute unit gets a `forward` (or, for a method, a bound wrapper)
+that opens the unit around the class's own. Parameter names and state_dict keys never change, and
+`remove_installed` restores exactly what was there before.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .units import recompute_unit
+
+__all__ = ["CheckpointedForward", "ForwardInUnits", "InstanceForward", "MethodInUnits", "remove_installed",
+           "run_in_unit"]
+
+# Instance attributes the wrappers below keep on a module; remove_installed deletes them all.
+_STATE_ATTRIBUTES = ("_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_forward_units",
+                     "_sac_plan_request")
+
+
+class InstanceForward:
+    """Base of the callables the package installs as an instance's `forward`.
+
+    An object rather than types.MethodType(function, module): a bound method pickles as
+    getattr(module, function name), which the unpickled module does not have, so torch.save
+    would work and torch.load fail. This one pickles (and deep-copies) as its class and its
+    module; pickle memoizes the module before its attributes, so the reference back resolves to
+    the copy. TorchScript cannot compile it, so the owning module also gets a
+    __prepare_scriptable__ that says so (torch.jit.script calls it on every submodule before
+    compiling anything).
+    """
+
+    __slots__ = ("module",)
+    # What the module became, for the TorchScript refusal.
+    what = ""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __reduce__(self):
+        return (type(self), (self.module,))
+
+    @classmethod
+    def install(cls, module: torch.nn.Module) -> None:
+        module.forward = cls(module)
+        module.__prepare_scriptable__ = _RefuseScripting(module)
+
+
+class _RefuseScripting:
+    """A module's __prepare_scriptable__: refuses torch.jit.script with what to do instead."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __reduce__(self):
+        return (_RefuseScripting, (self.module,))
+
+    def __call__(self):
+        forward = self.module.__dict__.get("forward")
+        what = forward.what if isinstance(forward, InstanceForward) else "changed by sac_plugin"
+        raise TypeError(
+            f"sac_plugin: torch.jit.script cannot compile {type(self.module).__name__}: its forward is {what}, "
+            "which TorchScript does not support. Script the model before applying sac_plugin, or use "
+            "torch.compile, which honours the same policy"
+        )
+
+
+class CheckpointedForward(InstanceForward):
+    """The forward of a module that apply_selective_checkpointing checkpointed.
+
+    NOTE: [Every keyword reaches the module]
+    torch.utils.checkpoint.checkpoint takes keyword arguments of its own (use_reentrant,
+    context_fn, determinism_check, debug, early_stop, preserve_rng_state) and would swallow a
+    module keyword of the same name. The module's call is therefore bound into one closure that
+    checkpoint calls with no keyword of the caller's, so every keyword reaches the module unchanged.
+    """
+
+    __slots__ = ()
+    what = "checkpointed (apply_selective_checkpointing runs it through torch.utils.checkpoint)"
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = type(module).forward
+        if kwargs:
+            def run(*positional):
+                return forward(module, *positional, **kwargs)
+
+            return checkpoint(run, *args, use_reentrant=False, context_fn=module._sac_context_fn,
+                              preserve_rng_state=module._sac_preserve_rng_state)
+        return checkpoint(forward, module, *args, use_reentrant=False, context_fn=module._sac_context_fn,
+                          preserve_rng_state=module._sac_preserve_rng_state)
+
+
+def call_in_units(units, function, *args, **kwargs):
+    if not units:
+        return function(*args, **kwargs)
+    with recompute_unit(units[0]):
+        return call_in_units(units[1:], function, *args, **kwargs)
+
+
+class ForwardInUnits(InstanceForward):
+    """The forward of a submodule that run_in_unit runs inside units (picklable, see InstanceForward)."""
+
+    __slots__ = ()
+    what = "run inside recompute units (a recompute config or run_in_unit installed them)"
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        return call_in_units(module._sac_forward_units, type(module).forward, module, *args, **kwargs)
+
+
+class MethodInUnits:
+    """A method of one instance run inside units; rebinds to the copy on deepcopy."""
+
+    def __init__(self, owner, name: str, units: tuple[str, ...]):
+        self._owner, self._name, self.units = owner, name, units
+
+    def __call__(self, *args, **kwargs):
+        return call_in_units(self.units, getattr(type(self._owner), self._name), self._owner, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return MethodInUnits(copy.deepcopy(self._owner, memo), self._name, self.units)
+
+
+def run_in_unit(owner, name: str, unit: str) -> None:
+    """Makes `owner.name` (a submodule, or a method of owner) run inside `unit`. Idempotent."""
+    from . import _unit_checks
+
+    target = getattr(owner, name)
+    _unit_checks.declare(unit)
+    if isinstance(target, torch.nn.Module):
+        units = target.__dict__.get("_sac_forward_units", ())
+        if unit not in units:
+            target._sac_forward_units = (*units, unit)
+            ForwardInUnits.install(target)
+        return
+    current = owner.__dict__.get(name)
+    units = current.units if isinstance(current, MethodInUnits) else ()
+    if unit not in units:
+        setattr(owner, name, MethodInUnits(owner, name, (*units, unit)))
+
+
+def installed_anything(module: torch.nn.Module) -> bool:
+    """Whether sac_plugin installed anything on `module` or any of its submodules."""
+    for sub in module.modules():
+        state = sub.__dict__
+        if isinstance(state.get("forward"), InstanceForward) or any(a in state for a in _STATE_ATTRIBUTES):
+            return True
+        if any(isinstance(value, MethodInUnits) for value in state.values()):
+            return True
+    return False
+
+
+def remove_installed(module: torch.nn.Module) -> int:
+    """Removes everything sac_plugin installed on `module` and its submodules (checkpointed
+    forwards, forwards and methods run in units, plans); returns how many modules changed."""
+    changed = 0
+    for sub in module.modules():
+        state = sub.__dict__
+        removed = False
+        if isinstance(state.get("forward"), InstanceForward):
+            del state["forward"]
+            removed = True
+        if isinstance(state.get("__prepare_scriptable__"), _RefuseScripting):
+            del state["__prepare_scriptable__"]
+            removed = True
+        for attribute in _STATE_ATTRIBUTES:
+            if attribute in state:
+                del state[attribute]
+                removed = True
+        for name in [name for name, value in state.items() if isinstance(value, MethodInUnits)]:
+            del state[name]
+            removed = True
+        changed += removed
+    return changed

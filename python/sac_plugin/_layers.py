@@ -1,0 +1,134 @@
+"""Applying a recompute config to a model's layers: finding its wrap sites, installing each unit's
+callables, checking the config against every selected layer, checkpointing them. The core of
+sac_plugin.apply_recompute_config for any model; integrations reuse the pieces."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+from ._forwards import run_in_unit
+from ._logging import describe_layers, logger
+from .checkpointing import apply_selective_checkpointing, check_checkpointable
+from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
+from .policy import Policy, describe_value
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_map
+
+__all__ = ["apply_to_layers", "describe_application", "prepare_layers", "wrap_sites"]
+
+
+def apply_to_layers(model: nn.Module, config: RecomputeConfig, *, target_map: RecomputeTargetMap | None,
+                    wrap_sites_given, example_inputs) -> nn.Module:
+    """apply_recompute_config for a model no integration handles; arguments already checked."""
+    config = RecomputeConfig() if config is None else config
+    if example_inputs is not None and config.budget is None:
+        raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
+    if config.budget is not None:
+        from .planner.apply import apply_budget
+
+        sites = wrap_sites(model, wrap_sites_given)
+        selected = [sites[i] for i in config.selected_layers(len(sites))]
+        for index, site in zip(config.selected_layers(len(sites)), selected):
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        apply_budget(model, selected, config.budget, example_inputs, preserve_rng_state=config.preserve_rng_state)
+        return model
+    target_map = default_target_map(model) if target_map is None else target_map
+    sites = wrap_sites(model, wrap_sites_given)
+    selected = config.selected_layers(len(sites))
+    policy = prepare_layers(model, config, target_map, sites, selected, checkpointed=True)
+    for index in selected:
+        apply_selective_checkpointing(sites[index], policy, preserve_rng_state=config.preserve_rng_state)
+    skipped = sorted(set(range(len(sites))) - set(selected))
+    if skipped:
+        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
+                     type(model).__name__, skipped)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
+    return model
+
+
+def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, sites, selected,
+                   *, checkpointed: bool = False) -> Policy:
+    """Checks the config against the selected wrap sites, then makes each callable unit (and each
+    force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
+    changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
+    apply_selective_checkpointing, so they are checked for that too."""
+    check_target_map(target_map, sites[0])
+    policy = policy_for(config, target_map)
+
+    # Plan: every (owner, attribute, unit) to run in a unit, per selected site.
+    plan = []
+    for index in selected:
+        site = sites[index]
+        if checkpointed:
+            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        in_units = []
+        for unit in config.units:
+            target = target_map[unit]
+            if isinstance(target, KeptCallables):
+                in_units.extend((owner, name, unit.value) for owner, name in target.find(site))
+        for i, path in enumerate(config.force_recompute_modules):
+            found = KeptCallables([path]).find(site)
+            if not found:
+                raise ConfigError(
+                    f"recompute config: force_recompute_modules[{i}]: '{path}' matches nothing in "
+                    f"{type(site).__name__} (layer {index})"
+                )
+            in_units.extend((owner, name, RECOMPUTE_UNIT_PREFIX + path) for owner, name in found)
+        plan.append((index, site, in_units))
+
+    names = {id(module): name for name, module in model.named_modules()}
+    for index, site, in_units in plan:
+        for owner, name, unit in in_units:
+            run_in_unit(owner, name, unit)
+            logger.debug("%s (wrap site %d): %s.%s runs in unit '%s'", names.get(id(site), type(site).__name__),
+                         index, names.get(id(owner), type(owner).__name__) or "<layer>", name, unit)
+    return policy
+
+
+def describe_application(model_name: str, selected, count: int, policy: Policy, config: RecomputeConfig,
+                         target_map: RecomputeTargetMap | None) -> str:
+    """The INFO line for one checkpointed model: its sites, its policy, what each unit means."""
+    if config.layer_ratio is not None:
+        rule = f"layer_ratio={config.layer_ratio}"
+    else:
+        rule = f"every_nth_layer={config.every_nth_layer}, first_layer={config.first_layer}"
+    units = []
+    for unit in config.units:
+        target = target_map[unit] if target_map is not None else None
+        if isinstance(target, KeptOps):
+            units.append(f"{unit.value} -> {len(target.resolve())} ops")
+        elif isinstance(target, KeptCallables):
+            units.append(f"{unit.value} -> {', '.join(target.paths)}")
+    what = "full recompute" if policy.keeps_nothing else repr(policy)
+    return (f"{model_name}: checkpointed {describe_layers(selected, count)} wrap sites ({rule}) with "
+            f"{what}" + (f"; units: {'; '.join(units)}" if units else "")
+            + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else ""))
+
+
+def wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:
+    if wrap_sites is None:
+        declared = getattr(model, "recompute_wrap_sites", None)
+        if not callable(declared):
+            raise ConfigError(
+                f"{type(model).__name__} declares no wrap sites (no recompute_wrap_sites() method); pass "
+                "wrap_sites=[the layers to checkpoint]"
+            )
+        wrap_sites, where = declared(), f"{type(model).__name__}.recompute_wrap_sites()"
+    else:
+        where = "apply_recompute_config: wrap_sites"
+    if isinstance(wrap_sites, (str, bytes, nn.Module)) or not isinstance(wrap_sites, Iterable):
+        raise TypeError(f"sac_plugin: {where} must be a list of nn.Module, got {describe_value(wrap_sites)}")
+    sites = list(wrap_sites)
+    if not sites:
+        raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
+    seen = {}
+    for i, site in enumerate(sites):
+        if not isinstance(site, nn.Module):
+            raise TypeError(f"sac_plugin: {where}[{i}] must be an nn.Module, got {describe_value(site)}")
+        if id(site) in seen:
+            raise ValueError(f"sac_plugin: {where} lists one {type(site).__name__} twice (at {seen[id(site)]} and {i})")
+        seen[id(site)] = i
+    return sites
