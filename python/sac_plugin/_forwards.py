@@ -10,13 +10,14 @@ that opens the unit around the class's own. Parameter names and state_dict keys 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .units import recompute_unit
 
-__all__ = ["CheckpointedForward", "ForwardInUnits", "InstanceForward", "MethodInUnits", "remove_installed",
+__all__ = ["CheckpointedForward", "checkpoint_call", "ForwardInUnits", "InstanceForward", "MethodInUnits", "remove_installed",
            "run_in_unit"]
 
 # Instance attributes the wrappers below keep on a module; remove_installed deletes them all.
@@ -73,30 +74,35 @@ class _RefuseScripting:
         )
 
 
-class CheckpointedForward(InstanceForward):
-    """The forward of a module that apply_selective_checkpointing checkpointed.
+def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve_rng_state: bool = True):
+    """torch.utils.checkpoint.checkpoint(function, *args, **kwargs), non-reentrant, with every
+    keyword reaching `function`.
 
     NOTE: [Every keyword reaches the module]
-    torch.utils.checkpoint.checkpoint takes keyword arguments of its own (use_reentrant,
-    context_fn, determinism_check, debug, early_stop, preserve_rng_state) and would swallow a
-    module keyword of the same name. The module's call is therefore bound into one closure that
-    checkpoint calls with no keyword of the caller's, so every keyword reaches the module unchanged.
+    checkpoint takes keyword arguments of its own (use_reentrant, context_fn, determinism_check,
+    debug, early_stop, preserve_rng_state) and would swallow a caller's keyword of the same name,
+    or pass it on only when it is not one of those. The keywords are therefore bound into the
+    function that checkpoint calls (checkpoint re-runs that same function in the recompute), and
+    checkpoint itself is given none of the caller's.
     """
+    if kwargs:
+        bound = functools.partial(function, **kwargs)
+        return checkpoint(bound, *args, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=preserve_rng_state)
+    return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
+                      preserve_rng_state=preserve_rng_state)
+
+
+class CheckpointedForward(InstanceForward):
+    """The forward of a module that apply_selective_checkpointing checkpointed."""
 
     __slots__ = ()
     what = "checkpointed (apply_selective_checkpointing runs it through torch.utils.checkpoint)"
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        forward = type(module).forward
-        if kwargs:
-            def run(*positional):
-                return forward(module, *positional, **kwargs)
-
-            return checkpoint(run, *args, use_reentrant=False, context_fn=module._sac_context_fn,
-                              preserve_rng_state=module._sac_preserve_rng_state)
-        return checkpoint(forward, module, *args, use_reentrant=False, context_fn=module._sac_context_fn,
-                          preserve_rng_state=module._sac_preserve_rng_state)
+        return checkpoint_call(type(module).forward, (module, *args), kwargs, context_fn=module._sac_context_fn,
+                               preserve_rng_state=module._sac_preserve_rng_state)
 
 
 def call_in_units(units, function, *args, **kwargs):

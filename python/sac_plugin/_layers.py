@@ -26,7 +26,7 @@ def apply_to_layers(model: nn.Module, config: RecomputeConfig, *, target_map: Re
     if example_inputs is not None and config.budget is None:
         raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
     if config.budget is not None:
-        from .planner.apply import apply_budget
+        from .planner._apply import apply_budget
 
         sites = wrap_sites(model, wrap_sites_given)
         selected = [sites[i] for i in config.selected_layers(len(sites))]

@@ -4,10 +4,12 @@ once, split the budget, checkpoint every site with its plan's policy, and log th
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .. import _compat
 from .._forwards import InstanceForward
 from ..checkpointing import apply_selective_checkpointing
 from ._plan import Plan, plan as plan_layer
@@ -92,9 +94,44 @@ def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bo
              sum(p.held_bytes for p in chosen) / 2**20, sum(p.recompute_seconds for p in chosen) * 1e3)
 
 
+def _why_not_plan_now() -> str | None:
+    """Why a layer cannot be profiled where it is first called, or None when it can."""
+    if _compat.is_compiling():
+        return "it is first called while torch.compile traces it, where the profiling passes cannot run"
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return ("it is first called inside another checkpointed region (or under saved_tensors_hooks), where the "
+                "profiling passes would change what the outer region saves")
+    return None
+
+
+_warned_fallbacks: set = set()
+
+
+@torch._dynamo.disable
+def _settle(module: torch.nn.Module, plan: Plan | None, reason: str | None, preserve_rng_state: bool) -> None:
+    """Replaces the pending plan by checkpointing: the plan's policy, or full recompute with one
+    warning per layer type and reason. Never leaves the layer unchecked. Run eagerly even under
+    torch.compile: it changes the module, once."""
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("__prepare_scriptable__", None)
+    module.__dict__.pop("_sac_plan_request", None)
+    if plan is None:
+        key = (type(module).__qualname__, reason.split(":")[0])
+        if key not in _warned_fallbacks:
+            _warned_fallbacks.add(key)
+            warnings.warn(f"sac_plugin: a memory budget could not be planned for {type(module).__name__}: {reason}; "
+                          "it is checkpointed with full recompute instead (plan it with example_inputs at "
+                          "apply_recompute_config to plan before any call)", UserWarning, stacklevel=4)
+        log.info("sac_plugin: %s: budget not planned (%s); full recompute", type(module).__name__, reason)
+    apply_selective_checkpointing(module, plan.policy if plan is not None else None,
+                                  preserve_rng_state=preserve_rng_state)
+
+
 class _PlanOnFirstCall(InstanceForward):
     """A wrap site's forward until its first call: plans the layer on that call's inputs (once
-    per distinct layer), checkpoints it with the plan's policy, then runs the call."""
+    per distinct layer), checkpoints it with the plan's policy, then runs the call. Where the
+    layer cannot be planned (profiling raised, torch.compile is tracing, an outer checkpoint is
+    running) it is checkpointed with full recompute, with one warning: never left unchecked."""
 
     __slots__ = ()
     what = "waiting for its first call to plan a memory budget (apply_recompute_config with a budget)"
@@ -102,15 +139,22 @@ class _PlanOnFirstCall(InstanceForward):
     def __call__(self, *args, **kwargs):
         module = self.module
         share, cache, preserve_rng_state = module._sac_plan_request
-        del module.__dict__["forward"]
-        module.__dict__.pop("__prepare_scriptable__", None)
-        del module._sac_plan_request
-        signature = layer_signature(module, args, kwargs)
-        plan = cache.get(signature)
-        if plan is None:
-            with torch.enable_grad():
-                plan = plan_layer(module, *args, budget=share, **kwargs)
-            cache[signature] = plan
-            log.info("sac_plugin: planned %s within %r: %s", type(module).__name__, share, _describe(plan))
-        apply_selective_checkpointing(module, plan.policy, preserve_rng_state=preserve_rng_state)
+        reason = _why_not_plan_now()
+        plan = None
+        if reason is None:
+            signature = layer_signature(module, args, kwargs)
+            plan = cache.get(signature)
+            if plan is None:
+                # The profiling passes run the class's own forward: the pending one steps aside
+                # (and _settle below replaces it whatever happens).
+                module.__dict__.pop("forward")
+                try:
+                    with torch.enable_grad():
+                        plan = plan_layer(module, *args, budget=share, **kwargs)
+                except Exception as error:  # noqa: BLE001 - any failure falls back, saying why
+                    reason = f"profiling it raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                else:
+                    cache[signature] = plan
+                    log.info("sac_plugin: planned %s within %r: %s", type(module).__name__, share, _describe(plan))
+        _settle(module, plan, reason, preserve_rng_state)
         return module(*args, **kwargs)

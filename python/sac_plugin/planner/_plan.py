@@ -270,9 +270,9 @@ class Plan:
             for key, kind in fields.items():
                 value = call[key]
                 if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind) or \
-                        (key in ("index", "bytes", "seconds") and value < 0):
-                    fail(f"calls[{i}].{key} must be a non-negative {kind.__name__ if isinstance(kind, type) else 'number'}"
-                         f", got {value!r}")
+                        (key in ("index", "bytes", "seconds") and not 0 <= value < math.inf):
+                    fail(f"calls[{i}].{key} must be a finite non-negative "
+                         f"{kind.__name__ if isinstance(kind, type) else 'number'}, got {value!r}")
             calls.append(ProfiledCall(call["op"], call["index"], call["unit"], call["bytes"], float(call["seconds"]),
                                       call["not_keepable"], call["recomputed"]))
         by_key = {(c.op, c.index): c for c in calls}
@@ -332,23 +332,16 @@ def _solver_for(profile: LayerProfile) -> knapsack.Knapsack:
 
 def _choose(profile: LayerProfile, budget, solver: knapsack.Knapsack) -> frozenset[tuple[str, int]]:
     """Free calls (keepable, no new bytes) always; the rest by knapsack within the budget minus
-    the floor. A budget under the floor keeps only free calls (nothing less is possible)."""
-    capacity = budget_in_bytes(budget, profile) - profile.full_recompute_bytes
+    the floor. A budget under the floor keeps only free calls (nothing less is possible). A
+    budget over the layer's no-checkpointing bytes is planned as that: no plan holds more than
+    the layer holds without checkpointing (the solver's capacity is that difference)."""
+    capacity = min(budget_in_bytes(budget, profile) - profile.full_recompute_bytes, solver.max_capacity)
     kept = {(c.op, c.index) for c in profile.calls if c.keepable and c.bytes == 0 and c.seconds > 0}
     if capacity > 0:
-        if capacity > solver.max_capacity:
-            if solver.max_capacity >= sum(solver.weights):
-                return frozenset(kept | {(c.op, c.index) for c in solver.items})
-            solver = _solver_for_capacity(profile, capacity)
+        if capacity >= sum(solver.weights):
+            return frozenset(kept | {(c.op, c.index) for c in solver.items})
         kept |= {(solver.items[i].op, solver.items[i].index) for i in solver.solve(capacity)}
     return frozenset(kept)
-
-
-def _solver_for_capacity(profile, capacity):
-    items = [c for c in profile.calls if c.keepable and c.bytes > 0]
-    solver = knapsack.Knapsack([c.bytes for c in items], [c.seconds for c in items], capacity)
-    solver.items = items
-    return solver
 
 
 def _path_of(path, method: str) -> Path:
@@ -372,6 +365,12 @@ def plan(module: torch.nn.Module, *example_args, budget=0.3, runs: int = 5, warm
         raise ValueError(f"sac_plugin: plan: {type(module).__name__} is already checkpointed with "
                          f"{module._sac_policy}; plan the module before apply_selective_checkpointing")
     check_checkpointable(module, "plan: module")
-    profile = profile_layer(module, example_args, example_kwargs, runs=runs, warmup=warmup)
+    # A plan measures what autograd saves for backward: it profiles with grad enabled (and outside
+    # inference mode) wherever it is called from, as a layer planned on its first call is.
+    with torch.inference_mode(False), torch.enable_grad():
+        profile = profile_layer(module, example_args, example_kwargs, runs=runs, warmup=warmup)
+    if not profile.calls or profile.no_checkpoint_bytes == 0:
+        raise PlanError(f"sac_plugin: plan: {type(module).__name__} saved nothing for backward on the example inputs "
+                        "(no parameter or input requires grad), so there is nothing to plan")
     solver = _solver_for(profile)
     return Plan(profile, budget, _choose(profile, budget, solver), table_cache=solver)

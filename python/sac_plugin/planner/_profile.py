@@ -11,8 +11,8 @@ import statistics
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
 
+from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
 from ..policy import Policy
@@ -66,7 +66,9 @@ def _fresh(value):
     """A detached copy of each tensor argument that keeps requires_grad, so that profiling adds
     nothing to the caller's graph and no gradient to its tensors."""
     if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
+        # An inference-mode tensor cannot be saved for backward: profile a normal copy of it.
+        fresh = value.clone() if value.is_inference() else value.detach()
+        return fresh.requires_grad_(value.requires_grad)
     return value
 
 
@@ -94,7 +96,7 @@ def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
         if policy is None:
             out = module(*args, **kwargs)
         else:
-            out = checkpoint(module, *args, use_reentrant=False, context_fn=context_fn(policy), **kwargs)
+            out = checkpoint_call(module, args, kwargs, context_fn=context_fn(policy))
         held = memory.bytes()
     _backward(out)
     return held
