@@ -6,14 +6,27 @@ budget and prints the plan's table and its Pareto curve."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from .policy import bounded_repr
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int >= 1, got {bounded_repr(text)}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an int >= 1, got {value}")
+    return value
 
 
 def _budget(text: str):
     try:
         return int(text) if text.isdigit() else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a fraction from 0.0 to 1.0 or a byte count, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"a fraction from 0.0 to 1.0 or a byte count, got {bounded_repr(text)}") from None
 
 
 def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, device: str):
@@ -28,6 +41,32 @@ def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, devi
     return block, (x, cos, sin)
 
 
+def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Everything that can be checked before the (long) profile runs, as argparse errors."""
+    import torch
+
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads} (each head gets dim / heads)")
+    if (args.dim // args.heads) % 2:
+        parser.error(f"--dim / --heads must be even (rotary embeddings rotate pairs), got {args.dim // args.heads}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {bounded_repr(args.device)} is not a device (cpu, cuda, cuda:1, ...)")
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", lambda: False)()
+        if not available:
+            parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no {device.type} device available")
+    for flag, path in (("--save", args.save), ("--plot", args.plot)):
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                parser.error(f"{flag} {bounded_repr(path)}: the folder {folder} does not exist")
+            if not os.access(folder, os.W_OK):
+                parser.error(f"{flag} {bounded_repr(path)}: the folder {folder} is not writable")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sac_plugin", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,15 +75,16 @@ def main(argv=None) -> int:
     plan_parser.add_argument("--model", choices=["llama", "moe"], required=True)
     plan_parser.add_argument("--budget", type=_budget, default=0.3,
                              help="fraction of the layer's no-checkpointing activation bytes, or bytes (default 0.3)")
-    plan_parser.add_argument("--dim", type=int, default=256)
-    plan_parser.add_argument("--heads", type=int, default=4)
-    plan_parser.add_argument("--seq", type=int, default=256)
-    plan_parser.add_argument("--batch", type=int, default=2)
-    plan_parser.add_argument("--runs", type=int, default=5, help="timed forwards (medians)")
+    plan_parser.add_argument("--dim", type=_positive_int, default=256)
+    plan_parser.add_argument("--heads", type=_positive_int, default=4)
+    plan_parser.add_argument("--seq", type=_positive_int, default=256)
+    plan_parser.add_argument("--batch", type=_positive_int, default=2)
+    plan_parser.add_argument("--runs", type=_positive_int, default=5, help="timed forwards (medians)")
     plan_parser.add_argument("--device", default="cpu")
     plan_parser.add_argument("--plot", help="write the Pareto curve as a PNG here (needs matplotlib)")
     plan_parser.add_argument("--save", help="write the plan as JSON here (Plan.load reads it)")
     args = parser.parse_args(argv)
+    _check_arguments(parser, args)
 
     from . import plan as make_plan
 

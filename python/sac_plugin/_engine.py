@@ -27,7 +27,7 @@ def choose_engine(install_error: str | None) -> str:
     requested = os.environ.get(ENGINE_VARIABLE, "").strip()
     if requested and requested not in ENGINES:
         raise ImportError(
-            f"sac_plugin: {ENGINE_VARIABLE}={requested!r} is not an engine; expected one of {', '.join(ENGINES)} "
+            f"sac_plugin: {ENGINE_VARIABLE}={requested[:80]!r} is not an engine; expected one of {', '.join(ENGINES)} "
             "(or unset, to let the plugin choose)")
     if requested == "native" and install_error is not None:
         raise ImportError(f"sac_plugin: {ENGINE_VARIABLE}=native, but the native engine cannot run here: {install_error}")

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ['Policy', 'describe_value', 'op_spelling', 'check_unit_name', 'overload_of', 'resolve_kept_ops']
+__all__ = ['Policy', 'bounded_repr', 'describe_value', 'op_spelling', 'check_unit_name', 'overload_of', 'resolve_kept_ops']
 
 OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
 
@@ -23,6 +23,11 @@ _short.maxstring = 60
 _short.maxother = 60
 _short.maxlevel = 2
 _short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 4
+
+
+def bounded_repr(value) -> str:
+    """repr(value), cut short: a huge or deeply nested value (a YAML alias bomb) costs nothing."""
+    return _short.repr(value)
 
 
 def describe_value(value) -> str:

@@ -35,7 +35,7 @@ from .. import _layers
 from .._logging import logger as _logger
 from ..checkpointing import context_fn
 from ..config import ConfigError, RecomputeConfig
-from ..policy import describe_value
+from ..policy import bounded_repr, describe_value
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
 
 __all__ = ['apply_recompute_config', 'decoder_layers', 'gradient_checkpointing_kwargs', 'is_hf_model', 'target_map_for']
@@ -91,7 +91,7 @@ def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in HF_TARGET_MAPS:
         raise ValueError(
-            f"sac_plugin: no Hugging Face target map for model_type {model_type!r} ({type(model).__name__}); "
+            f"sac_plugin: no Hugging Face target map for model_type {bounded_repr(model_type)} ({type(model).__name__}); "
             f"shipped: {', '.join(sorted(HF_TARGET_MAPS))}. Pass target_map=RecomputeTargetMap(...) naming the "
             "decoder layer's submodules"
         )

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..checkpointing import apply_selective_checkpointing
-from ..policy import Policy, describe_value, resolve_kept_ops
+from ..policy import Policy, bounded_repr, describe_value, resolve_kept_ops
 from ..targets import run_in_unit
 
 __all__ = ['apply_ac', 'cpu_debug_model', 'forced_recompute_shapes', 'policy_for_block', 'save_ops']
@@ -151,7 +151,7 @@ def _check_ac_config(config) -> None:
         raise ValueError("sac_plugin: torchtitan: debug=True (torch's checkpoint debug capture) is not supported by "
                          "the plugin; set debug=False")
     if getattr(config, "determinism_check", "default") != "default":
-        raise ValueError(f"sac_plugin: torchtitan: determinism_check={config.determinism_check!r} is not supported; "
+        raise ValueError(f"sac_plugin: torchtitan: determinism_check={bounded_repr(config.determinism_check)} is not supported; "
                          "the plugin runs torch's default check, so leave it 'default'")
 
 
@@ -248,7 +248,7 @@ def cpu_debug_model(name: str = "llama3", *, n_layers: int | None = None, seed: 
     registries = {"llama3": ("llama3", "debugmodel"), "deepseek_v3": ("deepseek_v3", "debugmodel"),
                   "qwen3_moe": ("qwen3", "debugmodel_moe")}
     if name not in registries:
-        raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: unknown model {name!r}; "
+        raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: unknown model {bounded_repr(name)}; "
                          f"choose one of {sorted(registries)}")
     package, flavor = registries[name]
     from torchtitan.models.common.attention import ScaledDotProductAttention

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy import Policy, describe_value
+from ..policy import Policy, bounded_repr, describe_value
 from . import _knapsack as knapsack
 from ._profile import LayerProfile, ProfiledCall, profile_layer
 
@@ -241,14 +241,14 @@ class Plan:
         if not isinstance(data, Mapping):
             fail(f"expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
-            fail(f"'format' must be {FORMAT!r}, got {data.get('format')!r}: not a sac_plugin plan")
+            fail(f"'format' must be {FORMAT!r}, got {bounded_repr(data.get('format'))}: not a sac_plugin plan")
         if data.get("version") != VERSION:
-            fail(f"version {data.get('version')!r} is not supported; this sac_plugin reads version {VERSION}")
+            fail(f"version {bounded_repr(data.get('version'))} is not supported; this sac_plugin reads version {VERSION}")
         known = {"format", "version", "torch", "budget", "no_checkpoint_bytes", "full_recompute_bytes", "runs",
                  "calls", "kept"}
         for key in data:
             if key not in known:
-                fail(f"unknown key {key!r}; known keys: {', '.join(sorted(known))}")
+                fail(f"unknown key {bounded_repr(key)}; known keys: {', '.join(sorted(known))}")
         for key in known - {"torch"}:
             if key not in data:
                 fail(f"missing key {key!r}")
@@ -258,7 +258,7 @@ class Plan:
             fail(str(error).removeprefix("sac_plugin: "))
         for key in ("no_checkpoint_bytes", "full_recompute_bytes", "runs"):
             if not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] < 0:
-                fail(f"{key!r} must be an int >= 0, got {data[key]!r}")
+                fail(f"{key!r} must be an int >= 0, got {bounded_repr(data[key])}")
         if not isinstance(data["calls"], list):
             fail(f"'calls' must be a list, got {type(data['calls']).__name__}")
         calls = []
@@ -266,13 +266,13 @@ class Plan:
                   "recomputed": bool}
         for i, call in enumerate(data["calls"]):
             if not isinstance(call, Mapping) or set(call) != set(fields):
-                fail(f"calls[{i}] must be an object with keys {', '.join(fields)}, got {call!r}")
+                fail(f"calls[{i}] must be an object with keys {', '.join(fields)}, got {bounded_repr(call)}")
             for key, kind in fields.items():
                 value = call[key]
                 if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind) or \
                         (key in ("index", "bytes", "seconds") and not 0 <= value < math.inf):
                     fail(f"calls[{i}].{key} must be a finite non-negative "
-                         f"{kind.__name__ if isinstance(kind, type) else 'number'}, got {value!r}")
+                         f"{kind.__name__ if isinstance(kind, type) else 'number'}, got {bounded_repr(value)}")
             calls.append(ProfiledCall(call["op"], call["index"], call["unit"], call["bytes"], float(call["seconds"]),
                                       call["not_keepable"], call["recomputed"]))
         by_key = {(c.op, c.index): c for c in calls}
@@ -283,12 +283,12 @@ class Plan:
         kept = set()
         for i, pair in enumerate(data["kept"]):
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], int)):
-                fail(f"kept[{i}] must be an [op, index] pair, got {pair!r}")
+                fail(f"kept[{i}] must be an [op, index] pair, got {bounded_repr(pair)}")
             call = by_key.get(tuple(pair))
             if call is None:
-                fail(f"kept[{i}] = {pair!r} is not a profiled call")
+                fail(f"kept[{i}] = {bounded_repr(pair)} is not a profiled call")
             if not call.keepable:
-                fail(f"kept[{i}] = {pair!r} cannot be kept: {call.why_not_keepable}")
+                fail(f"kept[{i}] = {bounded_repr(pair)} cannot be kept: {call.why_not_keepable}")
             kept.add(tuple(pair))
         profile = LayerProfile(tuple(calls), data["no_checkpoint_bytes"], data["full_recompute_bytes"], data["runs"])
         try:

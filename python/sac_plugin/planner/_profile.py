@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
-from ..policy import Policy
+from ..policy import Policy, bounded_repr
 
 
 AFTER_THE_RECOMPUTE_STOPS = "after the recompute stops"
@@ -105,9 +105,9 @@ def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
 def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: int = 5,
                   warmup: int = 1) -> LayerProfile:
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
-        raise ValueError(f"sac_plugin: plan: runs must be an int >= 1 (timed forwards per call), got {runs!r}")
+        raise ValueError(f"sac_plugin: plan: runs must be an int >= 1 (timed forwards per call), got {bounded_repr(runs)}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"sac_plugin: plan: warmup must be an int >= 0, got {warmup!r}")
+        raise ValueError(f"sac_plugin: plan: warmup must be an int >= 0, got {bounded_repr(warmup)}")
     if torch.ops.sac.interception_path() == "not installed":
         raise RuntimeError("sac_plugin: plan: profiling needs the plugin's C++ interception, which could not be "
                            "installed in this torch (see the warning at import); write a Policy by hand instead")
