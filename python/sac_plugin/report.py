@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import threading
+import weakref
 
 import torch
 import torch.utils._python_dispatch
@@ -40,7 +41,8 @@ from .policy import describe_value
 __all__ = ['Breakdown', 'OpCounts', 'Report', 'SavedStorage', 'TraceEntry', 'install_oom_observer', 'report', 'trace']
 
 OUTSIDE = "(outside regions)"
-_local = threading.local()
+# Tensor descriptions kept per saved-storage entry: enough to recognise it, bounded over steps.
+_TENSORS_PER_STORAGE = 8
 _active: list[Report] = []  # the running reports (the OOM observer prints the latest)
 
 
@@ -87,11 +89,12 @@ class SavedStorage:
 
     where: str  # a checkpointed module (kept outputs) or "(outside regions) <module>"
     device: str
-    nbytes: int
-    tensors: list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor saved on it
+    nbytes: int  # bytes of one such storage
+    tensors: list[tuple[tuple[int, ...], str]]  # (shape, dtype) of the tensors saved on it (the first few)
+    count: int = 1  # storages like it (same place, device and size) saved while the report ran
 
     def to_dict(self) -> dict:
-        return {"where": self.where, "device": self.device, "bytes": self.nbytes,
+        return {"where": self.where, "device": self.device, "bytes": self.nbytes, "count": self.count,
                 "tensors": [{"shape": list(shape), "dtype": dtype} for shape, dtype in self.tensors]}
 
 
@@ -112,8 +115,8 @@ class _PassScope:
         self._scope.__enter__()
         self._audit = torch.classes.sac.Audit()
         self._audit.start()
-        _stack().append((self._layer, self._phase, self._kept_calls, self._region, self._audit,
-                         len(self._report._modules)))
+        _stack(self._report).append((self._layer, self._phase, self._kept_calls, self._region, self._audit,
+                                     len(self._report._modules)))
         self._inner.__enter__()
         return self
 
@@ -121,7 +124,7 @@ class _PassScope:
         try:
             return self._inner.__exit__(*exc_info)
         finally:
-            _stack().pop()
+            _stack(self._report).pop()
             self._audit.stop()
             self._scope.__exit__(None, None, None)
             self._report._pass_done(self, self._audit)
@@ -167,7 +170,7 @@ class _TraceMode(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        passes = _stack()
+        passes = _stack(self._report)
         if not passes or _never_counted(func):
             return func(*args, **kwargs)
         layer, phase, kept_calls, _, audit, depth = passes[-1]
@@ -204,10 +207,12 @@ def _never_counted(func) -> bool:
         return True
 
 
-def _stack() -> list:
-    if not hasattr(_local, "passes"):
-        _local.passes = []
-    return _local.passes
+def _stack(report) -> list:
+    """The report's passes open on this thread (each report its own: reports nest)."""
+    local = report._local
+    if not hasattr(local, "passes"):
+        local.passes = []
+    return local.passes
 
 
 class _ReportObserver(_observers.Observer):
@@ -237,7 +242,14 @@ class Report:
         self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()} if model is not None else {}
         self.layers: dict[str, Breakdown] = {}
         self.units: dict[tuple[str, str], Breakdown] = {}
-        self._saved: dict[tuple[str, int], SavedStorage] = {}
+        # Storages saved for backward, aggregated by (where, device, bytes): bounded by the model's
+        # shape, not by the steps run. A storage is told apart from a later one at the same address
+        # by a weak reference to it (NOTE: [Saved storages are counted per life, not per address]).
+        self._saved: dict[tuple[str, str, int], SavedStorage] = {}
+        self._live: dict[tuple[str, int], tuple] = {}
+        self._local = threading.local()
+        self._thread = None
+        self.steps = 0
         self._parameters = set()
         self._modules: list = []  # the modules being called on this thread (names regions)
         self._audit = Audit()
@@ -247,6 +259,7 @@ class Report:
     # --- running -------------------------------------------------------------------------------
 
     def __enter__(self):
+        self._thread = threading.get_ident()
         if self._model is not None:
             self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
         stack = self._exit
@@ -274,11 +287,17 @@ class Report:
     def _innermost_module(self) -> str:
         return self._name(self._modules[-1]) if self._modules else ""
 
+    # The module stack and the layers are this report's thread's: a model trained on another
+    # thread at the same time adds no layer and leaves no entry behind.
     def _module_called(self, module, args):
+        if threading.get_ident() != self._thread:
+            return
+        if not self._modules and (self._model is None or module is self._model):
+            self.steps += 1
         self._modules.append(module)
 
     def _module_returned(self, module, args, output):
-        if self._modules and self._modules[-1] is module:
+        if threading.get_ident() == self._thread and self._modules and self._modules[-1] is module:
             self._modules.pop()
 
     def _current_layer(self) -> str:
@@ -290,6 +309,8 @@ class Report:
         return self._name(self._modules[-1]) if self._modules else "(a checkpointed function)"
 
     def _wrap(self, region, policy, forward, recompute, kept_calls):
+        if threading.get_ident() != self._thread:
+            return forward, recompute
         layer = self._current_layer()
         return (_PassScope(self, layer, "forward", forward, kept_calls, region),
                 _PassScope(self, layer, "recompute", recompute, kept_calls, region))
@@ -303,12 +324,14 @@ class Report:
             layer.kept_calls += scope._kept_calls()
             region = scope._region
             kept = list(region.handle.kept_tensors()) if region.handle.kept_calls() else []
-            layer.kept_bytes += self._note_storages(scope._layer, kept)
+            # This region's own unique storages: exact per call whatever the allocator reuses.
+            layer.kept_bytes += region.kept_bytes
+            self._note_storages(scope._layer, kept)
 
     # --- units (called through _ReportObserver while a report runs) -----------------------------
 
     def unit_entered(self, unit: str):
-        passes = _stack()
+        passes = _stack(self)
         if not passes:
             return None
         layer, phase, kept_calls, region, _, _ = passes[-1]
@@ -337,12 +360,22 @@ class Report:
     def _pack(self, tensor):
         # Only what autograd saves outside regions reaches this hook (checkpoint's own hooks take
         # the saves inside them). Noted, not held: the tensor's lifetime is unchanged.
+        if threading.get_ident() != self._thread:
+            return tensor
         where = f"{OUTSIDE} {self._name(self._modules[-1])}" if self._modules else OUTSIDE
         self._note_storages(where, [tensor])
         return tensor
 
     def _note_storages(self, where: str, tensors) -> int:
-        """Bills each new storage to `where`; returns the bytes of those new to the report."""
+        """Notes each storage once per life; returns the bytes of those new to the report.
+
+        NOTE: [Saved storages are counted per life, not per address]
+        A storage freed after one step and allocated again at the same address in the next is a
+        new storage: it counts again. One still alive (two tensors on it, or a kept output saved
+        again) counts once. A weak reference to the storage object (torch keeps one Python object
+        per live storage) says which: the entry goes when the storage dies, so the table of live
+        storages is bounded by what is alive, and totals over n identical steps are n times one.
+        """
         added = 0
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -351,25 +384,43 @@ class Report:
             pointer = storage.data_ptr()
             if pointer in self._parameters or pointer == 0:
                 continue
-            key = (str(tensor.device), pointer)
+            device = str(tensor.device)
+            live_key = (device, pointer)
+            live = self._live.get(live_key)
+            if live is not None and live[0]() is storage:
+                entry = live[1]
+                if len(entry.tensors) < _TENSORS_PER_STORAGE:
+                    entry.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
+                continue
+            nbytes = storage.nbytes()
+            key = (where, device, nbytes)
             entry = self._saved.get(key)
             if entry is None:
-                entry = self._saved[key] = SavedStorage(where, str(tensor.device), storage.nbytes(), [])
-                added += storage.nbytes()
-            entry.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
+                entry = self._saved[key] = SavedStorage(where, device, nbytes, [], 0)
+            entry.count += 1
+            added += nbytes
+            if len(entry.tensors) < _TENSORS_PER_STORAGE:
+                entry.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
+            self._live[live_key] = (weakref.ref(storage, functools.partial(self._forget, live_key)), entry)
         return added
+
+    def _forget(self, live_key, reference) -> None:
+        live = self._live.get(live_key)
+        if live is not None and live[0] is reference:
+            del self._live[live_key]
 
     # --- results -------------------------------------------------------------------------------
 
     def saved_tensors(self) -> list[SavedStorage]:
-        """Every storage saved for backward, largest first; each storage once, billed to where it
+        """Storages saved for backward, by place, device and size (with how many such storages were
+        saved while the report ran), largest total first; each storage counted once per life, billed to where it
         was first saved."""
-        return sorted(self._saved.values(), key=lambda s: (-s.nbytes, s.where))
+        return sorted(self._saved.values(), key=lambda s: (-s.nbytes * s.count, s.where))
 
     def saved_bytes_by_place(self) -> dict[str, int]:
         totals: dict[str, int] = {}
         for storage in self._saved.values():
-            totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes
+            totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes * storage.count
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
     def to_dict(self) -> dict:
@@ -381,6 +432,7 @@ class Report:
             ],
             "saved_for_backward": {"bytes_by_place": self.saved_bytes_by_place(),
                                    "storages": [s.to_dict() for s in self.saved_tensors()]},
+            "steps": self.steps,
             "totals": {phase: sum(getattr(row, phase) for row in self.totals) for phase in (*PHASES, "hits")},
             **({"trace": [dataclasses.asdict(entry) for entry in self.trace]} if self._trace else {}),
         }
@@ -420,17 +472,20 @@ class Report:
                      f"{sum(l.total('hits') for l in self.layers.values()):>7}"
                      f"{sum(l.kept_calls for l in self.layers.values()):>12}"
                      f"{_bytes(sum(l.kept_bytes for l in self.layers.values())):>14}")
-        lines += ["", "saved for backward, by place (each storage once):"]
+        steps = f" over {self.steps} steps" if self.steps > 1 else ""
+        lines += ["", f"saved for backward{steps}, by place (each storage once per life):"]
         for place, nbytes in self.saved_bytes_by_place().items():
             lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
-        lines.append(f"  {'total':<58}{_bytes(sum(s.nbytes for s in self._saved.values())):>14}")
+        lines.append(f"  {'total':<58}{_bytes(sum(s.nbytes * s.count for s in self._saved.values())):>14}")
         biggest = self.saved_tensors()[:storages]
         if biggest:
-            lines += ["", f"largest storages saved for backward (of {len(self._saved)}):"]
+            lines += ["", f"largest storages saved for backward (of {sum(s.count for s in self._saved.values())}):"]
             for storage in biggest:
                 views = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in storage.tensors[:3])
                 more = f" +{len(storage.tensors) - 3}" if len(storage.tensors) > 3 else ""
-                lines.append(f"  {_bytes(storage.nbytes):>12}  {storage.device:<6} {storage.where:<40} {views}{more}")
+                count = f" x{storage.count}" if storage.count > 1 else ""
+                lines.append(f"  {_bytes(storage.nbytes):>12}{count:<6} {storage.device:<6} {storage.where:<40} "
+                             f"{views}{more}")
         return "\n".join(lines)
 
 
