@@ -20,8 +20,10 @@ from .units import recompute_unit
 __all__ = ["CheckpointedForward", "checkpoint_call", "ForwardInUnits", "InstanceForward", "MethodInUnits", "remove_installed",
            "run_in_unit"]
 
-# Instance attributes the wrappers below keep on a module; remove_installed deletes them all.
-_STATE_ATTRIBUTES = ("_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_forward_units",
+# Instance attributes the wrappers below keep on a module; remove_installed deletes them all. An
+# integration that changes a module in its framework's own way leaves `_sac_undo` there: a callable
+# that puts the module back, which remove_installed calls.
+_STATE_ATTRIBUTES = ("_sac_undo", "_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_forward_units",
                      "_sac_plan_request")
 
 
@@ -172,6 +174,10 @@ def remove_installed(module: torch.nn.Module) -> int:
     for sub in module.modules():
         state = sub.__dict__
         removed = False
+        undo = state.get("_sac_undo")
+        if undo is not None:
+            undo()
+            removed = True
         if isinstance(state.get("forward"), InstanceForward):
             del state["forward"]
             removed = True

@@ -22,6 +22,8 @@ import difflib
 import threading
 import warnings
 
+import torch
+
 from . import _observers
 from ._logging import logger
 
@@ -79,14 +81,19 @@ _UNIT_OBSERVER = _UnitObserver()
 class WatchedForward:
     """A region's forward context that checks the policy's units when the forward ends."""
 
-    __slots__ = ("_policy", "_forward", "_watch")
+    __slots__ = ("_policy", "_forward", "_watch", "_around", "_kept_before")
 
     def __init__(self, policy, forward, kept_calls):
         self._policy, self._forward, self._watch = policy, forward, _Watch(kept_calls)
+        self._around, self._kept_before = (), 0
 
     def __enter__(self):
         global _watching
         self._forward.__enter__()
+        # Units already open around the checkpointed call are open for the whole forward: what
+        # the forward keeps is kept inside them too.
+        self._around = tuple(torch.ops.sac.open_units())
+        self._kept_before = self._watch.kept_calls()
         _local.__dict__.setdefault("watches", []).append(self._watch)
         with _watching_lock:
             _watching += 1
@@ -101,8 +108,11 @@ class WatchedForward:
             _watching -= 1
             if _watching == 0:
                 _observers.unregister(_UNIT_OBSERVER)
+        kept_in_forward = self._watch.kept_calls() - self._kept_before
         suppressed = self._forward.__exit__(*exc_info)
         if exc_info[0] is None:
+            for unit in self._around:
+                self._watch.opened[unit] = self._watch.opened.get(unit, 0) + kept_in_forward
             check(self._policy, self._watch.opened)
         return suppressed
 

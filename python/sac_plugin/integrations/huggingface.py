@@ -110,10 +110,29 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _disabled_by_transformers(module: nn.Module) -> bool:
+    """A layer sac_plugin checkpointed through transformers' hook whose checkpointing transformers
+    has since turned off (model.gradient_checkpointing_disable()): it runs unchecked, so a new
+    config may be applied to it."""
+    return "_sac_undo" in vars(module) and getattr(module, "gradient_checkpointing", False) is False
+
+
+def _undo(module: nn.Module, checkpointed_layer: bool) -> None:
+    """Removes what apply_recompute_config set on one module (sac_plugin.remove_checkpointing,
+    or a config applied again after gradient_checkpointing_disable())."""
+    state = vars(module)
+    if checkpointed_layer:
+        state.pop("_gradient_checkpointing_func", None)
+        state.pop("_sac_policy", None)
+    if "gradient_checkpointing" in state:
+        module.gradient_checkpointing = False
+    state.pop("_sac_undo", None)
+
+
 def _check_model(model, where: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"sac_plugin: {where}: model must be a transformers PreTrainedModel, got {describe_value(model)}")
-    if any("_sac_policy" in vars(module) for module in model.modules()):
+    if any("_sac_policy" in vars(module) and not _disabled_by_transformers(module) for module in model.modules()):
         raise ValueError(f"sac_plugin: {where}: {type(model).__name__} is already checkpointed by sac_plugin; apply a "
                          "config once per model")
     # Read the layers' flag, not model.is_gradient_checkpointing (deprecated in transformers 5).
@@ -167,6 +186,11 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                 "call sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
             )
     selected = config.selected_layers(len(layers))
+    # Layers whose checkpointing transformers turned off lose the stale state first (checked
+    # above: nothing else is checkpointed), so disable-then-apply works.
+    for module in model.modules():
+        if _disabled_by_transformers(module):
+            module._sac_undo()
     policy = _layers.prepare_layers(model, config, target_map, layers, selected)
     checkpoint_fn = functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn(policy),
                                       preserve_rng_state=config.preserve_rng_state)
@@ -175,9 +199,11 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
         layer._sac_policy = policy  # marks it checkpointed (reports, a second apply)
         layer._gradient_checkpointing_func = checkpoint_fn
         layer.gradient_checkpointing = True
+        layer._sac_undo = functools.partial(_undo, layer, True)
     # The base model turns use_cache off in training while this flag is set: a cache written in
     # the forward would be written again by the recompute.
     model.base_model.gradient_checkpointing = True
+    model.base_model._sac_undo = functools.partial(_undo, model.base_model, False)
     if _logger.isEnabledFor(logging.INFO):
         _logger.info("%s", _layers.describe_application(type(model).__name__, selected, len(layers), policy, config,
                                                          target_map))
