@@ -40,9 +40,16 @@ def _built_for(path: Path) -> str | None:
     return stamp.read_text().strip() if stamp.exists() else None
 
 
+MINIMUM_TORCH = (2, 11)
+
+
 def load() -> str | None:
     """Loads the library and installs the interception; returns why the native engine cannot run
     here (the interception could not be installed), or None when it can."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    if version < MINIMUM_TORCH:
+        raise ImportError(f"sac_plugin needs torch >= {'.'.join(map(str, MINIMUM_TORCH))}, but torch {torch.__version__} "
+                          "is installed; install a newer torch, then rebuild sac_plugin against it")
     path = library_path()
     if not path.exists():
         raise ImportError(f"sac_plugin: compiled library not found at {path}; {_REBUILD_HINT}")
