@@ -1,12 +1,23 @@
-"""Recompute configs: files round-trip, bad fields are named, and applying one keeps gradients."""
+"""Recompute configs: files round-trip, bad fields and unreadable files are named, applying one keeps
+gradients, and a refused one leaves the model untouched. Which layers a config checkpoints:
+every_nth_layer from layer 0 by default, first_layer for the other convention (Modalities' ac_freq),
+layer_ratio spread from layer 0."""
 
 import copy
+import io
 import json
 
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import ConfigError, RecomputeConfig, RecomputeUnit, apply_recompute_config
+from sac_plugin import (
+    ConfigError,
+    RecomputeConfig,
+    RecomputeUnit,
+    apply_recompute_config,
+    apply_selective_checkpointing,
+    audit,
+)
 from sac_plugin.config import policy_for
 from sac_plugin.models import Llama, MoEModel
 from sac_plugin.targets import LLAMA_TARGETS, KeptOps, RecomputeTargetMap
@@ -170,3 +181,117 @@ def test_force_recompute_by_module(forced):
     # The router's gate Linear is the only mm in the moe_gate unit; topk follows it in the unit.
     assert audit.hits("aten::mm") == (0 if forced else 1)
     assert audit.hits("aten::topk") == 1
+
+
+# --- which layers a config checkpoints: every_nth_layer, first_layer, layer_ratio -----------------
+
+
+def modalities_selected(count: int, ac_freq: int) -> list[int]:
+    # Modalities' selective layer AC checkpoints a layer when (layer_id + 1) % ac_freq == 0: for
+    # ac_freq=2 of 4 layers, layers 1 and 3.
+    return [layer_id for layer_id in range(count) if (layer_id + 1) % ac_freq == 0]
+
+
+def test_every_nth_layer_counts_from_layer_zero():
+    assert RecomputeConfig(every_nth_layer=2).selected_layers(4) == [0, 2]
+    assert RecomputeConfig(every_nth_layer=3).selected_layers(7) == [0, 3, 6]
+    assert RecomputeConfig(layer_ratio=0.5).selected_layers(4) == [0, 2]
+    assert RecomputeConfig(layer_ratio=0.25).selected_layers(4) == [0]
+
+
+def test_first_layer_is_modalities_convention():
+    assert RecomputeConfig(every_nth_layer=2, first_layer=1).selected_layers(4) == [1, 3] == modalities_selected(4, 2)
+    for count in range(1, 9):
+        for ac_freq in range(1, count + 1):
+            config = RecomputeConfig(every_nth_layer=ac_freq, first_layer=ac_freq - 1)
+            assert config.selected_layers(count) == modalities_selected(count, ac_freq), (count, ac_freq)
+
+
+def test_first_layer_checkpoints_those_layers_of_a_model():
+    torch.manual_seed(0)
+    model = Llama(vocab=64, dim=32, heads=4, layers=4, seq=16)
+    reference = Llama(vocab=64, dim=32, heads=4, layers=4, seq=16)
+    reference.load_state_dict(model.state_dict())
+    apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2, first_layer=1))
+    assert ["_sac_policy" in layer.__dict__ for layer in model.layers] == [False, True, False, True]
+    tokens = torch.randint(64, (2, 16))
+    with sac_plugin.audit() as audit:
+        loss = model.loss(tokens, tokens)
+        loss.backward()
+    expected = reference.loss(tokens, tokens)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert audit.hits("aten::_scaled_dot_product_flash_attention_for_cpu") == 2
+
+
+def test_first_layer_round_trips_and_is_checked():
+    config = RecomputeConfig(every_nth_layer=2, first_layer=1)
+    assert RecomputeConfig.from_json(config.to_json()) == config
+    assert config.to_dict()["first_layer"] == 1
+    with pytest.raises(ConfigError) as error:
+        RecomputeConfig(first_layer=-1)
+    assert str(error.value) == ("recompute config: first_layer must be an int >= 0 (the index of the first "
+                                "checkpointed layer), got -1")
+    with pytest.raises(ConfigError) as error:
+        RecomputeConfig(layer_ratio=0.5, first_layer=1)
+    assert str(error.value) == ("recompute config: first_layer applies to every_nth_layer; layer_ratio spreads its "
+                                "layers from layer 0. Set every_nth_layer and first_layer, or layer_ratio alone")
+    with pytest.raises(ConfigError) as error:
+        apply_recompute_config(Llama(vocab=64, dim=32, layers=2, seq=16), RecomputeConfig(first_layer=2))
+    assert str(error.value) == ("recompute config: first_layer is 2, but the model has 2 wrap sites (layers 0 to 1); "
+                                "first_layer must be one of them")
+
+
+# --- refusals that leave the model untouched, round trips, files ----------------------------------
+
+
+def test_a_refused_config_leaves_every_layer_untouched():
+    model = Llama()
+    sites = model.recompute_wrap_sites()
+    apply_selective_checkpointing(sites[1])
+    with pytest.raises(ValueError, match="already selectively checkpointed"):
+        apply_recompute_config(model, RecomputeConfig(units=["mlp"]))
+    # Layer 0 was not checkpointed, and its feed-forward was not put in the unit either.
+    assert "forward" not in sites[0].__dict__
+    assert "forward" not in sites[0].feed_forward.__dict__
+    with pytest.raises(ValueError) as error:
+        apply_recompute_config(model, RecomputeConfig(), wrap_sites=[sites[0], sites[0]])
+    assert str(error.value) == "sac_plugin: apply_recompute_config: wrap_sites lists one LlamaBlock twice (at 0 and 1)"
+    assert "forward" not in sites[0].__dict__
+
+
+def test_a_config_applied_model_round_trips_with_its_units():
+    torch.manual_seed(0)
+    model = apply_recompute_config(Llama(), RecomputeConfig(units=["mlp"]))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randint(0, 64, (2, 8))
+    with audit() as a:
+        loaded(x).float().pow(2).mean().backward()
+    assert a.hits("aten::mm") > 0  # the feed-forward still runs in the kept "mlp" unit
+
+
+def test_config_files_that_are_not_utf8_or_missing_are_config_errors(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("units: [attn]  # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as error:
+        RecomputeConfig.load(latin)
+    assert str(error.value) == (
+        f"recompute config: {latin}: not UTF-8 text (byte 0xe9 at offset 20); save the file as UTF-8"
+    )
+    with pytest.raises(ConfigError) as error:
+        RecomputeConfig.load(tmp_path / "missing.json")
+    assert str(error.value) == f"recompute config: {tmp_path / 'missing.json'}: cannot read it: No such file or directory"
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("units:\n" + "".join(" " * i + "- \n" for i in range(1, 3000)))
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        RecomputeConfig.load(deep)
+
+
+def test_config_still_refuses_a_unit_the_target_map_does_not_declare():
+    with pytest.raises(sac_plugin.ConfigError, match=r"^recompute config: units\[0\]: Llama declares no unit 'moe_gate'"):
+        apply_recompute_config(Llama(vocab=64, dim=32, layers=1, seq=16), RecomputeConfig(units=["moe_gate"]))

@@ -134,3 +134,18 @@ def test_a_value_read_before_and_after_an_in_place_write_is_not_confused():
     body(w_ref, x).sum().backward()
     assert torch.equal(w.grad, w_ref.grad)
     assert audit.hits("aten::tanh") == 2
+
+
+@pytest.mark.native_engine("matching by data flow is the native engine's; the dispatch-mode engine matches kept "
+                           "calls per op in order, as torch's SAC does")
+@pytest.mark.parametrize("cache_shape", [(4, 8), "other"], ids=["same_shapes", "other_shapes"])
+def test_kept_calls_with_a_call_made_in_the_forward_only(cache_shape):
+    """Step 1's forward makes an extra mm (a no_grad cache) first: it is call 0, so kept call 1 is
+    x @ w1, served in the recompute by data flow, not the recompute's second mm."""
+    audits = train_pair(Policy(kept_calls={"aten::mm": [1]}), cache_shape=cache_shape)
+    assert audits[0].count("aten::mm", phase="forward") == 3
+    assert audits[0].hits("aten::mm") == 1
+    assert audits[0].count("aten::mm", phase="recompute") == 1
+    # Later steps: no cache call, so call 1 is h @ w2.
+    assert audits[1].hits("aten::mm") == 1
+    assert audits[1].count("aten::mm", phase="recompute") == 1

@@ -1,7 +1,5 @@
 """The invariants no policy overrides: collectives, random ops, mutation, and the exact errors."""
 
-import copy
-import pickle
 import warnings
 
 import pytest
@@ -33,61 +31,11 @@ def test_keeping_a_collective_is_refused_at_declaration(spelling, name):
     assert str(error.value) == COLLECTIVE_REFUSAL.format(spelling=spelling, name=name)
 
 
-def test_unknown_op_names_the_closest_registered_ones():
-    with pytest.raises(ValueError) as error:
-        Policy(kept_ops=["aten::mm.defualt"])
-    assert str(error.value) == (
-        "sac: kept_ops: unknown op 'aten::mm.defualt' (aten::mm has no overload 'defualt'; it has: "
-        "aten::mm.default aten::mm.dtype aten::mm.dtype_out aten::mm.out)"
-    )
-    with pytest.raises(ValueError) as error:
-        Policy(kept_ops=["aten::scaled_dot_product_atention"])
-    assert str(error.value).startswith(
-        "sac: kept_ops: unknown op 'aten::scaled_dot_product_atention'; closest registered names: "
-        "aten::scaled_dot_product_attention"
-    )
-
-
 def test_random_and_mutating_ops_are_refused_at_declaration():
     with pytest.raises(ValueError, match=r"names aten::bernoulli_\.float, which is a random op"):
         Policy(kept_ops=["aten::bernoulli_.float"])
     with pytest.raises(ValueError, match=r"names aten::mul_\.Tensor, which mutates an input"):
         Policy(kept_ops=[torch.ops.aten.mul_.Tensor])
-
-
-def test_bad_arguments_are_type_errors():
-    with pytest.raises(TypeError, match="kept_ops must be a collection of names, not a single str"):
-        Policy(kept_ops="aten::mm")
-    with pytest.raises(TypeError, match="expected an op name such as 'aten::mm.default'"):
-        Policy(kept_ops=[3])
-    with pytest.raises(ValueError, match=r"kept_units\[0\]: a recompute unit needs a non-empty str name"):
-        Policy(kept_units=[""])
-    with pytest.raises(ValueError, match="a recompute unit needs a non-empty str name"):
-        recompute_unit("")
-
-
-def test_policy_spellings_and_copies():
-    policy = Policy(kept_ops=["aten::mm.default", torch.ops.aten.tanh], kept_units=["attn"])
-    assert policy.kept_ops == frozenset({"aten::mm", "aten::tanh", "aten::tanh.out"})
-    assert policy.kept_units == frozenset({"attn"})
-    assert copy.deepcopy(policy) is policy
-    assert pickle.loads(pickle.dumps(policy)) == policy
-    assert torch.ops.aten.mm.default in policy.kept_overloads()
-
-
-def test_resolve_kept_ops_skips_unregistered_spellings():
-    names = ["aten::_flash_attention_forward_v3", "aten::_scaled_dot_product_flash_attention", "aten::mm"]
-    assert sac_plugin.resolve_kept_ops(names) == frozenset(
-        {"aten::_scaled_dot_product_flash_attention", "aten::mm"}
-    )
-    with pytest.raises(ValueError, match=r"none of the op names resolves to a registered op: \[aten::nope_v3\]"):
-        sac_plugin.resolve_kept_ops(["aten::nope_v3"])
-
-
-def test_applying_twice_is_refused():
-    model, _ = make_pair(policy=Policy(kept_units=["attn"]))
-    with pytest.raises(ValueError, match="already selectively checkpointed"):
-        sac_plugin.apply_selective_checkpointing(model.layers[0], Policy())
 
 
 # --- mutation ---------------------------------------------------------------------------
@@ -165,6 +113,38 @@ def test_kept_tensor_mutated_after_the_forward_is_an_error_naming_the_op():
         "'attn'), call 1 of this region, changed version from 0 to 1. The recompute would read the mutated value; "
         "clone it before mutating in place, or do not keep aten::tanh"
     ) in str(error.value)
+
+
+def _writes_in_kept_unit(weight, x):
+    h = (x @ weight) * 2  # made outside the unit: not kept, so the write below demotes nothing
+    with recompute_unit("write"):
+        h.add_(1)
+        h = h.sin()
+    return h.cos()
+
+
+# Warnings are sentences for the user: no "(Triggered internally at <build path>...)" tail.
+def test_the_mutating_op_warning_is_exactly_its_sentence():
+    weight = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    fn = sac_plugin.context_fn(Policy(kept_units=["write"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            checkpoint(_writes_in_kept_unit, weight, x, use_reentrant=False, context_fn=fn).sum().backward()
+    ours = [w for w in caught if "sac" in str(w.message)]
+    if sac_plugin.engine() == "native":
+        # Attributed to the Python line that ran the op, never to a C++ source file of the build.
+        # (The dispatch-mode engine warns from its policy function, inside torch's SAC mode.)
+        assert [w.filename for w in ours] == [__file__]
+    messages = [str(w.message) for w in ours]
+    assert messages == [
+        "sac: aten::add_.Tensor mutates an input inside kept unit 'write'; it is recomputed rather than kept "
+        "(warned once per policy)"
+    ]
+    reference = weight.detach().clone().requires_grad_()
+    _writes_in_kept_unit(reference, x).sum().backward()
+    assert torch.equal(weight.grad, 2 * reference.grad)
 
 
 # --- collectives inside a kept unit (gloo, one rank) -------------------------------------
@@ -322,28 +302,6 @@ def test_attention_is_kept_only_without_dropout(dropout_p):
         assert audit.count("aten::bernoulli_", phase="recompute") == 1
         assert audit.hits("aten::bernoulli_") == 0
         assert audit.count(attention) == 0
-
-
-def test_closing_units_out_of_order_is_refused_and_changes_nothing():
-    outer = torch.ops.sac.push_unit("attn")
-    inner = torch.ops.sac.push_unit("rope")
-    try:
-        with pytest.raises(RuntimeError, match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
-                                               r"the innermost open unit is 'rope' at depth 2"):
-            torch.ops.sac.pop_unit("attn", outer)
-        assert sac_plugin.open_units() == ["attn", "rope"]
-    finally:
-        torch.ops.sac.pop_unit("rope", inner)
-        torch.ops.sac.pop_unit("attn", outer)
-
-
-def test_a_refused_policy_leaves_nothing_behind():
-    with pytest.raises(ValueError):
-        Policy(kept_ops=["aten::tanh", "c10d::allreduce_"], kept_units=["attn"])
-    # The thread's key sets and units are checked by the autouse fixture; an audit shows no op ran.
-    with sac_plugin.audit() as audit:
-        pass
-    assert audit.rows() == []
 
 
 @pytest.mark.native_engine("the dispatch key and the C++ regions are the native engine's mechanism")

@@ -1,5 +1,5 @@
-"""Issue 12's probe, kept as tests: random small models x random policies x modes, each run with
-and without checkpointing from the same seed; the loss and every gradient must be bitwise equal.
+"""Property tests: random small models x random policies x modes, each run with and without
+checkpointing from the same seed; the loss and every gradient must be bitwise equal.
 
 SAC_PROPERTY_EXAMPLES=N runs N examples per property (default 300 for the main one).
 """
@@ -101,7 +101,7 @@ def policies(draw):
         if op not in kept_ops and draw(st.booleans()):
             if draw(st.booleans()):
                 every_nth[op] = draw(st.integers(1, 3))
-            else:  # issue 9: an explicit set of kept calls, as a memory-budget plan writes it
+            else:  # an explicit set of kept calls, as a memory-budget plan writes it
                 kept_calls[op] = draw(st.lists(st.integers(0, 9), max_size=4))
     return Policy(kept_ops, kept_units, every_nth_op=every_nth, recomputed_units=recomputed, kept_calls=kept_calls)
 
@@ -225,7 +225,7 @@ class LazyCache:
 @pytest.mark.parametrize("policy", [Policy(kept_ops=["aten::mm"]), Policy(every_nth_op={"aten::mm": 2})],
                          ids=["kept_ops", "every_nth"])
 def test_one_pass_lazy_cache(policy, shape_like_kept):
-    """Issue 12's own examples: a no_grad cache of the same op as a kept call, first call only."""
+    """A no_grad cache of the same op as a kept call, filled on the first call only."""
     steps = [("mm", ()), ("tanh", ()), ("mm", ()), ("tanh", ())]
     modes = dict(dropout=False, autocast=False, nested=False, retain_graph=False, backward_thread=False)
     assert_bitwise_equal(steps, policy, modes, make_cache=lambda: LazyCache(shape_like_kept))

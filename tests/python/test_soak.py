@@ -1,4 +1,4 @@
-"""Issue 12's soak: a checkpointed model trained for SAC_SOAK_STEPS steps (10,000 in CI's soak job)
+"""Soak: a checkpointed model trained for SAC_SOAK_STEPS steps (10,000 in CI's soak job)
 must not grow the process: no region, kept output, unit or audit state may accumulate."""
 
 import os

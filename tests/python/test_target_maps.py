@@ -1,5 +1,6 @@
 """Declaration checks: every shipped unit resolves to at least one registered op or callable, so a
-renamed op or method cannot silently make a unit keep nothing."""
+renamed op or method cannot silently make a unit keep nothing; a target map answers `in` for any
+key."""
 
 import pytest
 from sac_plugin import ConfigError
@@ -47,3 +48,8 @@ def test_a_renamed_op_fails_the_check():
     renamed = RecomputeTargetMap("Llama", {RecomputeUnit.ATTN: KeptOps(["aten::_flash_attention_v9"])})
     with pytest.raises(ConfigError, match=r"^target map of Llama: unit 'attn': sac: none of the op names resolves"):
         check_target_map(renamed)
+
+
+def test_a_target_map_answers_in_for_any_key():
+    targets = RecomputeTargetMap("M", {"attn": KeptOps(["aten::mm"])})
+    assert "attn" in targets and "mlp" not in targets and "nonsense" not in targets

@@ -1,4 +1,4 @@
-"""Issue 10: torchtitan's selective AC on the plugin, against torchtitan's own SAC.
+"""torchtitan's selective AC on the plugin, against torchtitan's own SAC.
 
 On torchtitan's debug Llama3 and DeepSeek-V3 (MoE) models, with SDPA attention on CPU: the calls
 the plugin serves from what it kept are exactly the calls torchtitan's own policy function

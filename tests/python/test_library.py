@@ -1,4 +1,9 @@
-"""Loading the compiled library: clear errors for a missing build or another torch."""
+"""The compiled library: clear errors for a missing build or another torch, and its GoogleTest
+suite passes as one process."""
+
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import sac_plugin
@@ -33,3 +38,14 @@ def test_loading_again_is_harmless():
     with sac_plugin.audit() as audit:
         torch.tanh(torch.ones(1))
     assert audit.count("aten::tanh") == 1
+
+
+def test_the_cpp_tests_pass_as_one_process_in_any_order():
+    build = os.environ.get("SAC_TEST_BUILD_DIR")
+    if not build or not (Path(build) / "sac_cpp_tests").exists():
+        pytest.skip("needs SAC_TEST_BUILD_DIR, the build tree with sac_cpp_tests (tools/test.sh sets it)")
+    binary = Path(build) / "sac_cpp_tests"
+    # --gtest_repeat=2: the second round runs every test after the fallback was installed.
+    result = subprocess.run([str(binary), "--gtest_repeat=2", "--gtest_shuffle", "--gtest_brief=1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -1,5 +1,7 @@
-"""Unit checks: a unit a policy names but no model declares or opens (a typo) warns once, naming
-the units that did open and the closest one; a kept unit that opens but keeps nothing warns once."""
+"""Recompute units: a unit is closed on the thread that opened it, innermost first, and its name is
+bounded. Unit checks: a unit a policy names but no model declares or opens (a typo) warns once,
+naming the units that did open and the closest one; a kept unit that opens but keeps nothing warns
+once."""
 
 import warnings
 
@@ -8,7 +10,73 @@ import sac_plugin
 import torch
 from sac_plugin import Policy, RecomputeConfig, apply_recompute_config, recompute_unit
 from sac_plugin.models import GPT, Llama, MoEModel
+from thread_checks import on_another_thread
 from torch.utils.checkpoint import checkpoint
+
+
+# --- opening and closing units --------------------------------------------------------------------
+
+
+def test_closing_units_out_of_order_is_refused_and_changes_nothing():
+    outer = torch.ops.sac.push_unit("attn")
+    inner = torch.ops.sac.push_unit("rope")
+    try:
+        with pytest.raises(RuntimeError, match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
+                                               r"the innermost open unit is 'rope' at depth 2"):
+            torch.ops.sac.pop_unit("attn", outer)
+        assert sac_plugin.open_units() == ["attn", "rope"]
+    finally:
+        torch.ops.sac.pop_unit("rope", inner)
+        torch.ops.sac.pop_unit("attn", outer)
+
+
+def test_a_refused_out_of_order_unit_close_leaves_the_unit_closable():
+    attn, rope = recompute_unit("attn"), recompute_unit("rope")
+    attn.__enter__()
+    rope.__enter__()
+    with pytest.raises(RuntimeError, match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order"):
+        attn.__exit__(None, None, None)
+    assert sac_plugin.open_units() == ["attn", "rope"]
+    rope.__exit__(None, None, None)
+    attn.__exit__(None, None, None)  # the refused close left attn open: this one closes it
+    assert sac_plugin.open_units() == []
+
+
+def test_a_unit_exited_on_another_thread_is_refused():
+    attn = recompute_unit("attn")
+    with attn:
+        error = on_another_thread(lambda: attn.__exit__(None, None, None))
+        assert str(error) == (
+            "sac_plugin: exiting recompute unit 'attn' on a thread that did not enter it (it is open on another "
+            "thread); exit it on the thread that entered it; nothing was changed"
+        )
+        assert sac_plugin.open_units() == ["attn"]
+    with pytest.raises(RuntimeError) as error:
+        attn.__exit__(None, None, None)
+    assert str(error.value) == (
+        "sac_plugin: exiting recompute unit 'attn' on a thread that did not enter it (it is not open); exit it on "
+        "the thread that entered it; nothing was changed"
+    )
+
+
+@pytest.mark.parametrize("length", [257, 10**7])
+def test_unit_names_are_bounded(length):
+    name = "u" * length
+    message = (
+        "a recompute unit name has at most 256 characters (names are kept for the life of the process), "
+        f"got one of {length}: 'uuuuuuuuuuuuuuuuuuuuuuuuuuu...uuuuuuuuuuuuuuuuuuuuuuuuuuuu'"
+    )
+    with pytest.raises(ValueError) as error:
+        recompute_unit(name)
+    assert str(error.value) == "sac_plugin: recompute_unit: name: " + message
+    with pytest.raises(ValueError) as error:
+        Policy(kept_units=[name])
+    assert str(error.value) == "sac_plugin: kept_units[0]: " + message
+    with recompute_unit("u" * 256):
+        assert sac_plugin.open_units() == ["u" * 256]
+
+
+# --- unit checks: names that no model declares or opens, kept units that keep nothing -------------
 
 
 def _gpt():
@@ -112,8 +180,3 @@ def test_a_declared_unit_that_another_layer_opens_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dense.loss(tokens, tokens).backward()
-
-
-def test_config_still_refuses_a_unit_the_target_map_does_not_declare():
-    with pytest.raises(sac_plugin.ConfigError, match=r"^recompute config: units\[0\]: Llama declares no unit 'moe_gate'"):
-        apply_recompute_config(Llama(vocab=64, dim=32, layers=1, seq=16), RecomputeConfig(units=["moe_gate"]))

@@ -1,5 +1,6 @@
 """Choosing the engine: native by default, the dispatch-mode engine when the C++ interception
-cannot be installed (with one warning saying why and what it costs) or when asked for."""
+cannot be installed (with one warning saying why and what it costs) or when asked for; the
+dispatch-mode engine's policy function keeps the calls the policy names."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import warnings
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import _library, dispatch_mode
+from sac_plugin import Policy, _library, dispatch_mode
 
 
 def run_python(code, **env):
@@ -95,3 +96,19 @@ def test_never_counted_ops_skip_the_key_only_on_the_native_path():
         assert "never counted" not in entry, entry
     # Counted ops keep reaching the fallback (native) or the plugin's per-op kernel (coexisting).
     assert "fallthrough" not in _fake_key_entry("aten::mm")
+
+
+class _Ctx:
+    def __init__(self, is_recompute):
+        self.is_recompute = is_recompute
+
+
+def test_dispatch_mode_policy_fn_keeps_the_same_calls():
+    from sac_plugin.dispatch_mode import eager_policy_fn
+
+    plan = {}
+    decide = eager_policy_fn(Policy(kept_calls={"aten::mm.default": [0, 4]}), plan)
+    x = torch.randn(2, 2)
+    for _ in range(5):
+        decide(_Ctx(False), torch.ops.aten.mm.default, x, x)
+    assert plan[torch.ops.aten.mm.default] == [True, False, False, False, True]
