@@ -134,3 +134,89 @@ def test_torch_policy_fn_keeps_the_same_calls():
                              CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE,
                              CheckpointPolicy.PREFER_RECOMPUTE]
     assert decide(_Ctx(False), torch.ops.aten.tanh.default, x) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# --- every keyword reaches the module ---------------------------------------------------------
+
+
+class _KeywordLayer(nn.Module):
+    """Takes, as its own keywords, every name torch.utils.checkpoint.checkpoint also takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, *, early_stop=False, determinism_check="none", debug=False, context_fn=None,
+                use_reentrant=None, preserve_rng_state=None, scale=1.0):
+        y = torch.tanh(self.linear(x)) * scale
+        if early_stop:
+            y = y * 2
+        if determinism_check != "none":
+            y = y + 1
+        if debug:
+            y = y - 3
+        if context_fn is not None:
+            y = context_fn(y)
+        if use_reentrant is not None or preserve_rng_state is not None:
+            y = y.sin()
+        return y
+
+
+@pytest.mark.parametrize("keywords", [
+    {"early_stop": True}, {"determinism_check": "default"}, {"debug": True}, {"context_fn": torch.cos},
+    {"use_reentrant": True}, {"preserve_rng_state": False}, {"scale": 0.5, "early_stop": True},
+], ids=lambda k: ",".join(k))
+def test_every_keyword_reaches_the_checkpointed_module(keywords):
+    torch.manual_seed(0)
+    layer = _KeywordLayer()
+    reference = copy.deepcopy(layer)
+    sac_plugin.apply_selective_checkpointing(layer, Policy(kept_ops=["aten::addmm"]))
+    x = torch.randn(4, 8, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    out = layer(x, **keywords)
+    expected = reference(x_reference, **keywords)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(x.grad, x_reference.grad)
+    assert torch.equal(layer.linear.weight.grad, reference.linear.weight.grad)
+
+
+# --- remove_checkpointing --------------------------------------------------------------------
+
+
+def test_remove_checkpointing_restores_the_class_forward_and_keeps_state_dict_keys():
+    model, reference = make_pair(policy=Policy(kept_units=["attn"]))
+    keys = list(model.state_dict())
+    assert sac_plugin.remove_checkpointing(model) is model
+    assert keys == list(model.state_dict()) == list(reference.state_dict())
+    for layer in model.layers:
+        assert "forward" not in vars(layer) and "_sac_policy" not in vars(layer)
+    x = torch.randn(4, 16)
+    with sac_plugin.audit() as audit:
+        run_step(model, x)
+    run_step(reference, x)
+    assert audit.count("aten::tanh", phase="recompute") == 0
+    assert audit.hits("aten::tanh") == 0
+    assert_same_gradients(model, reference)
+    sac_plugin.apply_selective_checkpointing(model.layers[0], Policy())  # checkpointable again
+
+
+def test_remove_checkpointing_undoes_a_config_with_units_installed_on_submodules():
+    from sac_plugin.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(layers=2)
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["mlp", "norm"]))
+    assert "forward" in vars(model.layers[0].feed_forward)
+    sac_plugin.remove_checkpointing(model)
+    assert not any("forward" in vars(m) or any(k.startswith("_sac") for k in vars(m)) for m in model.modules())
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["mlp"]))
+
+
+def test_remove_checkpointing_of_an_untouched_module_says_so():
+    with pytest.raises(ValueError, match=r"^sac_plugin: remove_checkpointing: sac_plugin installed nothing on "
+                                         r"Linear or its submodules; there is nothing to remove$"):
+        sac_plugin.remove_checkpointing(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got 3 \(int\)"):
+        sac_plugin.remove_checkpointing(3)

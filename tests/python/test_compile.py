@@ -205,7 +205,7 @@ def test_config_units_survive_compilation():
     metadata their wrappers write."""
     from sac_plugin import RecomputeConfig, apply_recompute_config
     from sac_plugin.models import LlamaBlock, rotary_tables
-    from sac_plugin.targets import LLAMA_TARGETS
+    from sac_plugin.models import LLAMA_TARGETS
 
     torch.manual_seed(0)
     block = LlamaBlock(32, 4)
@@ -222,7 +222,7 @@ def test_config_units_survive_compilation():
 
 
 def test_compiled_policy_reads_the_fallbacks_classification():
-    from sac_plugin.checkpointing import _op_traits
+    from sac_plugin._call_facts import op_traits as _op_traits
 
     assert _op_traits(torch.ops.aten.add_.Tensor) == (False, False, False, True, False, -1)
     assert _op_traits(torch.ops._c10d_functional.all_reduce.default)[0] is True

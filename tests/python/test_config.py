@@ -20,7 +20,8 @@ from sac_plugin import (
 )
 from sac_plugin.config import policy_for
 from sac_plugin.models import Llama, MoEModel
-from sac_plugin.targets import LLAMA_TARGETS, KeptOps, RecomputeTargetMap
+from sac_plugin.models import LLAMA_TARGETS
+from sac_plugin.targets import KeptOps, RecomputeTargetMap
 
 FULL = RecomputeConfig(
     units=(RecomputeUnit.ATTN, RecomputeUnit.MOE_GATE),
@@ -295,3 +296,32 @@ def test_config_files_that_are_not_utf8_or_missing_are_config_errors(tmp_path):
 def test_config_still_refuses_a_unit_the_target_map_does_not_declare():
     with pytest.raises(sac_plugin.ConfigError, match=r"^recompute config: units\[0\]: Llama declares no unit 'moe_gate'"):
         apply_recompute_config(Llama(vocab=64, dim=32, layers=1, seq=16), RecomputeConfig(units=["moe_gate"]))
+
+
+def _alias_bomb() -> str:
+    """A flow list whose last entry expands to 9**9 strings through YAML aliases (~330 bytes)."""
+    parts = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    previous = "a"
+    for name in "bcdefghi":
+        parts.append(f"&{name} [" + ",".join([f"*{previous}"] * 9) + "]")
+        previous = name
+    return "[" + ", ".join(parts) + "]"
+
+
+@pytest.mark.parametrize("text", [
+    "units: {bomb}", "ops: {bomb}", "force_recompute_modules: {bomb}", "every_nth_layer: {bomb}",
+    "first_layer: {bomb}", "layer_ratio: {bomb}", "preserve_rng_state: {bomb}", "budget: {bomb}",
+    "every_nth_op: {{x: {bomb}}}", "{bomb}",
+], ids=lambda t: t.split(":")[0] if ":" in t else "top level")
+def test_a_yaml_alias_bomb_is_refused_with_a_bounded_message(text):
+    pytest.importorskip("yaml")
+    with pytest.raises(ConfigError) as raised:
+        RecomputeConfig.from_yaml(text.format(bomb=_alias_bomb()))
+    assert len(str(raised.value)) < 400, str(raised.value)[:1000]
+
+
+def test_configs_bound_list_sizes_and_text_length():
+    with pytest.raises(ConfigError, match=r"^recompute config: ops has 5000 entries; at most 4096 are accepted$"):
+        RecomputeConfig.from_dict({"ops": ["aten::mm"] * 5000})
+    with pytest.raises(ConfigError, match=r"the text has 1048577 characters; a recompute config has at most 1048576"):
+        RecomputeConfig.from_json(" " * (2**20 + 1))

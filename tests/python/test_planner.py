@@ -9,17 +9,20 @@ import itertools
 import json
 import logging
 import math
+import warnings
 
 import pytest
 import sac_plugin
 import torch
 from sac_plugin import ConfigError, Plan, PlanError, RecomputeConfig
+from sac_plugin import Policy
 from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import Llama, LlamaBlock, MoEBlock, rotary_tables
-from sac_plugin.planner import knapsack
-from sac_plugin.planner.split import split
+from sac_plugin.planner import _knapsack as knapsack
+from sac_plugin.planner import split
 from torch.utils.checkpoint import checkpoint
+from torch import nn
 
 from hypothesis import given, strategies as st
 from test_property import DIM, examples, run_steps, steps_strategy
@@ -419,3 +422,163 @@ def test_cli_plot(tmp_path):
     assert main(["plan", "--model", "llama", "--dim", "32", "--seq", "16", "--runs", "1",
                  "--plot", str(tmp_path / "plan.png")]) == 0
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- planning under any grad mode, never above no checkpointing, only finite files -------------
+
+
+def _block():
+    from sac_plugin.models import LlamaBlock, rotary_tables
+
+    torch.manual_seed(0)
+    block = LlamaBlock(64, 4)
+    cos, sin = rotary_tables(16, 16)
+    return block, (torch.randn(2, 16, 64, requires_grad=True), cos, sin)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_plan_made_under_no_grad_or_inference_mode_measures_with_grad(mode):
+    block, (_, cos, sin) = _block()
+    expected = sac_plugin.plan(block, torch.randn(2, 16, 64), cos, sin, budget=0.3, runs=1)
+    with getattr(torch, mode)():
+        planned = sac_plugin.plan(block, torch.randn(2, 16, 64), cos, sin, budget=0.3, runs=1)
+    assert planned.profile.no_checkpoint_bytes == expected.profile.no_checkpoint_bytes > 0
+    assert [(c.op, c.index, c.bytes) for c in planned.profile.calls] == \
+        [(c.op, c.index, c.bytes) for c in expected.profile.calls]
+    assert planned.kept and planned.held_bytes <= planned.budget_bytes
+
+
+def test_a_layer_that_saves_nothing_is_refused_rather_than_planned_empty():
+    layer = nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(sac_plugin.PlanError, match="Linear saved nothing for backward on the example inputs"):
+        sac_plugin.plan(layer, torch.randn(2, 8), budget=0.3, runs=1)
+
+
+@pytest.mark.parametrize("budget", [1.0, 10**12])
+def test_no_plan_holds_more_than_no_checkpointing(budget):
+    block, inputs = _block()
+    planned = sac_plugin.plan(block, *inputs, budget=budget, runs=1)
+    assert planned.held_bytes <= planned.profile.no_checkpoint_bytes
+    for point in planned.pareto(budgets=(0.5, 1.0)):
+        assert point["held_bytes"] <= planned.profile.no_checkpoint_bytes
+    assert planned.with_budget(10**12).held_bytes <= planned.profile.no_checkpoint_bytes
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity"])
+def test_a_plan_file_with_non_finite_seconds_is_a_plan_error_naming_the_field(tmp_path, bad):
+    block, inputs = _block()
+    path = sac_plugin.plan(block, *inputs, budget=0.3, runs=1).save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    data["calls"][2]["seconds"] = "__BAD__"
+    path.write_text(json.dumps(data).replace('"__BAD__"', bad))
+    with pytest.raises(sac_plugin.PlanError, match=rf"calls\[2\]\.seconds must be a finite non-negative number, "
+                                                    rf"got -?(nan|inf)"):
+        sac_plugin.Plan.load(path)
+
+
+# --- a budget planned on the first call never leaves a layer unchecked --------------------------
+
+
+def _budgeted_llama():
+    from sac_plugin.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(layers=2)
+    reference = copy.deepcopy(model)
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(budget=0.3))
+    return model, reference
+
+
+def _assert_full_recompute_with_one_warning(model, record, reason):
+    messages = [str(w.message) for w in record if "could not be planned" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert reason in messages[0]
+    for layer in model.layers:
+        assert type(vars(layer)["forward"]).__name__ == "CheckpointedForward"
+        assert layer._sac_policy == Policy()
+
+
+def test_a_layer_first_called_inside_another_checkpoint_falls_back_to_full_recompute():
+    model, reference = _budgeted_llama()
+    tokens = torch.randint(0, 512, (2, 16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.utils.checkpoint.checkpoint(model, tokens, use_reentrant=False).sum().backward()
+    _assert_full_recompute_with_one_warning(model, record, "inside another checkpointed region")
+    reference(tokens).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_layer_first_called_under_torch_compile_falls_back_to_full_recompute():
+    model, reference = _budgeted_llama()
+    tokens = torch.randint(0, 512, (2, 16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(tokens).sum().backward()
+    _assert_full_recompute_with_one_warning(model, record, "while torch.compile traces it")
+
+
+class _ChangingLayer(nn.Module):
+    """Makes different calls on every call: profiling it cannot settle on one set of calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.linear(x)
+        return torch.tanh(y) if self.calls % 2 else torch.sigmoid(y)
+
+
+class _ChangingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_ChangingLayer()])
+
+    def recompute_wrap_sites(self):
+        return list(self.layers)
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def test_a_layer_whose_profiling_raises_falls_back_to_full_recompute():
+    torch.manual_seed(0)
+    model = _ChangingModel()
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(budget=0.5))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    _assert_full_recompute_with_one_warning(model, record, "profiling it raised")
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--dim", "30", "--heads", "4"], "--dim 30 must be a multiple of --heads 4 (each head gets dim / heads)"),
+    (["--dim", "12", "--heads", "4"], "--dim / --heads must be even (rotary embeddings rotate pairs), got 3"),
+    (["--batch", "-1"], "argument --batch: an int >= 1, got -1"),
+    (["--seq", "x"], "argument --seq: an int >= 1, got 'x'"),
+    (["--device", "not-a-device"], "--device 'not-a-device' is not a device (cpu, cuda, cuda:1, ...)"),
+    (["--save", "/nonexistent-folder/plan.json"], "--save '/nonexistent-folder/plan.json': the folder "
+                                                   "/nonexistent-folder does not exist"),
+    (["--plot", "/nonexistent-folder/plan.png"], "the folder /nonexistent-folder does not exist"),
+])
+def test_the_plan_command_checks_its_arguments_before_profiling(arguments, message, capsys):
+    from sac_plugin.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "llama", *arguments])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a torch without CUDA")
+def test_the_plan_command_refuses_a_device_this_torch_lacks(capsys):
+    from sac_plugin.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama", "--device", "cuda"])
+    assert f"--device cuda: this torch ({torch.__version__}) has no cuda device available" in capsys.readouterr().err

@@ -2,13 +2,17 @@
 the audit and the regions see them; saved-for-backward storages by place; table and JSON."""
 
 import json
+import threading
 
 import pytest
 import sac_plugin
+from sac_plugin import _observers
 from sac_plugin.report import _TraceMode
 import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
+from sac_plugin import Policy
+from torch import nn
 
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -54,14 +58,15 @@ def test_kept_bytes_by_layer_and_unit_match_the_regions():
     model = _model()
     tokens = torch.randint(64, (2, 16))
     regions = []
-    sac_plugin.checkpointing._region_observers.append(regions.append)
-    try:
-        with sac_plugin.report(model) as report:
-            loss = model.loss(tokens, tokens)
-            held = [region.kept_bytes for region in regions]
-            loss.backward()
-    finally:
-        sac_plugin.checkpointing._region_observers.remove(regions.append)
+
+    class Regions(_observers.Observer):
+        def region_created(self, region):
+            regions.append(region)
+
+    with _observers.observe(Regions()), sac_plugin.report(model) as report:
+        loss = model.loss(tokens, tokens)
+        held = [region.kept_bytes for region in regions]
+        loss.backward()
     assert [layer.kept_bytes for layer in report.layers.values()] == held
     # mlp unit: w1, w3 outputs (2x16x128 fp32 = 16 KiB each), silu, mul (16 KiB each), w2 (4 KiB).
     assert report.units[("layers.0", "mlp")].kept_bytes == 4 * 16384 + 4096
@@ -74,10 +79,10 @@ def test_kept_bytes_by_layer_and_unit_match_the_regions():
 
 
 def test_no_report_no_hooks():
-    assert sac_plugin.checkpointing._scope_wrappers == [] and sac_plugin.units._report_hooks == []
+    assert not _observers.observing()
     with sac_plugin.report():
-        pass
-    assert sac_plugin.checkpointing._scope_wrappers == [] and sac_plugin.units._report_hooks == []
+        assert _observers.observing()
+    assert not _observers.observing() and _observers.observers() == ()
     with pytest.raises(TypeError, match=r"^sac_plugin: report: model must be a torch.nn.Module or None, got 3 \(int\)$"):
         sac_plugin.report(3)
 
@@ -288,3 +293,97 @@ def test_trace_of_a_root_layer_names_its_submodules():
     assert [(e.layer, e.module, e.phase) for e in report.trace] == (
         [("_Block", {"block.inner.lin": "inner.lin", "block.inner": "inner", "block": "_Block",
                      "block.out": "out"}[m], p) for m, _, _, p in TINY_FORWARD + TINY_RECOMPUTE])
+
+
+# --- exact per step, bounded, nested, this thread's -------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)).sin()
+
+
+class _Stack(nn.Module):
+    def __init__(self, policy):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        for block in self.blocks:
+            sac_plugin.apply_selective_checkpointing(block, policy)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _report_steps(model, steps):
+    with sac_plugin.report(model) as rep:
+        for _ in range(steps):
+            model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    return rep
+
+
+def test_a_report_over_n_steps_counts_n_times_one_step_and_identical_blocks_alike():
+    torch.manual_seed(0)
+    model = _Stack(Policy(kept_ops=["aten::addmm", "aten::tanh"]))
+    one, five = _report_steps(model, 1), _report_steps(model, 5)
+    assert (one.steps, five.steps) == (1, 5)
+    kept_one = {name: layer.kept_bytes for name, layer in one.layers.items()}
+    kept_five = {name: layer.kept_bytes for name, layer in five.layers.items()}
+    assert kept_one["blocks.0"] == kept_one["blocks.1"] == 2 * 8 * 16 * 4
+    assert kept_five == {name: 5 * value for name, value in kept_one.items()}
+    assert five.saved_bytes_by_place() == {place: 5 * value for place, value in one.saved_bytes_by_place().items()}
+
+
+def test_a_report_left_running_stays_bounded():
+    torch.manual_seed(0)
+    model = _Stack(Policy(kept_ops=["aten::addmm"]))
+    with sac_plugin.report(model) as rep:
+        for step in range(40):
+            model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+            if step == 4:
+                entries = len(rep._saved)
+    assert len(rep._saved) == entries
+    assert max(len(storage.tensors) for storage in rep._saved.values()) == 8
+    assert sum(storage.count for storage in rep._saved.values()) == 40 * sum(
+        storage.count for storage in _report_steps(model, 1)._saved.values())
+    assert rep.steps == 40
+
+
+def test_nested_reports_both_see_every_step_they_span():
+    torch.manual_seed(0)
+    model = _Stack(Policy(kept_ops=["aten::addmm"]))
+    x = torch.randn(8, 16, requires_grad=True)
+    with sac_plugin.report(model) as outer:
+        model(x).sum().backward()
+        with sac_plugin.report(model) as inner:
+            model(x).sum().backward()
+    assert {name: layer.calls for name, layer in outer.layers.items()} == {"blocks.0": 2, "blocks.1": 2}
+    assert {name: layer.calls for name, layer in inner.layers.items()} == {"blocks.0": 1, "blocks.1": 1}
+    assert {name: layer.kept_calls for name, layer in outer.layers.items()} == {"blocks.0": 2, "blocks.1": 2}
+
+
+def test_a_report_shows_only_its_own_thread_s_layers_while_another_thread_trains():
+    torch.manual_seed(0)
+    model = _Stack(Policy(kept_ops=["aten::addmm"]))
+    other = _Stack(Policy(kept_ops=["aten::addmm"]))
+    stop = threading.Event()
+
+    def train_other():
+        while not stop.is_set():
+            other(torch.randn(8, 16, requires_grad=True)).sum().backward()
+
+    thread = threading.Thread(target=train_other)
+    thread.start()
+    try:
+        rep = _report_steps(model, 3)
+    finally:
+        stop.set()
+        thread.join()
+    assert set(rep.layers) == {"blocks.0", "blocks.1"}
+    assert {name: layer.calls for name, layer in rep.layers.items()} == {"blocks.0": 3, "blocks.1": 3}
+    assert rep._modules == []

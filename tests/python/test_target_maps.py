@@ -6,7 +6,8 @@ import pytest
 from sac_plugin import ConfigError
 from sac_plugin.config import check_target_map
 from sac_plugin.models import Llama, MoEModel
-from sac_plugin.targets import SHIPPED_TARGET_MAPS, KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
+from sac_plugin.models import SHIPPED_TARGET_MAPS
+from sac_plugin.targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
 
 MODELS = {"Llama": Llama, "MoEModel": MoEModel}
 
