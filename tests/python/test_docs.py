@@ -1,0 +1,162 @@
+"""The documentation's code runs as written, and the site builds.
+
+Every ```python block in README.md and docs/*.md runs, each on its own, in a fresh namespace, from
+a scratch directory that sees the repository's tools/ (snippets load tools/configs/...). A block
+that cannot run standalone says so in the HTML comment right above it:
+
+    <!-- not-run: REASON -->            never run; listed, with the reason, by test_not_run_blocks
+    <!-- doc-test: needs=MODULE slow --> run only where MODULE imports (skipped, naming it,
+                                         elsewhere); `slow` marks it slow
+
+The NOTE index in docs/engines.md is checked against the NOTE blocks in csrc/ and python/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_BLOCK = re.compile(r"(?:<!--\s*(?P<directive>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str
+    line: int
+    code: str
+    not_run: str | None  # the reason, for a block marked not-run
+    needs: tuple[str, ...]
+    slow: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _parse_directive(directive: str | None, where: str) -> tuple[str | None, tuple[str, ...], bool]:
+    if not directive:
+        return None, (), False
+    if directive.startswith("not-run:"):
+        reason = directive[len("not-run:"):].strip()
+        assert reason, f"{where}: a not-run block must say why"
+        return reason, (), False
+    if directive.startswith("doc-test:"):
+        needs, slow = [], False
+        for word in directive[len("doc-test:"):].split():
+            if word == "slow":
+                slow = True
+            elif word.startswith("needs="):
+                needs.extend(word[len("needs="):].split(","))
+            else:
+                raise AssertionError(f"{where}: unknown doc-test word {word!r} (expected needs=MODULE or slow)")
+        return None, tuple(needs), slow
+    # Any other comment right above a block is prose, not a directive.
+    return None, (), False
+
+
+def _blocks() -> list[Block]:
+    blocks = []
+    for path in DOC_FILES:
+        text = path.read_text(encoding="utf-8")
+        for match in _BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start("code")) + 1  # the block's first code line
+            where = f"{path.relative_to(ROOT)}:{line}"
+            not_run, needs, slow = _parse_directive(match.group("directive"), where)
+            blocks.append(Block(str(path.relative_to(ROOT)), line, match.group("code"), not_run, needs, slow))
+    return blocks
+
+
+BLOCKS = _blocks()
+RUN = [b for b in BLOCKS if b.not_run is None]
+NOT_RUN = [b for b in BLOCKS if b.not_run is not None]
+
+# The blocks marked not-run, by reason: a new one must be added here on purpose.
+EXPECTED_NOT_RUN: dict[str, str] = {}
+
+
+def _param(block: Block):
+    marks = [pytest.mark.slow] if block.slow else []
+    return pytest.param(block, id=block.name, marks=marks)
+
+
+def test_blocks_are_found():
+    assert any(b.file == "README.md" for b in RUN), "README.md has no runnable python block"
+    assert len(RUN) >= 8, [b.name for b in RUN]
+
+
+def test_not_run_blocks():
+    assert {b.name: b.not_run for b in NOT_RUN} == EXPECTED_NOT_RUN
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in RUN])
+def test_block_runs(block: Block, tmp_path, monkeypatch):
+    for module in block.needs:
+        pytest.importorskip(module, reason=f"{block.name} needs {module}, which is not importable here "
+                                           "(tools/setup.sh installs it)")
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        # Padded so that a traceback names the Markdown file and its line.
+        source = "\n" * (block.line - 1) + block.code
+        exec(compile(source, str(ROOT / block.file), "exec"), {"__name__": "__docs__"})
+    finally:
+        torch.set_num_threads(threads)  # a snippet may set one thread
+
+
+# --- the NOTE index in docs/engines.md ------------------------------------------------------------
+
+# A NOTE block starts a comment (or a docstring line) with its title and is not a reference to one
+# ("NOTE: [Title] in file.cpp", "NOTE: [Title] (file.cpp)").
+_NOTE = re.compile(r"^\s*(?://|#)?\s*NOTE: \[(?P<title>[^\]]+)\](?P<rest>.*)$")
+
+
+def _note_blocks() -> set[tuple[str, str]]:
+    found = set()
+    for path in [*ROOT.glob("csrc/**/*"), *ROOT.glob("python/**/*.py")]:
+        if not path.is_file() or path.suffix not in {".h", ".cpp", ".py"}:
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            match = _NOTE.match(line)
+            if match and not re.match(r"\s*(in |\()", match.group("rest")):
+                found.add((match.group("title"), str(path.relative_to(ROOT))))
+    return found
+
+
+def _note_index() -> set[tuple[str, str]]:
+    text = (ROOT / "docs" / "engines.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## NOTE blocks\n"):]
+    return set(re.findall(r"^\| (?!NOTE \|)([^|]+?) \| `([^`]+)` \|$", section, re.M))
+
+
+def test_note_index_lists_every_note_block():
+    in_code, in_docs = _note_blocks(), _note_index()
+    assert in_code, "no NOTE block found under csrc/ and python/"
+    assert sorted(in_code - in_docs) == [], "NOTE blocks missing from docs/engines.md"
+    assert sorted(in_docs - in_code) == [], "docs/engines.md lists NOTE blocks the code does not have"
+
+
+# --- the site ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_mkdocs_build_strict(tmp_path):
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
+    if mkdocs is None:
+        pytest.skip("mkdocs is not installed: tools/setup.sh installs mkdocs-material and mkdocstrings[python] "
+                    "(the docs extra)")
+    result = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
