@@ -8,7 +8,7 @@ _engine.choose_engine(_library.load())
 from ._apply_config import apply_recompute_config  # noqa: E402
 from ._engine import engine  # noqa: E402
 from ._library import interception_path  # noqa: E402
-from .audit import Audit, AuditRow, audit  # noqa: E402
+from ._audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import (  # noqa: E402
     Region,
     apply_selective_checkpointing,
@@ -19,7 +19,7 @@ from .checkpointing import (  # noqa: E402
 from .config import ConfigError, RecomputeConfig  # noqa: E402
 from .planner import Plan, PlanError, plan  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
-from .report import Report, TraceEntry, report, trace  # noqa: E402
+from ._report import Report, TraceEntry, install_oom_observer, report, trace  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap  # noqa: E402
 from .units import RecomputeUnit, in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
@@ -45,6 +45,7 @@ __all__ = [
     "context_fn",
     "engine",
     "in_recompute_unit",
+    "install_oom_observer",
     "interception_path",
     "open_units",
     "plan",

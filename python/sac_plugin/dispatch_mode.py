@@ -216,7 +216,7 @@ def dispatch_mode_contexts(policy, marker, plan: dict | None = None):
     a Region whose policy keeps nothing: it only labels the passes for audits and re-opens the
     units around the forward in the recompute. `plan` (op -> kept flag of each forward call) is
     filled as the forward runs, for a caller that counts kept calls."""
-    from .audit import any_active as any_audit_active
+    from ._audit import any_active as any_audit_active
 
     plan = {} if plan is None else plan
     forward_mode, recompute_mode = create_selective_checkpoint_contexts(eager_policy_fn(policy, plan))

@@ -13,7 +13,7 @@ from thread_checks import on_another_thread, sac_key_included
 from toy_models import assert_same_gradients, make_pair, run_step
 
 # The module, not the package's audit() function of the same name.
-audit_module = importlib.import_module("sac_plugin.audit")
+audit_module = importlib.import_module("sac_plugin._audit")
 
 MODES = {
     # mode: (policy or None for no checkpointing, tanh executions, tanh hits)

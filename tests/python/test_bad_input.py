@@ -24,7 +24,7 @@ from sac_plugin.models import Llama
 from torch import nn
 
 # The module, not the package's audit() function of the same name.
-audit_module = importlib.import_module("sac_plugin.audit")
+audit_module = importlib.import_module("sac_plugin._audit")
 
 
 ERRORS = [

@@ -7,7 +7,7 @@ import threading
 import pytest
 import sac_plugin
 from sac_plugin import _observers
-from sac_plugin.report import _TraceMode
+from sac_plugin._report import _TraceMode
 import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
@@ -89,7 +89,7 @@ def test_no_report_no_hooks():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_oom_observer_needs_cuda():
-    from sac_plugin.report import install_oom_observer
+    from sac_plugin._report import install_oom_observer
 
     with pytest.raises(RuntimeError) as error:
         install_oom_observer()
@@ -100,7 +100,7 @@ def test_oom_observer_needs_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available: the OOM observer is a CUDA "
                                                           "caching-allocator hook")
 def test_oom_observer_prints_the_report(capfd):
-    from sac_plugin.report import install_oom_observer
+    from sac_plugin._report import install_oom_observer
 
     install_oom_observer()
     with sac_plugin.report():

@@ -95,7 +95,7 @@ def test_budget_benchmark_quick_prints_every_column(tmp_path):
         remat = True
     except ImportError:
         remat = False
-    from sac_plugin.report import _check_trace_supported
+    from sac_plugin._report import _check_trace_supported
 
     try:
         _check_trace_supported()  # the plan -> torch_remat mapping traces the plan (torch >= 2.13)

@@ -35,7 +35,7 @@ import torch
 import torch.utils._python_dispatch
 
 from . import _compat, _engine, _observers
-from .audit import Audit, AuditRow, PHASES
+from ._audit import Audit, AuditRow, PHASES
 from .policy import describe_value
 
 __all__ = ['Breakdown', 'OpCounts', 'Report', 'SavedStorage', 'TraceEntry', 'install_oom_observer', 'report', 'trace']
@@ -500,8 +500,13 @@ def _bytes(n: int) -> str:
 
 def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Report:
     """A report of one or more steps run inside it; `model` names the checkpointed modules.
-    trace=True also records every call in the checkpointed regions, in order (Report.trace,
-    Report.trace_table(), "trace" in to_json())."""
+
+    Per checkpointed module and per unit inside it: calls, ops run in the forward and the
+    recompute, kept outputs served, calls and bytes kept; and every storage saved for backward,
+    counted once per life (`Report.steps` steps were run). Layers, units and saved storages are
+    those of the thread that entered the report; op counts come from an audit, which counts every
+    thread. trace=True also records every call in the checkpointed regions, in order
+    (Report.trace, Report.trace_table(), "trace" in to_json())."""
     if model is not None and not isinstance(model, torch.nn.Module):
 
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")

@@ -117,4 +117,11 @@ class Audit:
 
 
 def audit() -> Audit:
+    """A context manager that counts every op run while it is active, on every thread, by phase
+    (forward, recompute, backward), and the kept outputs served instead of running (hits).
+
+        with sac_plugin.audit() as a:
+            model(x).sum().backward()
+        a.count("aten::mm", phase="recompute"); a.hits("aten::mm"); print(a.table())
+    """
     return Audit()
