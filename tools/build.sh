@@ -4,9 +4,8 @@
 # build/torch-<version> unless SAC_BUILD_DIR says otherwise. Incremental: the tree is kept.
 # SAC_CMAKE_DEFINES="NAME=VALUE ..." passes CMake options (e.g. CMAKE_BUILD_TYPE=RelWithDebInfo).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-fail() { echo "build: $*" >&2; exit 1; }
-source "$root/tools/venv_torch.sh"
+source "$(dirname "$0")/lib.sh"
+require_venv
 "$python" -c 'import scikit_build_core' 2>/dev/null \
   || fail "scikit-build-core is not installed in $venv; run bash tools/setup.sh first"
 command -v cmake >/dev/null || fail "cmake is not installed; run bash tools/setup.sh first"

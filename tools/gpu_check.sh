@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # The GPU check, as one command, for a machine with a CUDA build of torch and no network (an H200
 # with torch 2.11 + CUDA 13): builds and installs the package against that machine's python3 torch
-# (build_plugin below says how), runs every test (CUDA tests included), both benchmarks on CUDA
-# tensors and a Llama-style block at realistic size (bf16, hidden 4096, sequence 4096) with peak
-# memory. Everything it prints also goes to one file: $OUT/gpu_check.txt under the device tool,
-# else ./gpu_check.txt. SAC_GPU_PYTHON picks another python.
+# (build_plugin below says how), runs every test (CUDA tests included), the overhead, memory and
+# memory-budget benchmarks (benchmarks/) on CUDA tensors and a Llama-style block at realistic size
+# (bf16, hidden 4096, sequence 4096) with peak memory. Everything it prints also goes to one file:
+# $OUT/gpu_check.txt under the device tool, else ./gpu_check.txt, the benchmarks' JSON results
+# at its end. SAC_GPU_PYTHON picks another python.
 # Budget: under 8 minutes on an H200.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/lib.sh"
+# This machine's CUDA torch is installed for its own python, not in a venv.
+python="${SAC_GPU_PYTHON:-python3}"
 cd "$root"
 out_dir="${OUT:-$root}"
 log="$out_dir/gpu_check.txt"
-python="${SAC_GPU_PYTHON:-python3}"
 build="$root/build/gpu"
+results="$build/results"  # the benchmarks' JSON, copied into the log at the end
 export PYTHONUNBUFFERED=1
 unset PYTHONPATH
 status=0
 
-command -v "$python" >/dev/null || { echo "gpu_check: $python not found; set SAC_GPU_PYTHON to the python with CUDA torch" >&2; exit 1; }
-"$python" -c 'import torch' 2>/dev/null || { echo "gpu_check: torch is not importable by $python; set SAC_GPU_PYTHON to the python with CUDA torch" >&2; exit 1; }
-command -v cmake >/dev/null || { echo "gpu_check: cmake is not installed on this machine" >&2; exit 1; }
+command -v "$python" >/dev/null || fail "$python not found; set SAC_GPU_PYTHON to the python with CUDA torch"
+"$python" -c 'import torch' 2>/dev/null || fail "torch is not importable by $python; set SAC_GPU_PYTHON to the python with CUDA torch"
+command -v cmake >/dev/null || fail "cmake is not installed on this machine"
 
 step() {  # step NAME TIMEOUT COMMAND...: runs one part (an external command), keeps going when it fails
   local name=$1 limit=$2 rc
@@ -66,20 +69,24 @@ build_plugin() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
   build_plugin
+  rm -rf "$results" && mkdir -p "$results"
   if [ -f "$build/CTestTestfile.cmake" ]; then
     step "C++ tests" 120 bash -c "cd '$build' && ctest --output-on-failure -j 8"
   else
     echo "== C++ tests: GoogleTest is not on this machine; skipped"
   fi
   step "Python tests" 240 "$python" -m pytest tests/python -q -rs -p no:cacheprovider
-  step "overhead benchmark (cuda)" 120 "$python" tools/bench_overhead.py --device cuda --reps 10 \
-    --json "$out_dir/overhead_cuda.json"
-  step "memory benchmark (cuda)" 90 "$python" tools/bench_memory.py --device cuda --dims 1024 4096 \
-    --seqs 2048 4096 --json "$out_dir/memory_cuda.json"
-  step "Llama block, bf16, hidden 4096, seq 4096" 120 "$python" tools/bench_block.py --device cuda \
-    --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 5 --json "$out_dir/block_cuda.json"
-  step "memory-budget plans (cuda, CUDA-event kernel times)" 240 "$python" tools/bench_budget.py --device cuda \
-    --sizes 1024x1024 2048x2048 --reps 5 --json "$out_dir/budget_cuda.json"
+  step "overhead benchmark (cuda)" 120 "$python" benchmarks/bench_overhead.py --device cuda --reps 10 \
+    --json "$results/overhead_cuda.json"
+  step "memory benchmark (cuda)" 90 "$python" benchmarks/bench_memory.py --device cuda --dims 1024 4096 \
+    --seqs 2048 4096 --json "$results/memory_cuda.json"
+  step "Llama block, bf16, hidden 4096, seq 4096" 120 "$python" benchmarks/bench_block.py --device cuda \
+    --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 5 --json "$results/block_cuda.json"
+  step "memory-budget plans (cuda, CUDA-event kernel times)" 240 "$python" benchmarks/bench_budget.py --device cuda \
+    --sizes 1024x1024 2048x2048 --reps 5 --json "$results/budget_cuda.json"
+  for json in "$results"/*.json; do
+    [ -f "$json" ] && { echo "== results: $(basename "$json")"; cat "$json"; echo; }
+  done
   echo "gpu_check: done, status $status"
   exit "$status"
 } 2>&1 | tee "$log"

@@ -5,9 +5,8 @@
 # (SAC_PLUGIN_LIBRARY), libasan and libstdc++ preloaded into python. Any report fails the run.
 # Arguments replace the default pytest selection.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-fail() { echo "sanitize: $*" >&2; exit 1; }
-source "$root/tools/venv_torch.sh"
+source "$(dirname "$0")/lib.sh"
+require_venv
 (cd / && "$python" -c 'import sac_plugin' 2>/dev/null) || fail "sac_plugin is not installed in $venv; run bash tools/build.sh first"
 libasan=$(g++ -print-file-name=libasan.so)
 libstdcxx=$(g++ -print-file-name=libstdc++.so)

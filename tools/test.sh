@@ -4,16 +4,15 @@
 # SAC_VENV and SAC_TORCH_VERSION pick another venv and torch (as .ci/run's version matrix does);
 # arguments go to pytest.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-venv="${SAC_VENV:-$root/.venv}"
+source "$(dirname "$0")/lib.sh"
 bash "$root/tools/setup.sh"
 bash "$root/tools/build.sh"
-torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+require_venv
 build="${SAC_BUILD_DIR:-$root/build/torch-$torch_version}"
 status=0
 echo "== C++ tests (ctest)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
-echo "== Python tests (pytest, against $(cd / && "$venv/bin/python" -c 'import sac_plugin; print(sac_plugin.__file__)'))"
+echo "== Python tests (pytest, against $(cd / && "$python" -c 'import sac_plugin; print(sac_plugin.__file__)'))"
 cd "$root"
 # The coexistence tests load another owner of the plugin's dispatch key, built in the same tree.
 export SAC_TEST_FOREIGN_OWNER="$build/libsac_test_foreign_owner.so"
@@ -25,7 +24,7 @@ run_pytest() {  # run_pytest LABEL [ENV=VALUE...] -- PYTEST ARGS...: one pytest 
   while [ "$1" != "--" ]; do env_args+=("$1"); shift; done
   shift
   echo "== pytest: $label"
-  env "${env_args[@]}" "$venv/bin/python" -m pytest tests/python "$@" || rc=$?
+  env "${env_args[@]}" "$python" -m pytest tests/python "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then echo "test: pytest collected no tests (exit 5)" >&2; fi
   [ "$rc" -eq 0 ] || status=1
 }

@@ -259,6 +259,8 @@ class Report:
     # --- running -------------------------------------------------------------------------------
 
     def __enter__(self):
+        if self._trace:
+            _check_trace_supported()  # before anything is installed: a refusal leaves nothing behind
         self._thread = threading.get_ident()
         if self._model is not None:
             self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
@@ -270,7 +272,6 @@ class Report:
                                                                                  always_call=True))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
         if self._trace:
-            _check_trace_supported()
             stack.enter_context(_TraceMode(self))
         _active.append(self)
         stack.callback(_active.remove, self)
@@ -508,7 +509,6 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
     thread. trace=True also records every call in the checkpointed regions, in order
     (Report.trace, Report.trace_table(), "trace" in to_json())."""
     if model is not None and not isinstance(model, torch.nn.Module):
-
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
     if not isinstance(trace, bool):
 
@@ -521,7 +521,6 @@ def trace(model: torch.nn.Module | None = None) -> Report:
     print(t.trace_table()). Each entry: checkpointed layer, innermost module, unit, op, phase
     and kept / recomputed / served (torch_remat's collect_trace, per aten call)."""
     if model is not None and not isinstance(model, torch.nn.Module):
-
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)
 

@@ -1,6 +1,6 @@
 """Activation memory: what each policy holds between forward and backward, plugin beside torch's SAC.
 
-    .venv/bin/python tools/bench_memory.py [--dims 256 1024] [--seqs 256 2048]
+    .venv/bin/python benchmarks/bench_memory.py [--dims 256 1024] [--seqs 256 2048]
 
 A GPT-style block (sac_plugin.models.GPTBlock: LayerNorm, qkv + causal SDPA in unit "attn",
 GELU MLP in unit "mlp"), checkpointed, batch 1. Bytes are counted the way
@@ -17,12 +17,12 @@ import json
 
 import sac_plugin
 import torch
-from sac_plugin.checkpointing import torch_policy_fn
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import GPTBlock
 from sac_plugin.targets import ATTENTION_OPS
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
+
+from _common import cached_tensors, torch_sac
 
 MATMULS = ["aten::addmm", "aten::mm"]
 
@@ -38,30 +38,6 @@ def policies():
         "attention + matmuls kept": sac_plugin.Policy(kept_ops=attention | set(MATMULS)),
         "attn unit kept": sac_plugin.Policy(kept_units=["attn"]),
     }
-
-
-def torch_sac(policy, caches):
-    """torch's SAC with the same selection (sac_plugin.checkpointing.torch_policy_fn), keeping a
-    handle on each region's cache so its bytes can be counted."""
-
-    def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(torch_policy_fn(policy))
-        caches.append(forward.storage)
-        return forward, recompute
-
-    return contexts
-
-
-def cached_tensors(caches):
-    """Tensors in torch's SAC cache: {op: {call index: outputs}} in torch 2.13, {op: [outputs]} in
-    2.11; outputs are _VersionWrapper trees (or a marker for recomputed calls)."""
-    for cache in caches:
-        for calls in cache.values():
-            for outputs in (calls.values() if isinstance(calls, dict) else calls):
-                for leaf in tree_leaves(outputs):
-                    value = getattr(leaf, "val", leaf)
-                    if isinstance(value, torch.Tensor):
-                        yield value
 
 
 def measure_one(block, x, policy, engine):

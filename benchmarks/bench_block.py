@@ -1,6 +1,6 @@
 """One Llama-style block at realistic size: memory and step time per checkpointing mode.
 
-    python3 tools/bench_block.py --device cuda --dtype bfloat16 --dim 4096 --seq 4096
+    python3 benchmarks/bench_block.py --device cuda --dtype bfloat16 --dim 4096 --seq 4096
 
 Modes: no checkpointing, full recompute, attention kept (sac_plugin and torch's SAC, same op
 list), the "attn" and "mlp" units kept as LLAMA_TARGETS defines them (sac_plugin). Reported per mode: activation bytes held after the
@@ -20,12 +20,13 @@ import time
 
 import sac_plugin
 import torch
-from bench_memory import cached_tensors, torch_sac
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, rotary_tables
 from sac_plugin.targets import ATTENTION_OPS, LLAMA_TARGETS
 from torch.utils.checkpoint import checkpoint
+
+from _common import cached_tensors, torch_sac
 
 
 def main():

@@ -1,8 +1,8 @@
 """Memory-budget plans against hand-written policies, torch.compile's memory budget and torch_remat,
 measured side by side in one run, one table per layer.
 
-    .venv/bin/python tools/bench_budget.py                 # the full run (prints its command and wall time)
-    .venv/bin/python tools/bench_budget.py --quick         # a smoke run: tiny layers, every column
+    .venv/bin/python benchmarks/bench_budget.py                 # the full run (prints its command and wall time)
+    .venv/bin/python benchmarks/bench_budget.py --quick         # a smoke run: tiny layers, every column
     options: [--sizes 128x128 256x256] [--budgets 0.1 0.25 0.5] [--models llama moe] [--reps 7]
              [--steps 1] [--tolerance 0.05] [--no-compile] [--no-remat] [--json out.json]
              [--plots] [--plot-dir docs]
@@ -24,14 +24,14 @@ one table, a row per mode:
         run as such a region, its outputs marked with recompute_needs_tensor, inside
         remat.checkpoint; calls in the layer's own body have no module to wrap and are left to
         recompute (README, "Memory budget").
-  Columns: bytes held (tools/bench_memory.py's accounting: sac_plugin.memory.
+  Columns: bytes held (benchmarks/bench_memory.py's accounting: sac_plugin.memory.
   track_activation_memory), predicted bytes and % off (plans), step time (forward + backward of
   the layer: the median of --reps samples of --steps steps each, modes interleaved in a shuffled
   order, the garbage collector off while timing), and whether it fits each budget.
 Under the table, per budget, the verdict: the plan's median step time against the fastest
 hand-written policy that fits the budget (medians), "plan <= best" when the plan's median is at
 most (1 + --tolerance) times the best's. Also times the solver on a synthetic 1,000-call profile
-(the issue asks for under a second). The step times mean something only on a quiet machine.
+(it should take under a second). The step times mean something only on a quiet machine.
 """
 
 from __future__ import annotations
@@ -50,12 +50,10 @@ import torch
 import sac_plugin
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, MoEBlock, rotary_tables
-from sac_plugin.planner import reference_policies
-from sac_plugin.planner.plan import _choose, _solver_for, Plan
-from sac_plugin.planner.profile import LayerProfile, ProfiledCall
+from sac_plugin.planner import LayerProfile, ProfiledCall, reference_policies
 from sac_plugin.targets import LLAMA_TARGETS, MOE_TARGETS
 
-from interleaved_timing import time_interleaved  # tools/, the script's own directory
+from _common import have_torch_remat, time_interleaved, why_trace_cannot_run
 
 MIB = 2**20
 QUICK = {"sizes": ["64x32"], "budgets": [0.25], "reps": 2, "steps": 1, "runs": 1}
@@ -99,7 +97,7 @@ def step(layer, args):
 
 
 def median_step_times(modes: dict, args, reps: int, steps: int, device) -> dict:
-    """Median seconds per step of every layer in `modes` (interleaved_timing.time_interleaved)."""
+    """Median seconds per step of every layer in `modes` (_common.time_interleaved)."""
     runs = {name: (lambda layer=layer: step(layer, args)) for name, layer in modes.items()}
     times = time_interleaved(runs, reps, steps, warmup=2, device=device)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -180,20 +178,12 @@ def solver_speed(calls=1000):
     profile = LayerProfile(tuple(
         ProfiledCall(OPS[i % len(OPS)], i // len(OPS), "", rng.choice([0, 4096, 65536, 1 << 20, 3 << 20]) + rng.randrange(0, 4096, 4),
                      rng.random() * 1e-3, "") for i in range(calls)), 200 << 20, 1 << 20, 1)
+    nothing_kept = sac_plugin.Plan(profile, 1.0, frozenset())
     start = time.perf_counter()
-    solver = _solver_for(profile)
-    plan = Plan(profile, 0.3, _choose(profile, 0.3, solver), table_cache=solver)
+    plan = nothing_kept.with_budget(0.3)  # builds the knapsack table, then solves
     seconds = time.perf_counter() - start
     assert plan.held_bytes <= plan.budget_bytes
     return seconds, len(plan.kept)
-
-
-def have_remat() -> bool:
-    try:
-        import torch_remat  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def run_layer(args, model, size):
@@ -267,8 +257,8 @@ def units_policy_for_plot(model):
     # Units are evaluated on the profile by innermost unit; the reference layers open no units in
     # code, so the plot marks the units policy by its kept ops (attention, routing ops).
     config, targets = units_config(model)
-    return sac_plugin.config.policy_for(sac_plugin.RecomputeConfig(units=[u for u in config.units
-                                                                        if not hasattr(targets[u], "paths")]), targets)
+    kept_ops = [targets[unit].resolve() for unit in config.units if isinstance(targets[unit], sac_plugin.KeptOps)]
+    return sac_plugin.Policy(kept_ops=frozenset().union(*kept_ops))
 
 
 def print_table(args, rows):
@@ -355,18 +345,15 @@ def main(argv=None):
     started = time.perf_counter()
     args = parse_args(argv)
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    if args.remat and not have_remat():
+    if args.remat and not have_torch_remat():
         print("torch_remat is not installed (pip install --no-deps torch_remat==0.2.2): its rows are left out")
         args.remat = False
     if args.remat:
         # The plan's calls are mapped to torch_remat regions through sac_plugin.trace, which needs the
         # native engine on torch >= 2.13 (it says why otherwise).
-        from sac_plugin.report import _check_trace_supported
-
-        try:
-            _check_trace_supported()
-        except RuntimeError as error:
-            print(f"torch_remat rows are left out: mapping a plan to its regions needs sac_plugin.trace: {error}")
+        why_not = why_trace_cannot_run()
+        if why_not is not None:
+            print(f"torch_remat rows are left out: mapping a plan to its regions needs sac_plugin.trace: {why_not}")
             args.remat = False
     # One compiled copy per layer, size and budget, all of the same forward: let dynamo keep
     # them all, and fail rather than fall back to eager silently.

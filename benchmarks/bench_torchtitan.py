@@ -5,7 +5,7 @@ checkpointing, torchtitan's SelectiveAC (torch's SAC + its policy function) and 
 (sac_plugin.integrations.torchtitan.apply_ac), modes interleaved in shuffled order, medians.
 Overhead per intercepted op = (mode - no checkpointing) / ops intercepted (forward + recompute,
 as the plugin's audit counts them). Usage:
-    python tools/bench_torchtitan.py [--model llama3|deepseek_v3] [--layers 2] [--seq 64] [--samples 15]
+    python benchmarks/bench_torchtitan.py [--model llama3|deepseek_v3] [--layers 2] [--seq 64] [--samples 15]
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 from sac_plugin.integrations import torchtitan as titan_sac
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-from interleaved_timing import time_interleaved  # tools/, the script's own directory
+from _common import time_interleaved
 
 
 def main() -> None:

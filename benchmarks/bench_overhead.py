@@ -1,6 +1,6 @@
 """Interception overhead: sac_plugin against torch's own SAC, side by side in one process.
 
-    .venv/bin/python tools/bench_overhead.py [--sizes 64 400 1600] [--reps 20] [--paths ...]
+    .venv/bin/python benchmarks/bench_overhead.py [--sizes 64 400 1600] [--reps 20] [--paths ...]
 
 A checkpointed block of many small ops (tiny matmuls, elementwise chains, a tiny attention) so
 that per-op cost dominates. Every mode runs on the same inputs, interleaved round by round in a
@@ -49,7 +49,7 @@ from torch.nn import functional as F  # noqa: E402
 from sac_plugin.targets import ATTENTION_OPS  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
 
-from interleaved_timing import time_interleaved  # noqa: E402  (tools/, the script's own directory)
+from _common import time_interleaved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("native", "coexisting", "dispatch_mode")
@@ -97,7 +97,7 @@ def torch_sac_context(kept_overloads):
 
 # An op the block never calls: the policy intercepts every op and keeps none, which isolates
 # the cost of interception from the compute saved by kept ops. The tool registers it itself, so
-# it exists in every torch (aten::cholesky, used before, is gone from torch 2.14).
+# that it exists in every torch version.
 _LIBRARY = torch.library.Library("sac_bench", "DEF")  # lives as long as the tool
 _LIBRARY.define("never_called(Tensor x) -> Tensor")
 _LIBRARY.impl("never_called", lambda x: x.clone(), "CompositeExplicitAutograd")
@@ -168,7 +168,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         "size": size,
         "ops_intercepted": ops,
         "modes": summary,
-        # Headline, as the issue defines it: same kept-op list, (mode - full recompute).
+        # The headline: same kept-op list, (mode - full recompute).
         "kept_list_ratio": {s: ratio("sac_plugin", "torch SAC", s) for s in ("min", "median")},
         # Interception alone: a policy that intercepts every op and keeps none.
         "intercept_only_ratio": {

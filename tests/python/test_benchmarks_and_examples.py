@@ -1,5 +1,8 @@
-"""The demo and the benchmarks run and print their tables (tiny sizes; no timing is asserted)."""
+"""The demo (examples/) and the benchmarks (benchmarks/) run and print their tables (tiny sizes; no
+timing is asserted)."""
 
+import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -8,6 +11,49 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def benchmarks_common():
+    """benchmarks/_common.py, the helpers the benchmarks share, as the benchmarks see it."""
+    spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def private_sac_plugin_names(path: Path) -> set[str]:
+    """Every sac_plugin name the file reaches that has a component starting with "_" (imported, or
+    read as an attribute of the imported module), dotted in full: "sac_plugin.report._x"."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases, names = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "sac_plugin":
+                    # `import sac_plugin.x as y` binds y to sac_plugin.x; `import sac_plugin.x` binds sac_plugin.
+                    aliases[alias.asname or "sac_plugin"] = alias.name if alias.asname else "sac_plugin"
+                    names.add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sac_plugin":
+            for alias in node.names:
+                names.add(f"{node.module}.{alias.name}")
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in aliases:
+                names.add(".".join([aliases[inner.id], *reversed(chain)]))
+    return {name for name in names if any(part.startswith("_") for part in name.split("."))}
+
+
+def test_benchmarks_and_examples_use_the_public_api():
+    found = {}
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")]):
+        for name in private_sac_plugin_names(path):
+            found.setdefault(str(path.relative_to(ROOT)), set()).add(name)
+    assert found == {}
 
 
 def run_tool(*args):
@@ -19,7 +65,7 @@ def run_tool(*args):
 
 @pytest.mark.slow
 def test_demo_prints_identical_losses():
-    out = run_tool("tools/demo.py", "--steps", "2", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2")
+    out = run_tool("examples/demo.py", "--steps", "2", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2")
     assert "losses identical across modes at every step: True" in out
     assert "selective (attn kept)" in out
     # The per-layer report is part of every run's output (the chart only with --report).
@@ -28,10 +74,10 @@ def test_demo_prints_identical_losses():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,config", [("dense", None), ("moe", "tools/configs/moe_routing.yaml"),
-                                          ("dense", "tools/configs/dense_attn.json")])
+@pytest.mark.parametrize("model,config", [("dense", None), ("moe", "examples/configs/moe_routing.yaml"),
+                                          ("dense", "examples/configs/dense_attn.json")])
 def test_demo_takes_a_model_and_a_config(model, config):
-    args = ["tools/demo.py", "--model", model, "--steps", "1", "--dim", "64", "--layers", "2", "--seq", "32",
+    args = ["examples/demo.py", "--model", model, "--steps", "1", "--dim", "64", "--layers", "2", "--seq", "32",
             "--batch", "2"] + (["--config", config] if config else [])
     out = run_tool(*args)
     assert "losses identical across modes at every step: True" in out
@@ -42,7 +88,7 @@ def test_demo_takes_a_model_and_a_config(model, config):
 def test_overhead_benchmark_prints_its_ratios():
     # Each path in its own process (the coexisting one needs the test owner library tools/test.sh
     # points SAC_TEST_FOREIGN_OWNER at), one small layer stack for the attention-core table.
-    out = run_tool("tools/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1",
+    out = run_tool("benchmarks/bench_overhead.py", "--sizes", "16", "--reps", "2", "--steps-per-sample", "1",
                    "--layers", "16 layers of 16x16 ops")
     assert "plugin overhead / torch SAC overhead, same kept list" in out
     assert "plugin with nothing kept / full recompute" in out
@@ -54,13 +100,13 @@ def test_overhead_benchmark_prints_its_ratios():
 @pytest.mark.slow
 def test_memory_benchmark_finds_equal_bytes():
     # The tool exits non-zero when the plugin and torch's SAC hold different bytes.
-    out = run_tool("tools/bench_memory.py", "--dims", "64", "--seqs", "32", "--heads", "4")
+    out = run_tool("benchmarks/bench_memory.py", "--dims", "64", "--seqs", "32", "--heads", "4")
     assert "attention + matmuls kept" in out and " NO " not in out
 
 
 @pytest.mark.slow
 def test_block_benchmark_prints_every_mode():
-    out = run_tool("tools/bench_block.py", "--dim", "64", "--heads", "4", "--seq", "32", "--steps", "1")
+    out = run_tool("benchmarks/bench_block.py", "--dim", "64", "--heads", "4", "--seq", "32", "--steps", "1")
     for mode in ("no checkpointing", "full recompute", "attention kept, torch SAC", "attention kept, sac_plugin"):
         assert mode in out
 
@@ -68,8 +114,9 @@ def test_block_benchmark_prints_every_mode():
 @pytest.mark.slow
 def test_demo_report_prints_the_per_layer_table_and_draws_it(tmp_path):
     png = tmp_path / "report.png"
-    out = run_tool("tools/demo.py", "--model", "moe", "--config", "tools/configs/moe_routing.yaml", "--steps", "1",
-                   "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--report", "--report-png", str(png))
+    out = run_tool("examples/demo.py", "--model", "moe", "--config", "examples/configs/moe_routing.yaml",
+                   "--steps", "1", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--report",
+                   "--report-png", str(png))
     assert "per-layer report, selective (attn, moe_gate, moe_dispatch kept), one more step on the last batch:" in out
     for line in ("layers.0 ", "layers.1 ", "  unit moe_gate ", "saved for backward, by place (each storage once):"):
         assert line in out
@@ -82,7 +129,7 @@ def test_torchtitan_benchmark_prints_both_modes():
     pytest.importorskip("torchtitan.distributed.activation_checkpoint",
                         reason="torchtitan is not importable: tools/setup.sh installs torchtitan 0.3.0, which needs "
                                "torch >= 2.13")
-    out = run_tool("tools/bench_torchtitan.py", "--layers", "1", "--seq", "16", "--samples", "1")
+    out = run_tool("benchmarks/bench_torchtitan.py", "--layers", "1", "--seq", "16", "--samples", "1")
     for mode in ("none", "torchtitan SAC", "sac_plugin", "step ratio sac_plugin / torchtitan SAC"):
         assert mode in out
 
@@ -90,20 +137,11 @@ def test_torchtitan_benchmark_prints_both_modes():
 @pytest.mark.native_engine("bench_budget maps each plan to torch_remat regions through sac_plugin.trace, which "
                            "reads the native engine's kept calls")
 def test_budget_benchmark_quick_prints_every_column(tmp_path):
-    try:
-        import torch_remat  # noqa: F401
-        remat = True
-    except ImportError:
-        remat = False
-    from sac_plugin._report import _check_trace_supported
-
-    try:
-        _check_trace_supported()  # the plan -> torch_remat mapping traces the plan (torch >= 2.13)
-        traceable = True
-    except RuntimeError:
-        traceable = False
-    out = run_tool("tools/bench_budget.py", "--quick", "--json", str(tmp_path / "budget.json"))
-    assert out.startswith("command: ") and "tools/bench_budget.py --quick" in out.splitlines()[0]
+    common = benchmarks_common()
+    remat = common.have_torch_remat()
+    traceable = common.why_trace_cannot_run() is None  # the plan -> torch_remat mapping traces the plan
+    out = run_tool("benchmarks/bench_budget.py", "--quick", "--json", str(tmp_path / "budget.json"))
+    assert out.startswith("command: ") and "benchmarks/bench_budget.py --quick" in out.splitlines()[0]
     assert "solver: a 1,000-call profile planned in" in out
     for model in ("llama", "moe"):
         assert f"{model} layer, dim 64, seq 32, batch 2, heads 4" in out
