@@ -29,8 +29,8 @@ echo "== C++ tests under ASan+UBSan (ctest)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
 echo "== Python tests under ASan+UBSan (pytest, $build/libsac_plugin.so)"
 cd "$root"
-[ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit_counts.py \
-  tests/python/test_data_flow.py tests/python/test_hygiene.py
+[ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit.py \
+  tests/python/test_data_flow.py tests/python/test_policy.py tests/python/test_units.py tests/python/test_bad_input.py
 rc=0
 LD_PRELOAD="$libasan $libstdcxx" SAC_PLUGIN_LIBRARY="$build/libsac_plugin.so" \
   "$python" -m pytest -p no:cacheprovider "$@" || rc=$?

@@ -7,7 +7,7 @@ torch's selective-checkpoint dispatch modes instead, with a policy function that
 decisions: kept ops, every-nth rules, kept and recomputed units (read from the C++ unit stack,
 which `recompute_unit` maintains in both engines) and the invariants. What it costs: torch's
 Python dispatch mode runs for every op of a region, about 25x the native engine's per-op cost
-(tools/bench_overhead.py), and kept calls are matched the way torch matches them, by order per
+(benchmarks/bench_overhead.py), and kept calls are matched the way torch matches them, by order per
 op and argument shapes, not by data flow.
 
 Audits keep working: the region still marks its forward and recompute for the C++ counters, and,

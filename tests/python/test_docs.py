@@ -1,7 +1,7 @@
 """The documentation's code runs as written, and the site builds.
 
 Every ```python block in README.md and docs/*.md runs, each on its own, in a fresh namespace, from
-a scratch directory that sees the repository's tools/ (snippets load tools/configs/...). A block
+a scratch directory that sees the repository's examples/ (snippets load examples/configs/...). A block
 that cannot run standalone says so in the HTML comment right above it:
 
     <!-- not-run: REASON -->            never run; listed, with the reason, by test_not_run_blocks
@@ -104,7 +104,7 @@ def test_block_runs(block: Block, tmp_path, monkeypatch):
     for module in block.needs:
         pytest.importorskip(module, reason=f"{block.name} needs {module}, which is not importable here "
                                            "(tools/setup.sh installs it)")
-    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     try:

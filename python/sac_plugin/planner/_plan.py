@@ -5,7 +5,7 @@
     print(plan.table()); plan.plot("plan.png"); plan.save("plan.json")
 
 The budget bounds the bytes the checkpointed layer holds between forward and backward, counted
-as sac_plugin.memory and tools/bench_memory.py count them: what full recompute holds anyway (the
+as sac_plugin.memory and benchmarks/bench_memory.py count them: what full recompute holds anyway (the
 layer's inputs: the floor) plus the outputs the plan keeps. A fraction is of the bytes the layer
 holds without checkpointing; an int is bytes. The kept outputs are chosen by an exact 0/1
 knapsack (knapsack.py) that maximises the kernel time the recompute skips.

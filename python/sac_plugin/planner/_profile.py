@@ -1,7 +1,7 @@
 """Profiling a layer: every call of its forward as the plugin's fallback sees it, with bytes,
 kernel time and whether it may be kept (csrc/diagnostics/call_profile.h), plus the activation
 bytes the layer holds without checkpointing and with full recompute, counted as
-sac_plugin.memory (and tools/bench_memory.py) counts them."""
+sac_plugin.memory (and benchmarks/bench_memory.py) counts them."""
 
 from __future__ import annotations
 
