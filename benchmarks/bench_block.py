@@ -23,7 +23,8 @@ import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, rotary_tables
-from sac_plugin.targets import ATTENTION_OPS, LLAMA_TARGETS
+from sac_plugin.models import LLAMA_TARGETS
+from sac_plugin.targets import ATTENTION_OPS
 from torch.utils.checkpoint import checkpoint
 
 from _common import cached_tensors, torch_sac

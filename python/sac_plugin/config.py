@@ -66,14 +66,14 @@ class RecomputeConfig:
                 units.append(RecomputeUnit(unit))
             except ValueError:
                 known = ", ".join(u.value for u in RecomputeUnit)
-                raise ConfigError(f"recompute config: units[{i}]: unknown unit {describe_value(unit)}; known units: {known}") from None
+                raise ConfigError(f"recompute config: units[{i}]: unknown unit {bounded_repr(unit)}; known units: {known}") from None
         if len(set(units)) != len(units):
             raise ConfigError(f"recompute config: units: a unit is listed twice: {[u.value for u in units]}")
         object.__setattr__(self, "units", tuple(units))
         _check_strings("ops", self.ops)
         object.__setattr__(self, "ops", tuple(self.ops))
         if not isinstance(self.every_nth_op, Mapping):
-            raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {describe_value(self.every_nth_op)}")
+            raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {bounded_repr(self.every_nth_op)}")
         if len(self.every_nth_op) > MAX_LIST_ENTRIES:
             raise ConfigError(f"recompute config: every_nth_op has {len(self.every_nth_op)} entries; at most "
                               f"{MAX_LIST_ENTRIES} are accepted")
@@ -81,20 +81,20 @@ class RecomputeConfig:
             # The bound is Policy's: n travels to C++ as int64 and is kept exactly.
             if not isinstance(op, str) or not _is_int(n) or not 1 <= n <= MAX_EVERY_NTH:
                 raise ConfigError(
-                    f"recompute config: every_nth_op[{bounded_repr(op)}]: n must be an int from 1 to 2**63 - 1, got {describe_value(n)}"
+                    f"recompute config: every_nth_op[{bounded_repr(op)}]: n must be an int from 1 to 2**63 - 1, got {bounded_repr(n)}"
                 )
         object.__setattr__(self, "every_nth_op", dict(self.every_nth_op))
         if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
-            raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {describe_value(self.every_nth_layer)}")
+            raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {bounded_repr(self.every_nth_layer)}")
         if not _is_int(self.first_layer) or self.first_layer < 0:
             raise ConfigError(
                 f"recompute config: first_layer must be an int >= 0 (the index of the first checkpointed layer), "
-                f"got {describe_value(self.first_layer)}"
+                f"got {bounded_repr(self.first_layer)}"
             )
         if self.layer_ratio is not None:
             if isinstance(self.layer_ratio, bool) or not isinstance(self.layer_ratio, (int, float)) \
                     or not 0 < self.layer_ratio <= 1:
-                raise ConfigError(f"recompute config: layer_ratio must be in (0, 1], got {describe_value(self.layer_ratio)}")
+                raise ConfigError(f"recompute config: layer_ratio must be in (0, 1], got {bounded_repr(self.layer_ratio)}")
             if self.every_nth_layer != 1:
                 raise ConfigError("recompute config: layer_ratio and every_nth_layer both select layers; set one")
             if self.first_layer != 0:
@@ -106,7 +106,7 @@ class RecomputeConfig:
         _check_strings("force_recompute_modules", self.force_recompute_modules)
         object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
         if not isinstance(self.preserve_rng_state, bool):
-            raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {describe_value(self.preserve_rng_state)}")
+            raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {bounded_repr(self.preserve_rng_state)}")
         if self.budget is not None:
             from .planner import check_budget
 
@@ -235,7 +235,7 @@ _TOO_DEEP = "recompute config: not valid {format}: nested too deeply (a recomput
 
 # A recompute config is a few short lines: these bounds refuse a hostile or corrupt file (a
 # huge file, a YAML alias bomb that expands to millions of entries) before any of it is used.
-MAX_TEXT_CHARACTERS = 1 << 20
+MAX_TEXT_CHARACTERS = 1 << 24
 MAX_LIST_ENTRIES = 4096
 
 
@@ -263,7 +263,7 @@ def _is_int(value) -> bool:
 
 def _check_list(field: str, value) -> None:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ConfigError(f"recompute config: {field} must be a list, got {describe_value(value)}")
+        raise ConfigError(f"recompute config: {field} must be a list, got {bounded_repr(value)}")
     if len(value) > MAX_LIST_ENTRIES:
         raise ConfigError(f"recompute config: {field} has {len(value)} entries; at most {MAX_LIST_ENTRIES} are accepted")
 
@@ -272,7 +272,7 @@ def _check_strings(field: str, values) -> None:
     _check_list(field, values)
     for i, value in enumerate(values):
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"recompute config: {field}[{i}] must be a non-empty string, got {describe_value(value)}")
+            raise ConfigError(f"recompute config: {field}[{i}] must be a non-empty string, got {bounded_repr(value)}")
 
 
 def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | None = None) -> None:

@@ -7,6 +7,7 @@ import importlib
 
 import pytest
 import sac_plugin
+from sac_plugin import _observers
 import torch
 from sac_plugin import Policy, audit
 from thread_checks import on_another_thread, sac_key_included
@@ -133,12 +134,12 @@ def test_a_stray_audit_exit_is_refused_and_the_count_never_goes_negative():
             b.__exit__(None, None, None)
         model, _ = make_pair(policy=Policy())  # keeps nothing: regions exist only for audits
         run_step(model, torch.randn(4, 16))
-    assert audit_module._active_audits == 0
+    assert not audit_module.any_active() and not _observers.observing()
     # Full-recompute ops are reported as recompute, not as backward.
     assert a.count("aten::tanh", phase="recompute") == 2
     with pytest.raises(RuntimeError):
         a.__exit__(None, None, None)
-    assert audit_module._active_audits == 0
+    assert not audit_module.any_active() and not _observers.observing()
 
 
 def test_an_audit_dropped_while_running_restores_the_key_set_and_the_count():
@@ -148,7 +149,7 @@ def test_an_audit_dropped_while_running_restores_the_key_set_and_the_count():
     del a
     gc.collect()
     assert not sac_key_included()
-    assert audit_module._active_audits == 0
+    assert not audit_module.any_active() and not _observers.observing()
 
 
 def test_audit_queries_name_the_op_argument():

@@ -19,6 +19,7 @@ from sac_plugin import (
     recompute_unit,
     resolve_kept_ops,
 )
+from sac_plugin import _observers
 from sac_plugin.checkpointing import Region
 from sac_plugin.models import Llama
 from torch import nn
@@ -120,4 +121,4 @@ def test_bad_input_is_named_with_what_was_given_and_what_is_accepted(call, kind,
     assert type(error.value) is kind
     assert str(error.value) == message
     # No state behind: the autouse fixture checks the key sets and units; no audit is counted.
-    assert audit_module._active_audits == 0
+    assert not audit_module.any_active() and not _observers.observing()

@@ -145,6 +145,9 @@ def test_note_index_lists_every_note_block():
     assert in_code, "no NOTE block found under csrc/ and python/"
     assert sorted(in_code - in_docs) == [], "NOTE blocks missing from docs/engines.md"
     assert sorted(in_docs - in_code) == [], "docs/engines.md lists NOTE blocks the code does not have"
+    # The table is what tools/note_index.py writes (run it after adding or moving a NOTE).
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "note_index.py"), "--check"], capture_output=True)
+    assert done.returncode == 0, "docs/engines.md's NOTE table is stale: run python tools/note_index.py"
 
 
 # --- the site ---------------------------------------------------------------------------------------

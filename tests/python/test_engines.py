@@ -10,7 +10,7 @@ import warnings
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import Policy, _library, dispatch_mode
+from sac_plugin import Policy, _engine, _library
 
 
 def run_python(code, **env):
@@ -50,7 +50,7 @@ def test_an_unknown_engine_is_refused_by_name():
 @pytest.fixture
 def restores_the_engine(monkeypatch):
     # The engine is chosen once per process; these tests choose again and put it back.
-    monkeypatch.setattr(dispatch_mode, "_chosen", dispatch_mode.engine())
+    monkeypatch.setattr(_engine, "_chosen", _engine.engine())
 
 
 def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_engine):
@@ -61,12 +61,12 @@ def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_
     monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _library.load()
+        _engine.choose_engine(_library.load())
     messages = [str(w.message) for w in caught if "sac_plugin" in str(w.message)]
     assert messages == [
         "sac_plugin: the native engine cannot run in this torch (the dispatch key Fake cannot be shared in this "
-        "torch); using the dispatch-mode engine, which makes the same decisions through torch's own selective "
-        "checkpointing at about 25x the per-op cost. Set SAC_PLUGIN_ENGINE=dispatch_mode to choose it explicitly."
+        "torch); using the dispatch-mode engine, which makes the same decisions in the same C++ rule through a "
+        "Python dispatch mode, at Python's per-op cost. Set SAC_PLUGIN_ENGINE=dispatch_mode to choose it explicitly."
     ]
     assert sac_plugin.engine() == "dispatch_mode"
 
@@ -79,7 +79,7 @@ def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatc
     monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
     with pytest.raises(ImportError, match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
                                           r"here: no key$"):
-        _library.load()
+        _engine.choose_engine(_library.load())
 
 
 def _fake_key_entry(op: str) -> str:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from sac_plugin import Policy, _compat, recompute_unit
 from torch.utils.checkpoint import checkpoint
-from toy_models import assert_same_gradients, make_pair
+from toy_models import observed_regions, assert_same_gradients, make_pair
 
 COLLECTIVE_REFUSAL = (
     "sac: kept_ops: '{spelling}' names {name}, which is a collective; collectives are never kept, "
@@ -311,14 +311,10 @@ def test_kept_outputs_are_freed_by_the_backward_and_regions_are_collected():
     from sac_plugin import checkpointing
 
     model, _ = make_pair(policy=Policy(kept_units=["attn"]))
-    regions = []
-    checkpointing._region_observers.append(regions.append)
-    try:
+    with observed_regions() as regions:
         out = model(torch.randn(4, 16))
         held = [region.kept_bytes for region in regions]
         out.pow(2).mean().backward()
-    finally:
-        checkpointing._region_observers.remove(regions.append)
     assert len(regions) == 2 and all(bytes_ > 0 for bytes_ in held)
     assert [region.kept_calls for region in regions] == [0, 0]
     assert [region.kept_bytes for region in regions] == [0, 0]

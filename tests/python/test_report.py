@@ -50,7 +50,7 @@ def test_layers_and_units_add_up_to_the_audit():
     table = report.table()
     assert table.splitlines()[0].split() == ["checkpointed", "module", "/", "unit", "calls", "fwd", "ops",
                                              "recomputed", "hits", "kept", "calls", "kept", "bytes"]
-    assert "  unit mlp" in table and "saved for backward, by place (each storage once):" in table
+    assert "  unit mlp" in table and "saved for backward, by place (each storage once per life):" in table
 
 
 @pytest.mark.native_engine("kept bytes are read from the native engine's region store; torch's SAC cache is opaque")
@@ -298,7 +298,7 @@ def test_trace_of_a_root_layer_names_its_submodules():
 # --- exact per step, bounded, nested, this thread's -------------------------------------------
 
 
-class _Block(nn.Module):
+class _TinyBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(16, 16)
@@ -307,10 +307,10 @@ class _Block(nn.Module):
         return torch.tanh(self.linear(x)).sin()
 
 
-class _Stack(nn.Module):
+class _TinyStack(nn.Module):
     def __init__(self, policy):
         super().__init__()
-        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.blocks = nn.ModuleList([_TinyBlock(), _TinyBlock()])
         for block in self.blocks:
             sac_plugin.apply_selective_checkpointing(block, policy)
 
@@ -329,7 +329,7 @@ def _report_steps(model, steps):
 
 def test_a_report_over_n_steps_counts_n_times_one_step_and_identical_blocks_alike():
     torch.manual_seed(0)
-    model = _Stack(Policy(kept_ops=["aten::addmm", "aten::tanh"]))
+    model = _TinyStack(Policy(kept_ops=["aten::addmm", "aten::tanh"]))
     one, five = _report_steps(model, 1), _report_steps(model, 5)
     assert (one.steps, five.steps) == (1, 5)
     kept_one = {name: layer.kept_bytes for name, layer in one.layers.items()}
@@ -341,7 +341,7 @@ def test_a_report_over_n_steps_counts_n_times_one_step_and_identical_blocks_alik
 
 def test_a_report_left_running_stays_bounded():
     torch.manual_seed(0)
-    model = _Stack(Policy(kept_ops=["aten::addmm"]))
+    model = _TinyStack(Policy(kept_ops=["aten::addmm"]))
     with sac_plugin.report(model) as rep:
         for step in range(40):
             model(torch.randn(8, 16, requires_grad=True)).sum().backward()
@@ -356,7 +356,7 @@ def test_a_report_left_running_stays_bounded():
 
 def test_nested_reports_both_see_every_step_they_span():
     torch.manual_seed(0)
-    model = _Stack(Policy(kept_ops=["aten::addmm"]))
+    model = _TinyStack(Policy(kept_ops=["aten::addmm"]))
     x = torch.randn(8, 16, requires_grad=True)
     with sac_plugin.report(model) as outer:
         model(x).sum().backward()
@@ -369,8 +369,8 @@ def test_nested_reports_both_see_every_step_they_span():
 
 def test_a_report_shows_only_its_own_thread_s_layers_while_another_thread_trains():
     torch.manual_seed(0)
-    model = _Stack(Policy(kept_ops=["aten::addmm"]))
-    other = _Stack(Policy(kept_ops=["aten::addmm"]))
+    model = _TinyStack(Policy(kept_ops=["aten::addmm"]))
+    other = _TinyStack(Policy(kept_ops=["aten::addmm"]))
     stop = threading.Event()
 
     def train_other():

@@ -1,10 +1,11 @@
 """Small models for the tests: every layer opens named units the way real models do."""
 
+import contextlib
 import copy
 
 import sac_plugin
 import torch
-from sac_plugin import recompute_unit
+from sac_plugin import _observers, recompute_unit
 from torch import nn
 
 
@@ -67,3 +68,16 @@ def assert_same_gradients(model, reference):
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert p.grad is not None, name
         assert torch.equal(p.grad, q.grad), f"gradient of {name} differs"
+
+
+@contextlib.contextmanager
+def observed_regions():
+    """The regions checkpointed calls create inside the block, in order (through the observer seam)."""
+    regions = []
+
+    class Regions(_observers.Observer):
+        def region_created(self, region):
+            regions.append(region)
+
+    with _observers.observe(Regions()):
+        yield regions

@@ -369,8 +369,6 @@ def plan(module: torch.nn.Module, *example_args, budget=0.3, runs: int = 5, warm
     # inference mode) wherever it is called from, as a layer planned on its first call is.
     with torch.inference_mode(False), torch.enable_grad():
         profile = profile_layer(module, example_args, example_kwargs, runs=runs, warmup=warmup)
-    if not profile.calls or profile.no_checkpoint_bytes == 0:
-        raise PlanError(f"sac_plugin: plan: {type(module).__name__} saved nothing for backward on the example inputs "
-                        "(no parameter or input requires grad), so there is nothing to plan")
+
     solver = _solver_for(profile)
     return Plan(profile, budget, _choose(profile, budget, solver), table_cache=solver)
