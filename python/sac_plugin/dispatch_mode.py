@@ -1,18 +1,20 @@
-"""The dispatch-mode engine: the plugin's decisions carried out by torch's own SAC.
+"""The dispatch-mode engine: the native engine's decisions and data-flow matching, driven from a
+Python dispatch mode.
 
 The native engine intercepts ops in C++ on a dispatch key (NOTE: [The dispatch key sac_plugin
 intercepts on]). Where that is impossible (the interception could not be installed in this
-torch), or when SAC_PLUGIN_ENGINE=dispatch_mode asks for it, checkpointed regions run under
-torch's selective-checkpoint dispatch modes instead, with a policy function that makes the same
-decisions: kept ops, every-nth rules, kept and recomputed units (read from the C++ unit stack,
-which `recompute_unit` maintains in both engines) and the invariants. What it costs: torch's
-Python dispatch mode runs for every op of a region, about 25x the native engine's per-op cost
-(tools/bench_overhead.py), and kept calls are matched the way torch matches them, by order per
-op and argument shapes, not by data flow.
+torch), or when SAC_PLUGIN_ENGINE=dispatch_mode asks for it, checkpointed regions run under a
+TorchDispatchMode instead (one for the forward, one for the recompute, as torch.utils.checkpoint's
+context_fn expects). The mode sees every call of the region and hands it to C++
+(csrc/bindings/dispatch_mode_bridge.cpp), where the native engine's own code names it by data flow,
+decides it with the region's policy, keeps, demotes and serves its outputs (NOTE: [The
+dispatch-mode engine follows the fallback step by step]). So both engines keep and serve the same
+calls and give the same gradients and audit counts; what differs is the cost of a Python call per
+op (tools/bench_overhead.py).
 
-Audits keep working: the region still marks its forward and recompute for the C++ counters, and,
-for regions whose forward ran inside an audit, the calls torch serves from its cache are reported
-as hits when the recompute ends.
+Audits keep working: the region's marker (a keeps-nothing region) labels its forward and
+recompute for the C++ counters, which count every call the mode runs; the calls it serves are
+counted as hits by C++, where the kernel is skipped.
 """
 
 from __future__ import annotations
@@ -23,21 +25,9 @@ import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
-
-from . import _compat
-from .policy import op_spelling
 
 ENGINE_VARIABLE = "SAC_PLUGIN_ENGINE"
 ENGINES = ("native", "dispatch_mode")
-
-_aten = torch.ops.aten
-# Allocations whose contents are garbage until written: keeping one is useless, and torch's cache
-# cannot demote an entry the forward writes later (the native engine can), so they are recomputed.
-_UNINITIALIZED = frozenset({
-    _aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
-    _aten.empty_strided.default, _aten.new_empty_strided.default,
-})
 
 _chosen: str | None = None
 
@@ -72,114 +62,191 @@ def engine() -> str:
     return _chosen or "native"
 
 
-# Warned (policy, op) pairs: once per policy, as the native engine does.
-_warned: dict[int, tuple[object, set]] = {}
+# What mode_call_begin answers (csrc/bindings/dispatch_mode_bridge.cpp, ModeAction).
+_RUN_ONLY, _RUN_AND_RECORD, _RUN_AND_KEEP, _SERVED = 0, 1, 2, 3
+# Passes (ModePass).
+_BEGIN_FORWARD, _END_FORWARD, _BEGIN_RECOMPUTE, _END_RECOMPUTE = 0, 1, 2, 3
+# How an argument or a return travels to C++ (Slot): tensors as they are, the rest stays here.
+_OTHER, _TENSOR, _TENSOR_LIST, _OPTIONAL_TENSOR_LIST = 0, 1, 2, 3
+# Tensors the mode handles; any other type is a subclass with its own __torch_dispatch__, which
+# runs first and hands the mode the plain-tensor ops it makes, as the native engine sees them.
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def _warn_once(policy, op, message: str) -> None:
-    _, ops = _warned.setdefault(id(policy), (policy, set()))
-    if op not in ops:
-        ops.add(op)
-        warnings.warn(message, UserWarning, stacklevel=4)
+def _slot(type_) -> int:
+    if isinstance(type_, torch._C.OptionalType):
+        type_ = type_.getElementType()
+        return _TENSOR if isinstance(type_, torch._C.TensorType) else _OTHER
+    if isinstance(type_, torch._C.TensorType):
+        return _TENSOR
+    if isinstance(type_, torch._C.ListType):
+        element = type_.getElementType()
+        if isinstance(element, torch._C.TensorType):
+            return _TENSOR_LIST
+        if isinstance(element, torch._C.OptionalType) and isinstance(element.getElementType(), torch._C.TensorType):
+            return _OPTIONAL_TENSOR_LIST
+    return _OTHER
 
 
-def _casts_a_parameter(op, args) -> bool:
-    return op is _aten._to_copy.default and bool(args) and isinstance(args[0], torch.Tensor) \
-        and args[0].requires_grad and args[0].is_leaf
+class _Op:
+    """What the mode needs of one op overload, read once per process."""
+
+    __slots__ = ("address", "arguments", "names", "returns", "random", "dropout_p", "other_returns")
+
+    def __init__(self, func):
+        from .checkpointing import _op_traits
+
+        schema = func._schema
+        _, _, self.random, _, _, self.dropout_p = _op_traits(func)
+        self.address = torch.ops.sac.mode_op(schema.name, schema.overload_name)
+        self.arguments = tuple(_slot(argument.type) for argument in schema.arguments)
+        self.names = {argument.name: i for i, argument in enumerate(schema.arguments)}
+        self.returns = tuple(_slot(value.type) for value in schema.returns)
+        self.other_returns = _OTHER in self.returns
 
 
-def _display_name(op) -> str:
-    """"aten::tanh" for a default overload, "aten::add.Tensor" otherwise, as the native engine says."""
-    name = op._schema.name
-    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+_ops: dict = {}  # op overload -> _Op, or None for ops that never count
 
 
-def eager_policy_fn(policy, plan: dict):
-    """torch's policy function for one region, deciding as the native engine does. It records in
-    `plan[op]`, call by call, which forward calls it kept (torch serves them in the recompute)."""
-    from .checkpointing import _draws_random, _op_traits
-    from .policy import overload_of
+def _op(func):
+    from .checkpointing import _op_traits
 
-    kept = frozenset(policy.kept_overloads())
-    every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
-    kept_calls = {overload_of(name): frozenset(indices) for name, indices in policy.kept_calls.items()}
-    kept_units = frozenset(policy.kept_units)
-    recomputed_units = frozenset(policy.recomputed_units)
-    calls: dict = {}
-
-    def random_call_warning(op):
-        _warn_once(policy, op, f"sac: {_display_name(op)} is called with dropout_p > 0 and draws random numbers; it "
-                               "is recomputed rather than kept, so that the recompute draws the same numbers (warned "
-                               "once per policy)")
-
-    def decide_op(recompute, op, args, kwargs):
-        collective, never, random, mutates, view, dropout_p = _op_traits(op)
-        if collective or never or _casts_a_parameter(op, args):
-            return False
-        units = torch.ops.sac.open_units() if (kept_units or recomputed_units) else ()
-        if recomputed_units and not recomputed_units.isdisjoint(units):
-            return False
-        draws = _draws_random(random, dropout_p, args, kwargs)
-        selected = op in kept
-        if not selected and op in every_nth:
-            # Counted per pass: torch before 2.13 asks the policy again in the recompute.
-            index = calls.get((recompute, op), 0)
-            calls[(recompute, op)] = index + 1
-            selected = index % every_nth[op] == 0
-        elif not selected and op in kept_calls:
-            index = calls.get((recompute, op), 0)
-            calls[(recompute, op)] = index + 1
-            selected = index in kept_calls[op]
-        if selected:
-            if draws:
-                random_call_warning(op)
-            return not draws
-        unit = next((u for u in reversed(units) if u in kept_units), None)
-        if unit is None:
-            return False
-        if mutates:
-            _warn_once(policy, op, f"sac: {_display_name(op)} mutates an input inside kept unit '{unit}'; it is "
-                                   "recomputed rather than kept (warned once per policy)")
-            return False
-        if draws:
-            if dropout_p >= 0:
-                random_call_warning(op)
-            return False
-        return not view and op not in _UNINITIALIZED
-
-    def decide(ctx, op, *args, **kwargs):
-        keep = not _op_traits(op)[0] and decide_op(ctx.is_recompute, op, args, kwargs)
-        if not ctx.is_recompute:
-            plan.setdefault(op, []).append(keep)
-        if _op_traits(op)[0]:
-            return CheckpointPolicy.MUST_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return decide
+    op = None if _op_traits(func)[1] else _Op(func)
+    _ops[func] = op
+    return op
 
 
-class _ServedCounter(TorchDispatchMode):
-    """Above torch's recompute mode: counts as hits the calls torch serves from its cache, which
-    are the calls the forward kept, matched per op in order, as torch matches them."""
+def _flatten_arguments(op: _Op, args, kwargs):
+    """(tensors, their argument positions, the key of every other argument), or None when a
+    tensor is a subclass. The key folds the non-tensor arguments (with their positions) into
+    one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
+    hash collisions between small ints (hash(-1) == hash(-2))."""
+    tensors: list = []
+    positions: list = []
+    others: list = []
+    items = enumerate(args)
+    if kwargs:
+        names = op.names
+        items = [*items, *sorted(((names[name], value) for name, value in kwargs.items()), key=lambda item: item[0])]
+    slots = op.arguments
+    for position, value in items:
+        slot = slots[position]
+        if slot == _TENSOR and isinstance(value, torch.Tensor):
+            if type(value) not in _PLAIN_TENSORS:
+                return None
+            tensors.append(value)
+            positions.append(position)
+        elif slot >= _TENSOR_LIST:
+            for element in value:
+                if element is not None and type(element) not in _PLAIN_TENSORS:
+                    return None
+                tensors.append(element)
+                positions.append(position)
+        else:
+            others.append(position)
+            others.append(value)
+    return tensors, positions, hash(repr(others)) if others else 0
 
-    def __init__(self, plan: dict):
+
+def _flatten_returns(op: _Op, out):
+    values = (out,) if len(op.returns) == 1 else (out or ())
+    tensors: list = []
+    positions: list = []
+    for position, (slot, value) in enumerate(zip(op.returns, values)):
+        if slot == _TENSOR:
+            tensors.append(value)
+            positions.append(position)
+        elif slot >= _TENSOR_LIST:
+            for element in value:
+                tensors.append(element)
+                positions.append(position)
+    return tensors, positions
+
+
+class _ModeRegion:
+    """Owns one C++ mode region (NOTE: [The dispatch-mode engine's region]) and the non-tensor
+    values its kept calls returned (served again with their tensors)."""
+
+    __slots__ = ("address", "other_returns", "plan", "__weakref__")
+
+    def __init__(self, policy, marker, plan: dict):
+        self.address = torch.ops.sac.mode_region_new(policy._policy_address, marker.forward._region.address)
+        self.other_returns: dict = {}
+        self.plan = plan
+
+    def __del__(self):
+        release = getattr(getattr(torch.ops, "sac", None), "mode_region_release", None)
+        if release is not None:
+            release(self.address)
+
+
+class _RegionMode(TorchDispatchMode):
+    """The forward or the recompute of one region: every call goes to C++ before and after its
+    kernel, which runs with the mode off (NOTE: [Ops called from inside a kernel are not
+    intercepted])."""
+
+    def __init__(self, region: _ModeRegion, recompute: bool):
         super().__init__()
-        self._plan = plan
-        self._index: dict = {}
-        self.hits: list[str] = []  # reported once every mode is off (a report is an op call too)
+        self._region = region
+        self._address = region.address
+        self._recompute = recompute
 
     def __enter__(self):
-        self._index.clear()  # a second recompute (retain_graph=True) starts over
+        torch.ops.sac.mode_region_pass(self._address, _BEGIN_RECOMPUTE if self._recompute else _BEGIN_FORWARD)
         return super().__enter__()
 
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            torch.ops.sac.mode_region_pass(self._address, _END_RECOMPUTE if self._recompute else _END_FORWARD)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SAC_IGNORED_OPS:
-            index = self._index.get(func, 0)
-            self._index[func] = index + 1
-            kept = self._plan.get(func, ())
-            if index < len(kept) and kept[index]:
-                self.hits.append(op_spelling(func))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        op = _ops[func] if func in _ops else _op(func)
+        if op is None:
+            return func(*args, **kwargs)
+        flat = _flatten_arguments(op, args, kwargs)
+        if flat is None:
+            return NotImplemented
+        tensors, positions, key = flat
+        draws = op.random and _draws_random(op.dropout_p, args, kwargs)
+        action, call, served, counts = torch.ops.sac.mode_call_begin(self._address, op.address, key, tensors,
+                                                                     positions, draws)
+        if action == _SERVED:
+            return self._served(op, call, served, counts)
+        out = func(*args, **kwargs)
+        if action != _RUN_ONLY:
+            out_tensors, out_positions = _flatten_returns(op, out)
+            torch.ops.sac.mode_call_end(self._address, out_tensors, out_positions)
+            keep = action == _RUN_AND_KEEP
+            self._region.plan.setdefault(func, []).append(keep)
+            if keep and op.other_returns:
+                values = (out,) if len(op.returns) == 1 else out
+                self._region.other_returns[call] = values
+        return out
+
+    def _served(self, op: _Op, call: int, served, counts):
+        values = []
+        next_tensor = 0
+        for position, (slot, count) in enumerate(zip(op.returns, counts)):
+            if slot == _TENSOR:
+                values.append(served[next_tensor])
+                next_tensor += 1
+            elif slot >= _TENSOR_LIST:
+                values.append(list(served[next_tensor:next_tensor + count]))
+                next_tensor += count
+            else:
+                values.append(self._region.other_returns[call][position])
+        if len(values) == 1:
+            return values[0]
+        return tuple(values) if values else None
+
+
+def _draws_random(dropout_p: int, args, kwargs) -> bool:
+    from .checkpointing import _draws_random as draws_random  # checkpointing imports this module
+
+    return draws_random(True, dropout_p, args, kwargs)
 
 
 class _Entered:
@@ -209,26 +276,10 @@ class _Entered:
 
 def dispatch_mode_contexts(policy, marker, plan: dict | None = None):
     """The (forward, recompute) contexts of one region in the dispatch-mode engine. `marker` is
-    a Region whose policy keeps nothing: it only labels the passes for audits and re-opens the
-    units around the forward in the recompute. `plan` (op -> kept flag of each forward call) is
-    filled as the forward runs, for a caller that counts kept calls."""
-    from .audit import any_active as any_audit_active
-
-    plan = {} if plan is None else plan
-    forward_mode, recompute_mode = create_selective_checkpoint_contexts(eager_policy_fn(policy, plan))
-    if not any_audit_active():
-        # Hits are only ever read by an audit; without one, no extra mode in the recompute.
-        return _Entered(marker.forward, forward_mode), _Entered(marker.recompute, recompute_mode)
-    counter = _ServedCounter(plan)
-
-    def report_hits():
-        # Also after an early stop of the recompute: the calls counted were served.
-        if counter.hits:
-            hits, counter.hits = counter.hits, []
-            # Where the key sits above Python (torch 2.11), a running audit saw each served call on
-            # its way to torch's cache and counted it as a recompute execution.
-            counted = _compat.python_handlers_run_below_the_plugin() and any_audit_active()
-            torch.ops.sac.record_hits(hits, counted)
-
-    return (_Entered(marker.forward, forward_mode),
-            _Entered(marker.recompute, recompute_mode, counter, after=report_hits))
+    a Region whose policy keeps nothing: it labels the passes for audits and re-opens the units
+    around the forward in the recompute; the mode region made here holds `policy` and the kept
+    outputs. `plan` (op -> kept flag of each forward call the policy decided) is filled as the
+    forward runs, for a caller that counts kept calls."""
+    region = _ModeRegion(policy, marker, {} if plan is None else plan)
+    return (_Entered(marker.forward, _RegionMode(region, recompute=False)),
+            _Entered(marker.recompute, _RegionMode(region, recompute=True)))
