@@ -53,11 +53,10 @@ enum ModeAction : int64_t {
 // How an argument or a return travels: tensors as they are, everything else stays in Python.
 enum class Slot : uint8_t { kOther, kTensor, kTensorList, kOptionalTensorList };
 
-Slot slotOf(const c10::TypePtr& type) {
+// Optional or not: a None travels as no tensors (and, for a list, as a None in Python's key).
+Slot slotOf(c10::TypePtr type) {
+  if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
   if (type->kind() == c10::TypeKind::TensorType) return Slot::kTensor;
-  if (auto optional = type->cast<c10::OptionalType>()) {
-    if (optional->getElementType()->kind() == c10::TypeKind::TensorType) return Slot::kTensor;
-  }
   if (auto list = type->cast<c10::ListType>()) {
     const c10::TypePtr& element = list->getElementType();
     if (element->kind() == c10::TypeKind::TensorType) return Slot::kTensorList;
@@ -242,7 +241,7 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   const OpEntry& entry = lookupOp(op.handle);
   if (entry.traits.never_counts || anyMetaTensor(tensors)) return result;
   Region* region = mode.region.get();
-  if (ThreadState::current().region() != mode.marker.get()) return result;
+  if (ThreadState::current().region() != mode.marker.get() || !region->intercepts()) return result;
   const Policy& policy = region->policy();
   if (entry.traits.is_view && !policy.namesOp(entry)) return result;
   if (mode.recompute && !region->servesMore()) return result;

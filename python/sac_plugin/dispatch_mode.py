@@ -68,15 +68,23 @@ _RUN_ONLY, _RUN_AND_RECORD, _RUN_AND_KEEP, _SERVED = 0, 1, 2, 3
 _BEGIN_FORWARD, _END_FORWARD, _BEGIN_RECOMPUTE, _END_RECOMPUTE = 0, 1, 2, 3
 # How an argument or a return travels to C++ (Slot): tensors as they are, the rest stays here.
 _OTHER, _TENSOR, _TENSOR_LIST, _OPTIONAL_TENSOR_LIST = 0, 1, 2, 3
-# Tensors the mode handles; any other type is a subclass with its own __torch_dispatch__, which
-# runs first and hands the mode the plain-tensor ops it makes, as the native engine sees them.
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# Tensor types without a __torch_dispatch__ of their own, by type. A call on a subclass that has
+# one goes to that subclass first (the mode answers NotImplemented), and the plain-tensor ops its
+# handler makes come back to the mode: what the native engine sees, where torch's `Python` key
+# sits above the plugin's.
+_plain_types: dict = {}
+
+
+def _is_plain(type_) -> bool:
+    plain = _plain_types.get(type_)
+    if plain is None:
+        plain = _plain_types[type_] = type_.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+    return plain
 
 
 def _slot(type_) -> int:
     if isinstance(type_, torch._C.OptionalType):
         type_ = type_.getElementType()
-        return _TENSOR if isinstance(type_, torch._C.TensorType) else _OTHER
     if isinstance(type_, torch._C.TensorType):
         return _TENSOR
     if isinstance(type_, torch._C.ListType):
@@ -106,6 +114,9 @@ class _Op:
 
 
 _ops: dict = {}  # op overload -> _Op, or None for ops that never count
+_call_begin = torch.ops.sac.mode_call_begin.default
+_call_end = torch.ops.sac.mode_call_end.default
+_no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 def _op(func):
@@ -132,13 +143,13 @@ def _flatten_arguments(op: _Op, args, kwargs):
     for position, value in items:
         slot = slots[position]
         if slot == _TENSOR and isinstance(value, torch.Tensor):
-            if type(value) not in _PLAIN_TENSORS:
+            if not _is_plain(type(value)):
                 return None
             tensors.append(value)
             positions.append(position)
-        elif slot >= _TENSOR_LIST:
+        elif slot >= _TENSOR_LIST and value is not None:
             for element in value:
-                if element is not None and type(element) not in _PLAIN_TENSORS:
+                if element is not None and not _is_plain(type(element)):
                     return None
                 tensors.append(element)
                 positions.append(position)
@@ -156,7 +167,7 @@ def _flatten_returns(op: _Op, out):
         if slot == _TENSOR:
             tensors.append(value)
             positions.append(position)
-        elif slot >= _TENSOR_LIST:
+        elif slot >= _TENSOR_LIST and value is not None:
             for element in value:
                 tensors.append(element)
                 positions.append(position)
@@ -211,14 +222,17 @@ class _RegionMode(TorchDispatchMode):
             return NotImplemented
         tensors, positions, key = flat
         draws = op.random and _draws_random(op.dropout_p, args, kwargs)
-        action, call, served, counts = torch.ops.sac.mode_call_begin(self._address, op.address, key, tensors,
-                                                                     positions, draws)
+        # Python dispatch off around the bridge: a mode below this one (a user's, entered outside
+        # the region) sees the region's ops, never the engine's own calls.
+        with _no_python_dispatch():
+            action, call, served, counts = _call_begin(self._address, op.address, key, tensors, positions, draws)
         if action == _SERVED:
             return self._served(op, call, served, counts)
         out = func(*args, **kwargs)
         if action != _RUN_ONLY:
             out_tensors, out_positions = _flatten_returns(op, out)
-            torch.ops.sac.mode_call_end(self._address, out_tensors, out_positions)
+            with _no_python_dispatch():
+                _call_end(self._address, out_tensors, out_positions)
             keep = action == _RUN_AND_KEEP
             self._region.plan.setdefault(func, []).append(keep)
             if keep and op.other_returns:
