@@ -128,8 +128,8 @@ def _op(func):
 
 
 def _flatten_arguments(op: _Op, args, kwargs):
-    """(tensors, their argument positions, the key of every other argument), or None when a
-    tensor is a subclass. The key folds the non-tensor arguments (with their positions) into
+    """(tensors, their argument positions, the key of every other argument); None when a tensor
+    is a subclass, False when a tensor sits where the schema takes none. The key folds the non-tensor arguments (with their positions) into
     one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
     hash collisions between small ints (hash(-1) == hash(-2))."""
     tensors: list = []
@@ -153,6 +153,10 @@ def _flatten_arguments(op: _Op, args, kwargs):
                     return None
                 tensors.append(element)
                 positions.append(position)
+        elif isinstance(value, torch.Tensor):
+            # A tensor where the schema takes no tensor (an `Any` argument): it has no data flow
+            # to be named by, so the call is run, never kept or served.
+            return False
         else:
             others.append(position)
             others.append(value)
@@ -218,8 +222,8 @@ class _RegionMode(TorchDispatchMode):
         if op is None:
             return func(*args, **kwargs)
         flat = _flatten_arguments(op, args, kwargs)
-        if flat is None:
-            return NotImplemented
+        if not flat:
+            return NotImplemented if flat is None else func(*args, **kwargs)
         tensors, positions, key = flat
         draws = op.random and _draws_random(op.dropout_p, args, kwargs)
         # Python dispatch off around the bridge: a mode below this one (a user's, entered outside
@@ -236,8 +240,10 @@ class _RegionMode(TorchDispatchMode):
             keep = action == _RUN_AND_KEEP
             self._region.plan.setdefault(func, []).append(keep)
             if keep and op.other_returns:
+                # Only the non-tensor values: the tensors are the region's, and freed with it.
                 values = (out,) if len(op.returns) == 1 else out
-                self._region.other_returns[call] = values
+                self._region.other_returns[call] = tuple(
+                    value if slot == _OTHER else None for slot, value in zip(op.returns, values))
         return out
 
     def _served(self, op: _Op, call: int, served, counts):
