@@ -34,7 +34,6 @@
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
 #include "policy/op_catalog.h"
-#include "policy/op_resolution.h"
 #include "policy/op_traits.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
