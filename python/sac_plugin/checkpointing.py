@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import _compat, _engine, _observers, _scopes, _unit_checks, dispatch_mode
+from . import _compat, _dispatch_mode, _engine, _observers, _scopes, _unit_checks
 from ._call_facts import draws_random, op_traits
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
@@ -122,7 +122,7 @@ def _selective_contexts(policy: Policy):
     if _engine.engine() == "dispatch_mode":
         region = Region(_PHASE_MARKER_POLICY)
         plan: dict = {}
-        forward, recompute = dispatch_mode.dispatch_mode_contexts(policy, region, plan)
+        forward, recompute = _dispatch_mode.dispatch_mode_contexts(policy, region, plan)
 
         def kept_calls():
             return sum(sum(kept) for kept in plan.values())

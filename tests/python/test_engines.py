@@ -98,17 +98,3 @@ def test_never_counted_ops_skip_the_key_only_on_the_native_path():
     assert "fallthrough" not in _fake_key_entry("aten::mm")
 
 
-class _Ctx:
-    def __init__(self, is_recompute):
-        self.is_recompute = is_recompute
-
-
-def test_dispatch_mode_policy_fn_keeps_the_same_calls():
-    from sac_plugin.dispatch_mode import eager_policy_fn
-
-    plan = {}
-    decide = eager_policy_fn(Policy(kept_calls={"aten::mm.default": [0, 4]}), plan)
-    x = torch.randn(2, 2)
-    for _ in range(5):
-        decide(_Ctx(False), torch.ops.aten.mm.default, x, x)
-    assert plan[torch.ops.aten.mm.default] == [True, False, False, False, True]

@@ -1,0 +1,269 @@
+"""The dispatch-mode engine: the native engine's decisions and data-flow matching, driven from a
+Python dispatch mode.
+
+The native engine intercepts ops in C++ on a dispatch key (NOTE: [The dispatch key sac_plugin
+intercepts on]). Where that is impossible (the interception could not be installed in this
+torch), or when SAC_PLUGIN_ENGINE=dispatch_mode asks for it, checkpointed regions run under a
+TorchDispatchMode instead (one for the forward, one for the recompute, as torch.utils.checkpoint's
+context_fn expects). The mode sees every call of the region and hands it to C++
+(csrc/bindings/dispatch_mode_bridge.cpp), where the native engine's own code names it by data flow,
+decides it with the region's policy, keeps, demotes and serves its outputs (NOTE: [The
+dispatch-mode engine follows the fallback step by step]). So both engines keep and serve the same
+calls and give the same gradients and audit counts; what differs is the cost: a Python handler and
+two C++ calls per op, about 1.3 to 2 times the per-op overhead of torch's own selective-checkpoint
+modes and tens of times the native engine's (benchmarks/bench_overhead.py).
+
+Audits keep working: the region's marker (a keeps-nothing region) labels its forward and
+recompute for the C++ counters, which count every call the mode runs; the calls it serves are
+counted as hits by C++, where the kernel is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._call_facts import OpTraits, draws_random, op_traits
+
+__all__ = ["dispatch_mode_contexts"]
+
+# What mode_call_begin answers (csrc/bindings/dispatch_mode_bridge.cpp, ModeAction).
+_RUN_ONLY, _RUN_AND_RECORD, _RUN_AND_KEEP, _SERVED = 0, 1, 2, 3
+# Passes (ModePass).
+_BEGIN_FORWARD, _END_FORWARD, _BEGIN_RECOMPUTE, _END_RECOMPUTE = 0, 1, 2, 3
+# How an argument or a return travels to C++ (Slot): tensors as they are, the rest stays here.
+_OTHER, _TENSOR, _TENSOR_LIST, _OPTIONAL_TENSOR_LIST = 0, 1, 2, 3
+# Tensor types without a __torch_dispatch__ of their own, by type. A call on a subclass that has
+# one goes to that subclass first (the mode answers NotImplemented), and the plain-tensor ops its
+# handler makes come back to the mode: what the native engine sees, where torch's `Python` key
+# sits above the plugin's.
+_plain_types: dict = {}
+
+
+def _is_plain(type_) -> bool:
+    plain = _plain_types.get(type_)
+    if plain is None:
+        plain = _plain_types[type_] = type_.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+    return plain
+
+
+def _slot(type_) -> int:
+    if isinstance(type_, torch._C.OptionalType):
+        type_ = type_.getElementType()
+    if isinstance(type_, torch._C.TensorType):
+        return _TENSOR
+    if isinstance(type_, torch._C.ListType):
+        element = type_.getElementType()
+        if isinstance(element, torch._C.TensorType):
+            return _TENSOR_LIST
+        if isinstance(element, torch._C.OptionalType) and isinstance(element.getElementType(), torch._C.TensorType):
+            return _OPTIONAL_TENSOR_LIST
+    return _OTHER
+
+
+class _Op:
+    """What the mode needs of one op overload, read once per process."""
+
+    __slots__ = ("address", "arguments", "names", "returns", "random", "dropout_p", "other_returns")
+
+    def __init__(self, func):
+        schema = func._schema
+        traits = op_traits(func)
+        self.random, self.dropout_p = traits.random, traits.dropout_argument
+        self.address = torch.ops.sac.mode_op(schema.name, schema.overload_name)
+        self.arguments = tuple(_slot(argument.type) for argument in schema.arguments)
+        self.names = {argument.name: i for i, argument in enumerate(schema.arguments)}
+        self.returns = tuple(_slot(value.type) for value in schema.returns)
+        self.other_returns = _OTHER in self.returns
+
+
+_ops: dict = {}  # op overload -> _Op, or None for ops that never count
+_call_begin = torch.ops.sac.mode_call_begin.default
+_call_end = torch.ops.sac.mode_call_end.default
+_no_python_dispatch = torch._C._DisableTorchDispatch
+
+
+def _op(func):
+    op = None if op_traits(func).never_counted else _Op(func)
+    _ops[func] = op
+    return op
+
+
+def _flatten_arguments(op: _Op, args, kwargs):
+    """(tensors, their argument positions, the key of every other argument); None when a tensor
+    is a subclass, False when a tensor sits where the schema takes none. The key folds the non-tensor arguments (with their positions) into
+    one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
+    hash collisions between small ints (hash(-1) == hash(-2))."""
+    tensors: list = []
+    positions: list = []
+    others: list = []
+    items = enumerate(args)
+    if kwargs:
+        names = op.names
+        items = [*items, *sorted(((names[name], value) for name, value in kwargs.items()), key=lambda item: item[0])]
+    slots = op.arguments
+    for position, value in items:
+        slot = slots[position]
+        if slot == _TENSOR and isinstance(value, torch.Tensor):
+            if not _is_plain(type(value)):
+                return None
+            tensors.append(value)
+            positions.append(position)
+        elif slot >= _TENSOR_LIST and value is not None:
+            for element in value:
+                if element is not None and not _is_plain(type(element)):
+                    return None
+                tensors.append(element)
+                positions.append(position)
+        elif isinstance(value, torch.Tensor):
+            # A tensor where the schema takes no tensor (an `Any` argument): it has no data flow
+            # to be named by, so the call is run, never kept or served.
+            return False
+        else:
+            others.append(position)
+            others.append(value)
+    return tensors, positions, hash(repr(others)) if others else 0
+
+
+def _flatten_returns(op: _Op, out):
+    values = (out,) if len(op.returns) == 1 else (out or ())
+    tensors: list = []
+    positions: list = []
+    for position, (slot, value) in enumerate(zip(op.returns, values)):
+        if slot == _TENSOR:
+            tensors.append(value)
+            positions.append(position)
+        elif slot >= _TENSOR_LIST and value is not None:
+            for element in value:
+                tensors.append(element)
+                positions.append(position)
+    return tensors, positions
+
+
+class _ModeRegion:
+    """Owns one C++ mode region (NOTE: [The dispatch-mode engine's region]) and the non-tensor
+    values its kept calls returned (served again with their tensors)."""
+
+    __slots__ = ("address", "other_returns", "plan", "__weakref__")
+
+    def __init__(self, policy, marker, plan: dict):
+        self.address = torch.ops.sac.mode_region_new(policy._policy_address, marker.forward._region.address)
+        self.other_returns: dict = {}
+        self.plan = plan
+
+    def __del__(self):
+        release = getattr(getattr(torch.ops, "sac", None), "mode_region_release", None)
+        if release is not None:
+            release(self.address)
+
+
+class _RegionMode(TorchDispatchMode):
+    """The forward or the recompute of one region: every call goes to C++ before and after its
+    kernel, which runs with the mode off (NOTE: [Ops called from inside a kernel are not
+    intercepted])."""
+
+    def __init__(self, region: _ModeRegion, recompute: bool):
+        super().__init__()
+        self._region = region
+        self._address = region.address
+        self._recompute = recompute
+
+    def __enter__(self):
+        torch.ops.sac.mode_region_pass(self._address, _BEGIN_RECOMPUTE if self._recompute else _BEGIN_FORWARD)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            torch.ops.sac.mode_region_pass(self._address, _END_RECOMPUTE if self._recompute else _END_FORWARD)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _ops[func] if func in _ops else _op(func)
+        if op is None:
+            return func(*args, **kwargs)
+        flat = _flatten_arguments(op, args, kwargs)
+        if not flat:
+            return NotImplemented if flat is None else func(*args, **kwargs)
+        tensors, positions, key = flat
+        draws = op.random and _draws_random(op.dropout_p, args, kwargs)
+        # Python dispatch off around the bridge: a mode below this one (a user's, entered outside
+        # the region) sees the region's ops, never the engine's own calls.
+        with _no_python_dispatch():
+            action, call, served, counts = _call_begin(self._address, op.address, key, tensors, positions, draws)
+        if action == _SERVED:
+            return self._served(op, call, served, counts)
+        out = func(*args, **kwargs)
+        if action != _RUN_ONLY:
+            out_tensors, out_positions = _flatten_returns(op, out)
+            with _no_python_dispatch():
+                _call_end(self._address, out_tensors, out_positions)
+            keep = action == _RUN_AND_KEEP
+            self._region.plan.setdefault(func, []).append(keep)
+            if keep and op.other_returns:
+                # Only the non-tensor values: the tensors are the region's, and freed with it.
+                values = (out,) if len(op.returns) == 1 else out
+                self._region.other_returns[call] = tuple(
+                    value if slot == _OTHER else None for slot, value in zip(op.returns, values))
+        return out
+
+    def _served(self, op: _Op, call: int, served, counts):
+        values = []
+        next_tensor = 0
+        for position, (slot, count) in enumerate(zip(op.returns, counts)):
+            if slot == _TENSOR:
+                values.append(served[next_tensor])
+                next_tensor += 1
+            elif slot >= _TENSOR_LIST:
+                values.append(list(served[next_tensor:next_tensor + count]))
+                next_tensor += count
+            else:
+                values.append(self._region.other_returns[call][position])
+        if len(values) == 1:
+            return values[0]
+        return tuple(values) if values else None
+
+
+def _draws_random(dropout_p: int, args, kwargs) -> bool:
+    return draws_random(OpTraits(False, False, True, False, False, dropout_p), args, kwargs)
+
+
+class _Entered:
+    """Enters contexts in order and exits them in reverse, whatever raises, then runs `after`;
+    reusable, since a recompute context is entered again by a second backward."""
+
+    __slots__ = ("_contexts", "_after", "_stack")
+
+    def __init__(self, *contexts, after=None):
+        self._contexts = contexts
+        self._after = after
+        self._stack = None
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:  # unwinds what was entered if a later enter raises
+            if self._after is not None:
+                stack.callback(self._after)  # registered first: runs last
+            for context in self._contexts:
+                stack.enter_context(context)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info):
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc_info)
+
+
+def dispatch_mode_contexts(policy, marker, plan: dict | None = None):
+    """The (forward, recompute) contexts of one region in the dispatch-mode engine. `marker` is
+    a Region whose policy keeps nothing: it labels the passes for audits and re-opens the units
+    around the forward in the recompute; the mode region made here holds `policy` and the kept
+    outputs. `plan` (op -> kept flag of each forward call the policy decided) is filled as the
+    forward runs, for a caller that counts kept calls."""
+    region = _ModeRegion(policy, marker, {} if plan is None else plan)
+    return (_Entered(marker.forward, _RegionMode(region, recompute=False)),
+            _Entered(marker.recompute, _RegionMode(region, recompute=True)))
