@@ -8,11 +8,11 @@ import functools
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import _compat, _dispatch_mode, _engine, _observers, _scopes, _unit_checks
-from ._call_facts import draws_random, op_traits
+from . import _compat, _dispatch_mode, _engine, _observers, _rule, _scopes, _unit_checks
+from ._call_facts import casts_a_parameter, draws_random, op_traits
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
-from .policy import Policy, describe_value, overload_of
+from .policy import Policy, describe_value
 from .units import UNIT_ANNOTATION_PREFIX
 
 __all__ = ["Region", "apply_selective_checkpointing", "context_fn", "remove_checkpointing", "torch_policy_fn"]
@@ -48,51 +48,31 @@ def torch_policy_fn(policy: Policy):
     """The same selection as a policy function for torch's SAC, and so for torch.compile, whose
     partitioner honours MUST_SAVE. Call it once per region: every-nth rules count per region.
 
-    Units come from node metadata (recompute_unit under torch.compile annotates nodes); eager
-    torch's SAC has no such metadata, so there only kept_ops and every-nth rules apply.
-    Collectives are MUST_RECOMPUTE, as the invariant says; torch's partitioner may still save
-    _c10d_functional outputs on its own (force_save_collectives), which is the compiler's call.
+    Each call is decided by the one C++ rule (docs/semantics.md) through sac_plugin's C ABI, with
+    the facts torch's policy function sees: the op, the pass, the units open (node metadata:
+    recompute_unit under torch.compile annotates nodes; eager torch's SAC has none, so there only
+    op and call rules apply), whether the call draws random numbers or casts a parameter.
+    Recompute decisions the invariants force (collectives, recomputed units) are MUST_RECOMPUTE;
+    torch's partitioner may still save _c10d_functional outputs on its own
+    (force_save_collectives), which is the compiler's call.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    kept = frozenset(policy.kept_overloads())
-    every_nth = {overload_of(name): n for name, n in policy.every_nth_op.items()}
-    kept_calls = {overload_of(name): frozenset(indices) for name, indices in policy.kept_calls.items()}
-    kept_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.kept_units)
-    recomputed_units = frozenset(UNIT_ANNOTATION_PREFIX + unit for unit in policy.recomputed_units)
-    calls: dict = {}
+    decider = _rule.CallDecider(policy)
+    watches_units = bool(policy.kept_units or policy.recomputed_units)
+    forced = (_rule.Reason.COLLECTIVE, _rule.Reason.INSIDE_RECOMPUTED_UNIT)
 
     def decide(ctx, op, *args, **kwargs):
+        units = ()
+        if watches_units:
+            units = tuple(key[len(UNIT_ANNOTATION_PREFIX):] for key in fx_traceback.current_meta.get("custom", {})
+                          if key.startswith(UNIT_ANNOTATION_PREFIX))
         traits = op_traits(op)
-        collective, never, mutates, view = traits.collective, traits.never_counted, traits.mutates_inputs, traits.view
-        if collective:
-            return CheckpointPolicy.MUST_RECOMPUTE
-        if never:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        units = fx_traceback.current_meta.get("custom", {}).keys() if (kept_units or recomputed_units) else ()
-        if recomputed_units and not recomputed_units.isdisjoint(units):
-            return CheckpointPolicy.MUST_RECOMPUTE
-        draws = draws_random(traits, args, kwargs)
-        if op in kept:
-            return CheckpointPolicy.PREFER_RECOMPUTE if draws else CheckpointPolicy.MUST_SAVE
-        n = every_nth.get(op)
-        if n is not None:
-            key = (ctx.is_recompute, op)
-            index = calls.get(key, 0)
-            calls[key] = index + 1
-            if index % n == 0 and not draws:
-                return CheckpointPolicy.MUST_SAVE
-        listed = kept_calls.get(op)
-        if listed is not None:
-            # Counted as every-nth rules count: per pass, every call of the op that reaches here.
-            key = (ctx.is_recompute, op)
-            index = calls.get(key, 0)
-            calls[key] = index + 1
-            if index in listed and not draws:
-                return CheckpointPolicy.MUST_SAVE
-        if kept_units and not kept_units.isdisjoint(units) and not (mutates or view or draws):
+        decision = decider.decide(op, ctx.is_recompute, units, draws_random(traits, args, kwargs),
+                                  casts_a_parameter(op, args))
+        if decision.outcome == _rule.Outcome.KEEP:
             return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_RECOMPUTE if decision.reason in forced else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
 

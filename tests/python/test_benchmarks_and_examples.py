@@ -118,7 +118,7 @@ def test_demo_report_prints_the_per_layer_table_and_draws_it(tmp_path):
                    "--steps", "1", "--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--report",
                    "--report-png", str(png))
     assert "per-layer report, selective (attn, moe_gate, moe_dispatch kept), one more step on the last batch:" in out
-    for line in ("layers.0 ", "layers.1 ", "  unit moe_gate ", "saved for backward, by place (each storage once):"):
+    for line in ("layers.0 ", "layers.1 ", "  unit moe_gate ", "by place (each storage once per life):"):
         assert line in out
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (tools/setup.sh installs it)")
     assert f"per-layer chart: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

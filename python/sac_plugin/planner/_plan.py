@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..policy import Policy, bounded_repr, describe_value
+from .. import _rule
 from . import _knapsack as knapsack
 from ._profile import LayerProfile, ProfiledCall, profile_layer
 
@@ -138,10 +139,18 @@ class Plan:
         every-nth rules, kept calls, and kept units (by each call's innermost unit)."""
         if not isinstance(policy, Policy):
             raise TypeError(f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
-        kept = [c for c in self.profile.calls if c.policy_may_keep and _keeps(policy, c)]
+        kept = [c for c in self.profile.calls if (c.op, c.index) in self.calls_kept_by(policy)]
         kept_bytes = sum(c.bytes for c in kept)
         return {"held_bytes": self.profile.full_recompute_bytes + kept_bytes, "kept_bytes": kept_bytes,
                 "recompute_seconds": self.full_recompute_seconds - sum(c.seconds for c in kept if c.recomputed)}
+
+    def calls_kept_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
+        """The profiled calls, as (op, index among the op's calls), that `policy` keeps: each
+        asked of the one keep rule (docs/semantics.md) with its op, index and innermost unit."""
+        if not isinstance(policy, Policy):
+            raise TypeError(f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got "
+                            f"{describe_value(policy)}")
+        return frozenset((c.op, c.index) for c in self.profile.calls if c.policy_may_keep and _keeps(policy, c))
 
     def _solver(self) -> knapsack.Knapsack:
         if self._knapsack is None:
@@ -308,17 +317,10 @@ def budget_in_bytes(budget, profile: LayerProfile) -> int:
 
 
 def _keeps(policy: Policy, call: ProfiledCall) -> bool:
-    overload = _overload(call.op)
-    names = {call.op, overload}
-    if names & policy.kept_ops:
-        return True
-    for name in names:
-        n = policy.every_nth_op.get(name)
-        if n is not None and call.index % n == 0:
-            return True
-        if call.index in policy.kept_calls.get(name, ()):
-            return True
-    return bool(call.unit) and call.unit in policy.kept_units
+    """Whether `policy` keeps this profiled call: the one C++ rule (docs/semantics.md), asked with
+    the call's op, its index among the op's calls and the innermost unit it ran in."""
+    units = (call.unit,) if call.unit else ()
+    return _rule.decide_call(policy, _overload(call.op), units, call.index).keep
 
 
 def _solver_for(profile: LayerProfile) -> knapsack.Knapsack:

@@ -1,0 +1,174 @@
+"""The one keep rule (docs/semantics.md), asked through every front door, gives one answer.
+
+One layer makes a call of every kind the rule tells apart: matmuls outside units, inside a kept
+unit and inside a recomputed unit, a view, an in-place write, an uninitialised allocation, a
+parameter cast, attention, dropout. Each policy of a grid is then asked through the native
+engine (what it kept, from the per-op trace), torch.compile's policy function (torch_policy_fn,
+run by torch's own SAC with the units as node metadata would carry them), the planner
+(Plan.calls_kept_by) and the dispatch-mode engine (audit hits, in a subprocess), and they must
+agree call by call.
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sac_plugin
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from sac_plugin import Policy, recompute_unit
+from sac_plugin._call_facts import op_traits
+from sac_plugin.units import UNIT_ANNOTATION_PREFIX
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+pytestmark = pytest.mark.native_engine("the native engine's per-op trace is the reference every front door is held to")
+
+ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+class EveryKindOfCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        a = torch.mm(x, self.weight)                       # mm 0, outside units
+        with recompute_unit("attn"):
+            b = torch.mm(a, self.weight).tanh()            # mm 1 and tanh, in a kept unit
+            flat = b.view(-1)                              # a view in a kept unit
+            c = b.clone()
+            c.add_(1)                                      # an in-place write in a kept unit
+            e = torch.empty_like(b)                        # an uninitialised allocation
+            e.copy_(b)
+            q = b.view(1, 1, 8, 8)
+            s = F.scaled_dot_product_attention(q, q, q).view(8, 8)
+            d = F.dropout(b, 0.25, training=True)          # a random call
+        with recompute_unit("gate"):
+            g = torch.mm(b, self.weight)                   # mm 2, in a recomputed unit
+        w = self.weight.to(torch.float64).to(torch.float32)  # a parameter cast
+        h = torch.mm(g + c + e + s + d, w)                 # mm 3
+        return (h.sin() + flat.sum()).sum()
+
+
+POLICIES = {
+    "kept ops": Policy(kept_ops=["aten::mm", "aten::tanh"]),
+    "every other mm": Policy(every_nth_op={"aten::mm": 2}),
+    "kept calls": Policy(kept_calls={"aten::mm.default": [1, 3]}),
+    "kept unit": Policy(kept_units=["attn"]),
+    "kept unit, recomputed unit, every nth": Policy(kept_units=["attn"], recomputed_units=["gate"],
+                                                    every_nth_op={"aten::mm": 2}),
+    "a cast and attention named": Policy(kept_ops=["aten::_to_copy", ATTENTION, "aten::clone"]),
+    "the recomputed unit kept": Policy(kept_units=["gate"], kept_ops=["aten::sin"]),
+}
+
+
+def _layer_and_input():
+    torch.manual_seed(0)
+    return EveryKindOfCall(), torch.randn(8, 8, requires_grad=True)
+
+
+def _indexed(ops_and_flags):
+    """[(op, kept)] in call order -> {(op, index among the op's calls): kept}."""
+    seen = collections.Counter()
+    out = {}
+    for op, kept in ops_and_flags:
+        out[(op, seen[op])] = kept
+        seen[op] += 1
+    return out
+
+
+def native_decisions(policy):
+    layer, x = _layer_and_input()
+    sac_plugin.apply_selective_checkpointing(layer, policy)
+    torch.manual_seed(1)
+    with sac_plugin.trace(layer) as traced:
+        layer(x).backward()
+    return _indexed((e.op, e.status == "kept") for e in traced.trace if e.phase == "forward")
+
+
+def compile_policy_fn_decisions(policy):
+    """torch_policy_fn as torch.compile runs it, driven by torch's own eager SAC: the units that
+    are open become the node metadata recompute_unit writes under compile."""
+    layer, x = _layer_and_input()
+    decide = sac_plugin.torch_policy_fn(policy)
+    seen = []
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        custom = {UNIT_ANNOTATION_PREFIX + unit: True for unit in sac_plugin.open_units()}
+        saved, fx_traceback.current_meta = fx_traceback.current_meta, {"custom": custom}
+        try:
+            decision = decide(ctx, op, *args, **kwargs)
+        finally:
+            fx_traceback.current_meta = saved
+        if not ctx.is_recompute and not op_traits(op).never_counted:
+            seen.append((f"{op._schema.name}.{op._overloadname}", decision == CheckpointPolicy.MUST_SAVE))
+        return decision
+
+    torch.manual_seed(1)
+    checkpoint(layer, x, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(policy_fn)).backward()
+    return _indexed(seen)
+
+
+def planner_decisions(policy):
+    layer, x = _layer_and_input()
+    plan = sac_plugin.plan(layer, x, budget=0.0, runs=1, warmup=0)
+    kept = {(op if "." in op.partition("::")[2] else op + ".default", index)
+            for op, index in plan.calls_kept_by(policy)}
+    return kept
+
+
+DISPATCH_MODE_RUN = """
+import json, sys, torch, sac_plugin
+sys.path.insert(0, {tests!r})
+from test_rule import POLICIES, _layer_and_input
+hits = {{}}
+for name, policy in POLICIES.items():
+    layer, x = _layer_and_input()
+    sac_plugin.apply_selective_checkpointing(layer, policy)
+    torch.manual_seed(1)
+    with sac_plugin.audit() as audit:
+        layer(x).backward()
+    hits[name] = {{row.op: row.hits for row in audit.rows() if row.hits}}
+print(json.dumps(hits))
+"""
+
+
+@pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
+                    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_native_engine_and_the_compile_policy_function_agree_call_by_call(name):
+    native = native_decisions(POLICIES[name])
+    compiled = compile_policy_fn_decisions(POLICIES[name])
+    assert compiled == native
+    assert any(native.values())  # every policy of the grid keeps something
+
+
+@pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
+                    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_planner_predicts_the_calls_the_native_engine_keeps(name):
+    native = {call for call, kept in native_decisions(POLICIES[name]).items() if kept}
+    assert planner_decisions(POLICIES[name]) == native
+
+
+def test_the_dispatch_mode_engine_serves_what_the_native_engine_serves():
+    native = {}
+    for name, policy in POLICIES.items():
+        layer, x = _layer_and_input()
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+        torch.manual_seed(1)
+        with sac_plugin.audit() as audit:
+            layer(x).backward()
+        native[name] = {row.op: row.hits for row in audit.rows() if row.hits}
+    code = DISPATCH_MODE_RUN.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SAC_PLUGIN_ENGINE": "dispatch_mode"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == native
