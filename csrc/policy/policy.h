@@ -118,8 +118,8 @@ class Policy {
   // kept-calls rule and runs inside no recomputed unit. A call that a recomputed unit forces back
   // to recompute takes no index, so it does not use up a keep slot: with every_nth_op {mm: 2} and
   // a recomputed router gate, the mms around the gate alternate as if the gate's mm were not
-  // there (torchtitan's selective AC counts its matmuls the same way; so do torch_policy_fn and
-  // the dispatch-mode engine, which return before counting).
+  // there (torchtitan's selective AC counts its matmuls the same way; so does CallDecider, which
+  // the Python front doors decide through).
   bool countsCalls(const OpEntry& op, const std::vector<UnitId>& open_units) const {
     if ((every_nth_.empty() || every_nth_.count(&op) == 0) && (kept_calls_.empty() || kept_calls_.count(&op) == 0)) {
       return false;
