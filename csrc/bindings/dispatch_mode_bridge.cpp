@@ -25,7 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "diagnostics/user_warning.h"
+#include "ops/user_warning.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
@@ -33,8 +33,8 @@
 #include "dispatch/region_scopes.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
-#include "policy/op_catalog.h"
-#include "policy/op_traits.h"
+#include "ops/op_catalog.h"
+#include "ops/op_traits.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
 

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "policy/op_catalog.h"
+#include "ops/op_catalog.h"
 
 namespace sac {
 

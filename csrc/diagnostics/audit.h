@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "hash_containers.h"
-#include "diagnostics/op_counters.h"
+#include "ops/hash_containers.h"
+#include "ops/op_counters.h"
 
 namespace sac {
 

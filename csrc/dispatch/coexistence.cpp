@@ -14,7 +14,7 @@
 #include "dispatch/interception.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
-#include "hash_containers.h"
+#include "ops/hash_containers.h"
 
 namespace sac {
 

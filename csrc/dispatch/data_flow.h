@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "hash_containers.h"
+#include "ops/hash_containers.h"
 
 namespace c10 {
 struct FunctionSchema;

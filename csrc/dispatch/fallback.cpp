@@ -6,7 +6,8 @@
 //     calls on tensors that carry the key themselves (another owner's fake tensors): straight
 //     through, uncounted;
 //   - ops outside a region (audits only): counted, then run;
-//   - ops the region's policy recomputes: counted, then run;
+//   - calls the region's policy recomputes (Policy::decide, NOTE: [The keep rule] in policy.cpp):
+//     counted, then run;
 //   - kept ops in the forward: counted, run, outputs stored in the region;
 //   - kept ops in the recompute: outputs served from the region, kernel skipped, hit counted.
 // Redispatch always goes to the keys below ours, with the key set the dispatcher gave us.
@@ -21,16 +22,16 @@
 
 #include <mutex>
 
-#include "diagnostics/call_profile.h"
-#include "diagnostics/user_warning.h"
+#include "dispatch/call_profile.h"
+#include "ops/user_warning.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
-#include "policy/op_catalog.h"
-#include "policy/op_resolution.h"
-#include "policy/op_traits.h"
+#include "ops/op_catalog.h"
+#include "ops/op_resolution.h"
+#include "ops/op_traits.h"
 #include "policy/unit_stack.h"
 
 namespace sac {

@@ -10,7 +10,7 @@
 
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
-#include "hash_containers.h"
+#include "ops/hash_containers.h"
 
 // Declared here rather than through torch/csrc/autograd/graph_task.h, whose include tree
 // would triple this file's build time; both are exported from libtorch_cpu.

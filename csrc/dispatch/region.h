@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "dispatch/data_flow.h"
-#include "hash_containers.h"
+#include "ops/hash_containers.h"
 #include "policy/policy.h"
 
 namespace c10 {
@@ -40,7 +40,7 @@ class Region : public c10::intrusive_ptr_target {
  public:
   explicit Region(std::shared_ptr<const Policy> policy);
   // A profiling region: it keeps nothing, but intercepts every call and hands it to `profile`
-  // (NOTE: [Profiling a region] in diagnostics/call_profile.cpp).
+  // (NOTE: [Profiling a region] in dispatch/call_profile.cpp).
   Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile);
   ~Region() override;
 

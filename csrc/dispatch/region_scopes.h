@@ -3,7 +3,7 @@
 // OpenScope, audits). Each scope checks every exit before it changes anything (NOTE: [Scopes are
 // checked before they change anything]). RegionHandle is what Python holds for one checkpoint
 // call: as a torchbind object (torch.classes.sac.Region) and through the C ABI of
-// scope_c_api.cpp, which enters and exits it without torchbind's per-call cost.
+// bindings/c_api.cpp, which enters and exits it without torchbind's per-call cost.
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>

@@ -10,7 +10,7 @@
 
 #include <vector>
 
-#include "diagnostics/op_counters.h"
+#include "ops/op_counters.h"
 #include "policy/unit_stack.h"
 
 namespace sac {

@@ -4,30 +4,20 @@
 
 #include <algorithm>
 
-#include "policy/op_resolution.h"
+#include "ops/op_resolution.h"
 
 namespace sac {
 namespace {
 
-// Why an overload can never be kept, or nullptr when it can.
-const char* whyNeverKept(const OpTraits& traits) {
-  if (traits.is_collective) {
-    return "is a collective; collectives are never kept, because the recompute must run them "
-           "again on every rank";
-  }
-  if (traits.is_random && !randomOnlyPerCall(traits)) {
-    return "is a random op; random ops are never kept, because skipping one in the recompute "
-           "would shift the generator for every random op after it";
-  }
-  if (traits.mutates_inputs) {
-    return "mutates an input; only functional (or out=) ops can be kept, because the recompute "
-           "must apply the mutation again";
-  }
-  if (traits.never_counts) {
-    return "carries no activation (metadata, detach, profiler or sac bookkeeping) and is never "
-           "intercepted";
-  }
-  return nullptr;
+// Why no policy may name `entry`, or nullptr when one may: the keep rule's reason when it
+// recomputes every call of the op that a policy naming it could make. Random ops are asked with
+// a call that draws (every call of one does, except attention with dropout_p == 0); whether a
+// call casts a parameter is a fact of the call, never of the op.
+const char* whyNeverKept(const OpEntry& entry) {
+  CallFacts every_call;
+  every_call.draws_random = entry.traits.is_random && !randomOnlyPerCall(entry.traits);
+  Decision named = Policy::decideNamed(entry, every_call);
+  return named.keep ? nullptr : whyNeverKeptText(named.reason);
 }
 
 std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::string& spelling) {
@@ -37,7 +27,7 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
   std::string refusal;
   for (const c10::OperatorHandle& handle : handles) {
     const OpEntry& entry = lookupOp(handle);
-    const char* why = whyNeverKept(entry.traits);
+    const char* why = whyNeverKept(entry);
     // A collective is refused even inside an every-overload spelling: asking for it is a bug.
     TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: ", field, ": '", spelling,
                       "' names ", entry.traits.qualified_name, ", which ", why);
@@ -68,9 +58,8 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
   for (const auto& [spelling, n] : spec.every_nth_ops) {
     TORCH_CHECK_VALUE(n >= 1, "sac: every_nth_op: '", spelling, "' needs n >= 1 (2 keeps every other call), got ", n);
     for (const OpEntry* entry : resolveKeptSpelling("every_nth_op", spelling)) {
-      // n is stored exactly (it used to be cut to 32 bits: 2**32 kept nothing, 2**32 + 1 kept
-      // every call). Two spellings of one overload ("aten::mm", "aten.mm.default") must agree,
-      // or one rule would silently replace the other.
+      // n is stored exactly, as 64 bits. Two spellings of one overload ("aten::mm",
+      // "aten.mm.default") must agree, or one rule would silently replace the other.
       auto [it, inserted] = policy->every_nth_.try_emplace(entry, static_cast<uint64_t>(n));
       TORCH_CHECK_VALUE(inserted || it->second == static_cast<uint64_t>(n), "sac: every_nth_op: '", spelling,
                         "' gives ", entry->traits.qualified_name, " n = ", n,
@@ -113,44 +102,147 @@ std::shared_ptr<const Policy> Policy::create(const std::vector<std::string>& kep
   return create(spec);
 }
 
-Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const {
+namespace {
+
+Decision recomputed(Reason reason) {
   Decision decision;
+  decision.reason = reason;
+  return decision;
+}
+
+}  // namespace
+
+// NOTE: [The keep rule]
+// One call's outputs are kept for backward, or recomputed in the backward's recompute. The rule,
+// in order (the first that applies decides):
+//   1. Never kept, whatever the policy says, for what the op or the call is:
+//      - a collective (the recompute must run it again on every rank);
+//      - an op that is never counted (metadata, detach, profiler, sac's own: no activation);
+//      - an uninitialised allocation (empty, empty_like, ...: garbage until its first write,
+//        which would demote the kept output anyway);
+//      - a call that casts a parameter (NOTE: [Autocast's weight casts] in op_traits.h).
+//   2. Recomputed inside a recomputed unit: any open recomputed unit wins over every selection.
+//   3. Selected, by the first that holds: the op is in the kept-op set; the call's index is a
+//      multiple of the op's every-nth n; the call's index is in the op's kept-call list (indices
+//      count the region's forward calls of the op outside recomputed units: countsCalls); the
+//      call runs inside a kept unit (the innermost one open). Anything else is not selected and
+//      recomputed.
+//   4. A selected call is still recomputed when it draws random numbers (the recompute must draw
+//      the same numbers in the same order), when it mutates an input (the recompute must apply
+//      the mutation again), and, when a kept unit selected it, when it is a view (free to
+//      recompute, and keeping one would pin its base). A named view is kept: the user asked.
+//   Otherwise the call is kept.
+// Declarations ask the same rule: naming an op whose every call the rule recomputes is refused
+// (whyNeverKept, through decideNamed), so collectives, random ops other than attention,
+// mutating ops, never-counted ops and uninitialised allocations cannot be named. Call profiles
+// offer a plan only the calls decideNamed keeps. docs/semantics.md states the rule for users.
+Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const {
   const OpTraits& traits = op.traits;
-  if (traits.is_collective || traits.never_counts || call.casts_a_parameter) return decision;
-  if (insideRecomputedUnit(open_units)) return decision;
+  // 1.
+  if (traits.is_collective) return recomputed(Reason::kCollective);
+  if (traits.never_counts) return recomputed(Reason::kNeverCounted);
+  if (traits.is_uninitialised_allocation) return recomputed(Reason::kUninitialisedAllocation);
+  if (call.casts_a_parameter) return recomputed(Reason::kParameterCast);
+  // 2.
+  if (insideRecomputedUnit(open_units)) return recomputed(Reason::kInsideRecomputedUnit);
+  // 3.
+  Reason selected = Reason::kKeptUnit;
+  UnitId unit = kNoUnit;
   if (kept_ops_.count(&op) > 0) {
-    decision.keep = !call.draws_random;
-    decision.random_call_of_kept_op = call.draws_random;
-    return decision;
+    selected = Reason::kKeptOp;
+  } else if (uint64_t n = everyNth(op); n > 0 && call.call_index % n == 0) {
+    selected = Reason::kEveryNthCall;
+  } else if (keptCallIndex(op, call.call_index)) {
+    selected = Reason::kKeptCallIndex;
+  } else if ((unit = innermostKeptUnit(open_units)) == kNoUnit) {
+    return recomputed(Reason::kNotSelected);
   }
-  if (uint64_t n = everyNth(op); n > 0 && call.call_index % n == 0) {
-    decision.keep = !call.draws_random;
-    decision.random_call_of_kept_op = call.draws_random;
-    return decision;
-  }
-  if (!kept_calls_.empty()) {
-    auto rule = kept_calls_.find(&op);
-    if (rule != kept_calls_.end() &&
-        std::binary_search(rule->second.begin(), rule->second.end(), static_cast<uint64_t>(call.call_index))) {
-      decision.keep = !call.draws_random;
-      decision.random_call_of_kept_op = call.draws_random;
-      return decision;
-    }
-  }
-  if (kept_units_.empty()) return decision;
-  for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
-    if (kept_units_.count(*it) == 0) continue;
-    decision.unit = *it;
-    if (traits.mutates_inputs) {
-      decision.mutating_in_kept_unit = true;
-    } else if (call.draws_random) {
-      decision.random_call_of_kept_op = randomOnlyPerCall(traits);
-    } else {
-      decision.keep = !traits.is_view;
-    }
-    return decision;
+  // 4.
+  Decision decision;
+  decision.unit = unit;
+  decision.mutating_in_kept_unit = unit != kNoUnit && traits.mutates_inputs;
+  decision.random_call_of_kept_op = call.draws_random && randomOnlyPerCall(traits);
+  if (call.draws_random) {
+    decision.reason = Reason::kRandomDraw;
+  } else if (traits.mutates_inputs) {
+    decision.reason = Reason::kMutatesInput;
+  } else if (traits.is_view && unit != kNoUnit) {
+    decision.reason = Reason::kViewInKeptUnit;
+  } else {
+    decision.outcome = Outcome::kKeep;
+    decision.reason = selected;
+    decision.keep = true;
   }
   return decision;
+}
+
+Decision Policy::decideNamed(const OpEntry& op, const CallFacts& call) {
+  Policy naming;
+  naming.kept_ops_.insert(&op);
+  return naming.decide(op, {}, call);
+}
+
+bool Policy::keptCallIndex(const OpEntry& op, uint64_t call_index) const {
+  if (kept_calls_.empty()) return false;
+  auto rule = kept_calls_.find(&op);
+  return rule != kept_calls_.end() && std::binary_search(rule->second.begin(), rule->second.end(), call_index);
+}
+
+const char* reasonText(Reason reason) {
+  switch (reason) {
+    case Reason::kKeptOp:
+      return "kept op";
+    case Reason::kEveryNthCall:
+      return "every-nth call";
+    case Reason::kKeptCallIndex:
+      return "kept call index";
+    case Reason::kKeptUnit:
+      return "kept unit";
+    case Reason::kCollective:
+      return "collective";
+    case Reason::kNeverCounted:
+      return "never counted";
+    case Reason::kRandomDraw:
+      return "draws random numbers";
+    case Reason::kMutatesInput:
+      return "mutates an input";
+    case Reason::kViewInKeptUnit:
+      return "view in a kept unit";
+    case Reason::kParameterCast:
+      return "casts a parameter";
+    case Reason::kUninitialisedAllocation:
+      return "uninitialised allocation";
+    case Reason::kInsideRecomputedUnit:
+      return "inside a recomputed unit";
+    case Reason::kNotSelected:
+      return "not selected";
+  }
+  return "unknown reason";
+}
+
+const char* whyNeverKeptText(Reason reason) {
+  switch (reason) {
+    case Reason::kCollective:
+      return "is a collective; collectives are never kept, because the recompute must run them again on every rank";
+    case Reason::kRandomDraw:
+      return "is a random op; random ops are never kept, because skipping one in the recompute would shift the "
+             "generator for every random op after it";
+    case Reason::kMutatesInput:
+      return "mutates an input; only functional (or out=) ops can be kept, because the recompute must apply the "
+             "mutation again";
+    case Reason::kNeverCounted:
+      return "carries no activation (metadata, detach, profiler or sac bookkeeping) and is never intercepted";
+    case Reason::kUninitialisedAllocation:
+      return "allocates uninitialised memory; keeping it is useless, because its contents are garbage until its "
+             "first write, which would discard the kept output";
+    default:
+      return reasonText(reason);
+  }
+}
+
+Decision CallDecider::decide(const OpEntry& op, Pass pass, const std::vector<UnitId>& open_units, CallFacts call) {
+  if (policy_->countsCalls(op, open_units)) call.call_index = calls_[static_cast<int>(pass)][&op]++;
+  return policy_->decide(op, open_units, call);
 }
 
 std::vector<std::string> Policy::keptOpNames() const {

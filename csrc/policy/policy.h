@@ -1,19 +1,9 @@
 #pragma once
-// A selective-checkpointing policy: which ops keep their outputs for backward and which are
-// recomputed. An op is kept when its overload is in the kept-op set, or when it runs inside a
-// kept recompute unit; everything else is recomputed. The invariants come first and no
-// declaration overrides them:
-//   - collectives (c10d, _c10d_functional, _c10d_functional_autograd) are never kept, and
-//     naming one is refused;
-//   - calls that draw random numbers are never kept (the recompute must draw the same numbers
-//     in the same order), and naming a random op is refused; attention ops, tagged random for
-//     their dropout, can be named and are kept in the calls where dropout_p == 0;
-//   - ops that mutate an input are never kept; inside a kept unit they are recomputed, with one
-//     warning per policy and op; naming one is refused;
-//   - views inside a kept unit are recomputed (free, and keeping one would pin its base);
-//   - ops inside a recomputed unit are recomputed, whatever else would keep them;
-//   - casts of parameters are recomputed (NOTE: [Autocast's weight casts] in op_traits.h).
-
+// A selective-checkpointing policy: which calls keep their outputs for backward and which are
+// recomputed. A policy selects calls by op (kept ops, every-nth rules, kept call indices) and by
+// the recompute units they run in (kept units, recomputed units); Policy::decide applies the
+// keep rule to one call, and is the only place the rule is written: NOTE: [The keep rule] in
+// policy.cpp (docs/semantics.md states it for users).
 
 #include <atomic>
 #include <cstdint>
@@ -23,21 +13,56 @@
 #include <utility>
 #include <vector>
 
-#include "hash_containers.h"
-#include "policy/op_catalog.h"
+#include "ops/hash_containers.h"
+#include "ops/op_catalog.h"
 #include "policy/unit_stack.h"
 
 namespace sac {
 
 inline constexpr UnitId kNoUnit = UINT32_MAX;
 
+// What happens to a call's outputs. Values cross the C ABI (bindings/c_api.h); a third outcome
+// (offload) would be added after these.
+enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1 };
+
+// Why decide reached its outcome. Values cross the C ABI and Python mirrors them
+// (sac_plugin/_rule.py): append new reasons, never renumber.
+enum class Reason : uint8_t {
+  // Kept: the call is selected, and nothing vetoes it.
+  kKeptOp = 0,          // its overload is in the kept-op set
+  kEveryNthCall = 1,    // its index is a multiple of its op's every-nth n
+  kKeptCallIndex = 2,   // its index is in its op's kept-call list
+  kKeptUnit = 3,        // it runs inside a kept unit
+  // Recomputed.
+  kCollective = 4,
+  kNeverCounted = 5,               // metadata, detach, profiler or sac bookkeeping
+  kRandomDraw = 6,                 // the call draws from a generator
+  kMutatesInput = 7,               // selected (by a kept unit) but writes an input
+  kViewInKeptUnit = 8,             // a view selected by a kept unit
+  kParameterCast = 9,              // NOTE: [Autocast's weight casts] in op_traits.h
+  kUninitialisedAllocation = 10,   // OpTraits::is_uninitialised_allocation
+  kInsideRecomputedUnit = 11,
+  kNotSelected = 12,
+};
+inline constexpr int kNumReasons = 13;
+
+// A short label ("mutates an input", "kept unit"), as call profiles and Python report it;
+// "unknown reason" for a value that is no Reason.
+const char* reasonText(Reason reason);
+// Why no policy may name an op whose calls are all recomputed for `reason` ("is a collective;
+// collectives are never kept, because ..."), the clause of a declaration's refusal; the label for
+// reasons that depend on the call rather than on the op.
+const char* whyNeverKeptText(Reason reason);
+
 struct Decision {
-  bool keep = false;
-  // The kept unit the op runs in (kNoUnit when kept by the op set or not in a kept unit).
+  Outcome outcome = Outcome::kRecompute;
+  Reason reason = Reason::kNotSelected;
+  bool keep = false;  // outcome == Outcome::kKeep
+  // The kept unit that selected the call (kNoUnit when selected by op or not selected).
   UnitId unit = kNoUnit;
-  // A mutating op inside a kept unit: recomputed, and worth a warning.
+  // Worth a warning, once per policy and op: a mutating op selected by a kept unit, and a call
+  // of a selected op that draws random numbers only in some calls (attention with dropout_p > 0).
   bool mutating_in_kept_unit = false;
-  // An attention call the policy would keep, but whose dropout draws random numbers.
   bool random_call_of_kept_op = false;
 };
 
@@ -56,29 +81,35 @@ struct PolicySpec {
   std::vector<std::string> recomputed_units;
 };
 
-// What the fallback knows about one call beyond the op itself.
+// What the caller knows about one call beyond the op itself.
 struct CallFacts {
-  // The call draws from a generator (drawsRandomNumbers); it is recomputed so that forward and
-  // recompute draw the same numbers in the same order.
+  // The call draws from a generator (drawsRandomNumbers).
   bool draws_random = false;
   // For an op with an every-nth or kept-calls rule (countsCalls): this call's 0-based index among
   // the region's forward calls of it that ran inside no recomputed unit.
   uint64_t call_index = 0;
-  // The call casts a parameter (castsAParameter): never kept.
+  // The call casts a parameter (castsAParameter).
   bool casts_a_parameter = false;
 };
 
 class Policy {
  public:
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
-  // registered names), a collective, a random or mutating op, an empty unit name, n < 1, two
+  // registered names), an op the keep rule never keeps (a collective, a random, mutating or
+  // never-counted op, an uninitialised allocation), an empty unit name, n < 1, two
   // every-nth rules that give one overload different n, a negative kept-call index, an overload
   // named by more than one of kept_ops, every_nth_ops and kept_calls.
   static std::shared_ptr<const Policy> create(const PolicySpec& spec);
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
 
+  // The keep rule for one call (NOTE: [The keep rule] in policy.cpp): its outcome and why.
   Decision decide(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
+  // What decide answers for a call of `op` under a policy that names the op in its kept-op set:
+  // the rule with the selection given. A declaration refuses to name an op for which this
+  // recomputes every call (whyNeverKept in policy.cpp); a call profile offers a plan only calls
+  // it keeps.
+  static Decision decideNamed(const OpEntry& op, const CallFacts& call);
 
   bool keepsNothing() const {
     return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty();
@@ -87,13 +118,21 @@ class Policy {
   // kept-calls rule and runs inside no recomputed unit. A call that a recomputed unit forces back
   // to recompute takes no index, so it does not use up a keep slot: with every_nth_op {mm: 2} and
   // a recomputed router gate, the mms around the gate alternate as if the gate's mm were not
-  // there (torchtitan's selective AC counts its matmuls the same way; so do torch_policy_fn and
-  // the dispatch-mode engine, which return before counting).
+  // there (torchtitan's selective AC counts its matmuls the same way; so does CallDecider, which
+  // the Python front doors decide through).
   bool countsCalls(const OpEntry& op, const std::vector<UnitId>& open_units) const {
     if ((every_nth_.empty() || every_nth_.count(&op) == 0) && (kept_calls_.empty() || kept_calls_.count(&op) == 0)) {
       return false;
     }
     return !insideRecomputedUnit(open_units);
+  }
+  // The innermost open unit that is a kept unit, or kNoUnit.
+  UnitId innermostKeptUnit(const std::vector<UnitId>& open_units) const {
+    if (kept_units_.empty()) return kNoUnit;
+    for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
+      if (kept_units_.count(*it) > 0) return *it;
+    }
+    return kNoUnit;
   }
   // Whether any open unit is a recomputed unit: then nothing is kept, whatever else would keep it.
   bool insideRecomputedUnit(const std::vector<UnitId>& open_units) const {
@@ -121,6 +160,9 @@ class Policy {
   // Sorted by op; each op's indices ascending, without repeats.
   std::vector<std::pair<std::string, std::vector<int64_t>>> keptCalls() const;
 
+  // Whether the op has a kept-calls rule that lists this index.
+  bool keptCallIndex(const OpEntry& op, uint64_t call_index) const;
+
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
 
@@ -141,6 +183,23 @@ class Policy {
   mutable std::atomic<size_t> calls_per_pass_hint_{0};
   mutable std::mutex warned_mutex_;
   mutable HashSet<const OpEntry*> warned_;
+};
+
+// The two passes of a region, each counting its own call indices.
+enum class Pass : uint8_t { kForward = 0, kRecompute = 1 };
+
+// Decides the calls of one region for a caller that is not the native fallback (the Python front
+// doors, through the C ABI): it numbers each op's calls per pass exactly as the fallback numbers
+// the forward's (a call takes the next index when Policy::countsCalls says so), then decides.
+class CallDecider {
+ public:
+  explicit CallDecider(std::shared_ptr<const Policy> policy) : policy_(std::move(policy)) {}
+  Decision decide(const OpEntry& op, Pass pass, const std::vector<UnitId>& open_units, CallFacts call);
+  const Policy& policy() const { return *policy_; }
+
+ private:
+  std::shared_ptr<const Policy> policy_;
+  HashMap<const OpEntry*, uint64_t> calls_[2];  // by Pass
 };
 
 // The spellings among `names` that name at least one registered overload, in input order.

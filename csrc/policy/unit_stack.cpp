@@ -5,8 +5,8 @@
 #include <deque>
 #include <mutex>
 
-#include "hash_containers.h"
-#include "policy/op_resolution.h"
+#include "ops/hash_containers.h"
+#include "ops/op_resolution.h"
 
 namespace sac {
 namespace {

@@ -1,5 +1,5 @@
 """Region and unit scopes through the library's C ABI (NOTE: [Scopes through a C ABI] in
-csrc/dispatch/scope_c_api.h): a checkpoint call opens a region and enters and exits two scopes,
+csrc/bindings/c_api.h): a checkpoint call opens a region and enters and exits two scopes,
 and torchbind's per-call cost there outweighed the interception of a hundred ops. ctypes calls
 the same checks and state changes as the torchbind methods, for about a tenth of the cost."""
 
@@ -12,7 +12,7 @@ import torch
 from . import _library
 
 _ERRORS = {1: RuntimeError, 2: ValueError}
-_EXPECTED_VERSION = 1
+_EXPECTED_VERSION = 2
 
 
 def _bind():

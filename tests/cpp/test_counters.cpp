@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "diagnostics/audit.h"
-#include "diagnostics/op_counters.h"
+#include "ops/op_counters.h"
 #include "dispatch/fallback.h"
 #include "dispatch/thread_state.h"
 

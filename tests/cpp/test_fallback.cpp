@@ -15,7 +15,7 @@
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
-#include "policy/op_catalog.h"
+#include "ops/op_catalog.h"
 #include "policy/unit_stack.h"
 
 namespace sac {

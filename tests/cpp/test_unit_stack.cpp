@@ -76,7 +76,7 @@ std::string valueErrorOfIntern(const std::string& name) {
   return "no error";
 }
 
-// Issue 12: names are interned for the life of the process, and a 10^7-character one was accepted.
+// Names are interned for the life of the process, so their length is bounded.
 TEST(UnitNames, LengthIsBounded) {
   EXPECT_EQ(unitName(internUnit(std::string(kMaxUnitNameLength, 'u'))), std::string(kMaxUnitNameLength, 'u'));
   size_t before = internedUnitCount();

@@ -52,7 +52,7 @@ def main(rank, world_size, init_file, result_file):
     try:
         # Ops FSDP2 also calls inside the region, and in the forward only (the nested module's
         # all-gather buffer and parameter views): keeping them must not shift serving.
-        fsdp_ops = ["aten::view", "aten::empty.memory_format"]
+        fsdp_ops = ["aten::view", "aten::split_with_sizes"]
         cases = {
             "dense: attn + mlp units": (Llama, RecomputeConfig(units=["attn", "mlp"]), False),
             "dense: every other mm": (Llama, RecomputeConfig(units=["attn"], every_nth_op={"aten::mm": 2}), False),

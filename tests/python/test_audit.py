@@ -169,3 +169,13 @@ def test_audit_queries_name_the_op_argument():
     assert str(error.value) == (
         "sac_plugin: phase must be one of ('forward', 'recompute', 'backward') or None, got 1 (int)"
     )
+
+
+def test_an_audit_around_the_backward_alone_counts_the_served_calls():
+    model, _ = make_pair(policy=Policy(kept_units=["attn"]))
+    out = model(torch.randn(4, 16))
+    with sac_plugin.audit() as audit:
+        out.pow(2).mean().backward()
+    assert audit.hits("aten::tanh") == 2  # one kept tanh per layer, served in each recompute
+    assert audit.count("aten::tanh", phase="forward") == 0
+    assert audit.count("aten::sin", phase="recompute") == 2

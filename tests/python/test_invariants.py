@@ -342,3 +342,28 @@ def test_checkpointed_steps_free_their_regions_without_the_cycle_collector():
             assert torch.ops.sac.live_regions() == before
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("write", [
+    lambda y: torch.add(y, 1, out=y),
+    lambda y: torch.sin(y, out=y),
+    lambda y: y.add_(1),
+    lambda y: y.copy_(y * 3),
+], ids=["add out=", "sin out=", "add_", "copy_"])
+def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(write):
+    # NOTE: [Kept outputs written in the forward]: an out= argument is written as surely as an
+    # in-place op's self, so both demote the kept output they write.
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def layer(inputs):
+        y = torch.tanh(inputs @ weight)
+        write(y)
+        return (y * inputs).sin()
+
+    expected_weight, expected_x = torch.autograd.grad(layer(x).sum(), (weight, x))
+    out = checkpoint(layer, x, use_reentrant=False,
+                     context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh", "aten::mm"])))
+    got_weight, got_x = torch.autograd.grad(out.sum(), (weight, x))
+    assert torch.equal(got_weight, expected_weight) and torch.equal(got_x, expected_x)

@@ -1,4 +1,4 @@
-#include "diagnostics/call_profile.h"
+#include "dispatch/call_profile.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/function_schema.h>
@@ -11,9 +11,10 @@
 
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
-#include "hash_containers.h"
-#include "policy/op_catalog.h"
-#include "policy/op_traits.h"
+#include "ops/hash_containers.h"
+#include "policy/policy.h"
+#include "ops/op_catalog.h"
+#include "ops/op_traits.h"
 
 namespace sac {
 
@@ -59,17 +60,18 @@ double timeOnCuda(c10::Device device, c10::function_ref<void()> run_kernel) {
   return start.elapsedTime(end) / 1000.0;  // milliseconds
 }
 
-const char* whyNotKeepable(const OpTraits& traits, const c10::IValue* arguments) {
-  if (traits.is_collective) return "collective";
-  if (drawsRandomNumbers(traits, arguments)) return "random";
-  if (traits.mutates_inputs) return "mutates an input";
-  if (traits.is_view) return "view";
-  if (traits.writes_out_arguments) return "out= op";
-  if (castsAParameter(traits, arguments)) return "casts a parameter";
+}  // namespace
+
+const char* whyNotKeepable(const OpEntry& op, const CallFacts& call) {
+  Decision named = Policy::decideNamed(op, call);
+  if (!named.keep) return reasonText(named.reason);
+  // A plan keeps calls for the storage they create. A view creates none and would pin its base;
+  // an out= op writes storage its caller allocated. Neither is offered, though a policy naming
+  // one keeps it.
+  if (op.traits.is_view) return "view";
+  if (op.traits.writes_out_arguments) return "out= op";
   return "";
 }
-
-}  // namespace
 
 void CallProfile::beginRun() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -101,7 +103,10 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   call.index = region.nextCallIndex(op);
   const std::vector<UnitId>& units = UnitStack::current().units();
   call.unit = units.empty() ? UINT32_MAX : units.back();
-  call.not_keepable = whyNotKeepable(op.traits, arguments);
+  CallFacts facts;
+  facts.draws_random = drawsRandomNumbers(op.traits, arguments);
+  facts.casts_a_parameter = castsAParameter(op.traits, arguments);
+  call.not_keepable = whyNotKeepable(op, facts);
   HashSet<const c10::StorageImpl*> seen;
   for (size_t i = 0; i < num_arguments; ++i) {
     forEachTensor(arguments[i], [&](const at::Tensor& tensor) {

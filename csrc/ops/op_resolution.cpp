@@ -1,4 +1,4 @@
-#include "policy/op_resolution.h"
+#include "ops/op_resolution.h"
 
 #include <c10/util/Exception.h>
 
@@ -11,8 +11,8 @@
 #include <sstream>
 #include <utility>
 
-#include "hash_containers.h"
-#include "policy/op_traits.h"
+#include "ops/hash_containers.h"
+#include "ops/op_traits.h"
 
 namespace sac {
 namespace {

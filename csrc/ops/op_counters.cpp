@@ -1,4 +1,4 @@
-#include "diagnostics/op_counters.h"
+#include "ops/op_counters.h"
 
 namespace sac {
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "policy/policy.h"
 #include "policy/unit_stack.h"
 
 namespace sac {
@@ -28,10 +29,15 @@ struct ProfiledCall {
   // Bytes of the unique storages among the outputs that are new: an output whose storage is an
   // input's or an earlier output's of the same call counts 0; storages count whole.
   int64_t output_bytes = 0;
-  // Why a policy cannot keep the call ("view", "random", ...), or empty when it can.
+  // Why a plan cannot keep the call (whyNotKeepable, or "aliases an input"), or empty when it can.
   const char* not_keepable = "";
   std::vector<double> seconds;  // one per run
 };
+
+// Why a plan may not keep a call of `op` with these facts, or "" when it may: the keep rule's
+// label (reasonText) when a policy naming the call would recompute it, "view" or "out= op" for
+// calls that create no storage of their own.
+const char* whyNotKeepable(const OpEntry& op, const CallFacts& call);
 
 class CallProfile {
  public:

@@ -1,6 +1,8 @@
-// The plugin's whole op surface, in one TORCH_LIBRARY block: torch.classes.sac.* for objects
-// with a lifetime (policies, regions, audits), torch.ops.sac.* for stateless calls. The
-// Python package `sac_plugin` is a thin layer over exactly this.
+// The plugin's torchbind surface, in one TORCH_LIBRARY block: torch.classes.sac.* for objects
+// with a lifetime (policies, regions, audits, call profiles), torch.ops.sac.* for stateless
+// calls. The Python package `sac_plugin` is a thin layer over this and the C ABI (c_api.h),
+// which is the way into scopes and the keep rule on hot paths; entry points only tests use are
+// registered apart, in testing_ops.cpp.
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -12,14 +14,14 @@
 #include <vector>
 
 #include "diagnostics/audit.h"
-#include "diagnostics/call_profile.h"
+#include "dispatch/call_profile.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/region_scopes.h"
 #include "dispatch/thread_state.h"
-#include "policy/op_catalog.h"
-#include "policy/op_resolution.h"
-#include "policy/op_traits.h"
+#include "ops/op_catalog.h"
+#include "ops/op_resolution.h"
+#include "ops/op_traits.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
 
@@ -73,7 +75,7 @@ struct PolicyHandle : torch::CustomClassHolder {
   std::shared_ptr<const Policy> policy;
 };
 
-// A layer's profile (diagnostics/call_profile.h): Python opens one profiling region per run.
+// A layer's profile (dispatch/call_profile.h): Python opens one profiling region per run.
 using ProfileRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
                                std::vector<int64_t>, std::vector<std::string>, std::vector<double>>;
 
@@ -143,15 +145,6 @@ struct AuditHandle : torch::CustomClassHolder {
   std::vector<AuditRow> final_rows;
 };
 
-int64_t pushUnit(const std::string& name) {
-  return static_cast<int64_t>(UnitStack::current().push(internUnit(name)));
-}
-
-void popUnit(const std::string& name, int64_t depth) {
-  TORCH_CHECK_VALUE(depth > 0, "sac: unit depth must be positive, got ", depth);
-  UnitStack::current().pop(internUnit(name), static_cast<size_t>(depth));
-}
-
 std::vector<std::string> openUnits() {
   std::vector<std::string> names;
   for (UnitId unit : UnitStack::current().units()) names.push_back(unitName(unit));
@@ -183,19 +176,16 @@ OpTraitsTuple opTraits(const std::string& spelling) {
 }  // namespace
 
 TORCH_LIBRARY(sac, m) {
-  // Registered before Policy, whose new_region() returns it; regions are made only that way.
+  // Registered first: CallProfile.new_region() and region_at return it. Checkpoint regions are
+  // made and entered through the C ABI (sac_region_new, sac_region_enter); region_at gives one
+  // its queries. enter_forward and exit_forward serve the profiling regions
+  // CallProfile.new_region() makes (sac_plugin/planner/profile.py).
   m.class_<RegionHandle>("Region")
       .def("enter_forward",
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kForward); })
       .def("exit_forward",
            [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
              self->exit(ActivationKind::kForward, depth);
-           })
-      .def("enter_recompute",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kRecompute); })
-      .def("exit_recompute",
-           [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
-             self->exit(ActivationKind::kRecompute, depth);
            })
       .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptBytes(); })
       .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptCalls(); })
@@ -206,10 +196,7 @@ TORCH_LIBRARY(sac, m) {
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
                        std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
                        std::vector<int64_t>, std::vector<int64_t>>())
-      // One region per checkpoint call: a method call costs a fraction of a class constructor.
-      .def("new_region",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) { return c10::make_intrusive<RegionHandle>(self->policy); })
-      // For the scope C ABI (scope_c_api.cpp): the address of this handle's policy pointer, valid
+      // For the C ABI (bindings/c_api.cpp): the address of this handle's policy pointer, valid
       // while the handle lives (the Python Policy holds it for its whole life).
       .def("policy_address",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return reinterpret_cast<int64_t>(&self->policy); })
@@ -266,34 +253,13 @@ TORCH_LIBRARY(sac, m) {
     TORCH_CHECK_VALUE(address != 0, "sac: region_at needs the address sac_region_new returned, got 0");
     return c10::intrusive_ptr<RegionHandle>::unsafe_reclaim_from_nonowning(reinterpret_cast<RegionHandle*>(address));
   });
-  m.def("live_regions() -> int", []() { return Region::liveCount(); });
   m.def("install_fallback() -> str", []() { return std::string(interceptionPathName(installInterception())); });
   m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });
   m.def("built_for_torch() -> str", []() { return std::string(SAC_BUILT_FOR_TORCH); });
-  // The dispatch-mode engine reports the calls torch's SAC served, so audits count them as hits.
-  // `counted_as_recompute`: the key sits above Python (torch 2.11), so an audit already counted
-  // each of them as a recompute execution on its way to torch's cache.
-  m.def("record_hits(str[] ops, bool counted_as_recompute) -> ()",
-        [](const std::vector<std::string>& ops, bool counted_as_recompute) {
-          for (const std::string& spelling : ops) {
-            for (const c10::OperatorHandle& op : resolveOpSpelling(spelling)) {
-              OpCounters& counters = lookupOp(op).counters;
-              if (counted_as_recompute) {
-                counters.reclassifyRecomputeAsHit();
-              } else {
-                counters.recordHit();
-              }
-            }
-          }
-        });
-  m.def("push_unit(str name) -> int", &pushUnit);
-  m.def("pop_unit(str name, int depth) -> ()", &popUnit);
   m.def("open_units() -> str[]", &openUnits);
   m.def("resolvable_op_names(str[] names) -> str[]", &resolvableOpNames);
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
   m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
-  // How often op resolution rescanned the dispatcher (for tests: resolution is cached).
-  m.def("op_index_rebuilds() -> int", []() { return static_cast<int64_t>(opIndexRebuilds()); });
 }
 
 }  // namespace sac

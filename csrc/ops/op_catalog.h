@@ -7,8 +7,8 @@
 
 #include <functional>
 
-#include "diagnostics/op_counters.h"
-#include "policy/op_traits.h"
+#include "ops/op_counters.h"
+#include "ops/op_traits.h"
 
 namespace c10 {
 class OperatorHandle;

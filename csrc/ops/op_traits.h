@@ -35,6 +35,11 @@ struct OpTraits {
   // Passed straight through, never counted: detach, prim::device, metadata queries,
   // profiler bookkeeping and this plugin's own ops.
   bool never_counts = false;
+  // Allocates memory it leaves uninitialised (aten::empty, empty_like, new_empty, empty_strided,
+  // new_empty_strided, every overload). Keeping one is useless: its contents are garbage until
+  // its first write, and that write would demote the kept output anyway (NOTE: [Kept outputs
+  // written in the forward] in region.cpp), so such calls are never kept.
+  bool is_uninitialised_allocation = false;
   // aten::_to_copy: when it casts a parameter (autocast's weight casts) it is never kept, see
   // castsAParameter.
   bool is_copy_cast = false;
@@ -42,12 +47,12 @@ struct OpTraits {
 
 OpTraits classifyOp(const c10::OperatorHandle& op);
 
-// Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
-// points at the call's first argument on the dispatcher stack.
 // The ops (base names, every overload) that are never counted; the native path lets them skip
 // the key (NOTE: [Calls that never count skip the key] in fallback.cpp).
 std::vector<std::string> neverCountedOpNames();
 
+// Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
+// points at the call's first argument on the dispatcher stack.
 bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
 
 // NOTE: [Autocast's weight casts]
@@ -64,6 +69,5 @@ inline bool randomOnlyPerCall(const OpTraits& traits) { return traits.is_random 
 
 // "aten::add.Tensor" / "aten::tanh" for a schema name and overload name.
 std::string qualifiedOpName(const std::string& name, const std::string& overload);
-
 
 }  // namespace sac

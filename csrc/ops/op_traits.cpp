@@ -1,4 +1,4 @@
-#include "policy/op_traits.h"
+#include "ops/op_traits.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +25,10 @@ constexpr std::array<std::string_view, 2> kNeverCountedNamespaces = {"profiler",
 
 constexpr std::array<std::string_view, 3> kCollectiveNamespaces = {
     "c10d", "_c10d_functional", "_c10d_functional_autograd"};
+
+// Allocations whose contents are garbage until written (OpTraits::is_uninitialised_allocation).
+constexpr std::array<std::string_view, 5> kUninitialisedAllocations = {
+    "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"};
 
 template <size_t N>
 bool contains(const std::array<std::string_view, N>& values, std::string_view value) {
@@ -70,6 +74,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   }
   traits.never_counts =
       contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
+  traits.is_uninitialised_allocation = contains(kUninitialisedAllocations, traits.base_name);
   traits.is_copy_cast = traits.base_name == "aten::_to_copy";
   return traits;
 }

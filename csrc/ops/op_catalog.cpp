@@ -1,4 +1,4 @@
-#include "policy/op_catalog.h"
+#include "ops/op_catalog.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/op_registration/op_registration.h>
@@ -9,7 +9,7 @@
 #include <optional>
 #include <vector>
 
-#include "hash_containers.h"
+#include "ops/hash_containers.h"
 
 namespace sac {
 namespace {

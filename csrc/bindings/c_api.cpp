@@ -1,0 +1,221 @@
+// The C ABI (NOTE: [Scopes through a C ABI] in c_api.h): thin wrappers over RegionHandle,
+// UnitStack, Policy::decide and CallDecider that turn every exception into a status and a message.
+
+#include "bindings/c_api.h"
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dispatch/region_scopes.h"
+#include "ops/op_catalog.h"
+#include "ops/op_resolution.h"
+#include "policy/policy.h"
+#include "policy/unit_stack.h"
+
+namespace sac {
+namespace {
+
+std::string& lastError() {
+  thread_local std::string message;
+  return message;
+}
+
+// Runs `body`; on an exception records its message and returns the status of its Python type.
+template <typename Body>
+int32_t guarded(Body&& body) noexcept {
+  try {
+    body();
+    return kSacScopeOk;
+  } catch (const c10::ValueError& error) {
+    lastError() = error.what_without_backtrace();
+    return kSacScopeValueError;
+  } catch (const c10::Error& error) {
+    lastError() = error.what_without_backtrace();
+    return kSacScopeRuntimeError;
+  } catch (const std::exception& error) {
+    lastError() = error.what();
+    return kSacScopeRuntimeError;
+  } catch (...) {
+    lastError() = "sac: unknown C++ exception";
+    return kSacScopeRuntimeError;
+  }
+}
+
+ActivationKind kindOf(int32_t recompute) { return recompute != 0 ? ActivationKind::kRecompute : ActivationKind::kForward; }
+
+// Ids cross the ABI as id + 1, so that 0 can mean "failed".
+bool validUnit(int64_t id_plus_one) {
+  return id_plus_one >= 1 && static_cast<size_t>(id_plus_one - 1) < internedUnitCount();
+}
+
+constexpr int32_t kFactDrawsRandom = 1;
+constexpr int32_t kFactCastsAParameter = 2;
+
+// The open units of a decision, as the policy reads them: ids checked, in a per-thread vector
+// that keeps its capacity, so a decision allocates nothing once warm.
+const std::vector<UnitId>& openUnits(const int64_t* unit_ids_plus_one, int64_t unit_count) {
+  thread_local std::vector<UnitId> units;
+  TORCH_CHECK_VALUE(unit_count >= 0 && (unit_count == 0 || unit_ids_plus_one != nullptr),
+                    "sac: a decision needs unit_count >= 0 and the unit ids, got ", unit_count, " units");
+  units.clear();
+  for (int64_t i = 0; i < unit_count; ++i) {
+    TORCH_CHECK_VALUE(validUnit(unit_ids_plus_one[i]), "sac: no recompute unit has id ", unit_ids_plus_one[i] - 1,
+                      " (units cross the C ABI as sac_unit_id returns them: id + 1)");
+    units.push_back(static_cast<UnitId>(unit_ids_plus_one[i] - 1));
+  }
+  return units;
+}
+
+CallFacts callFacts(int32_t facts) {
+  TORCH_CHECK_VALUE((facts & ~(kFactDrawsRandom | kFactCastsAParameter)) == 0,
+                    "sac: call facts are bit 0 (draws random numbers) and bit 1 (casts a parameter), got ", facts);
+  CallFacts call;
+  call.draws_random = (facts & kFactDrawsRandom) != 0;
+  call.casts_a_parameter = (facts & kFactCastsAParameter) != 0;
+  return call;
+}
+
+const OpEntry& entryAt(const void* op_entry) {
+  TORCH_CHECK_VALUE(op_entry != nullptr, "sac: a decision needs the op entry sac_op_entry returned, got null");
+  return *static_cast<const OpEntry*>(op_entry);
+}
+
+// The layout c_api.h documents.
+int64_t encode(const Decision& decision) {
+  int64_t unit_plus_one = decision.unit == kNoUnit ? 0 : static_cast<int64_t>(decision.unit) + 1;
+  return static_cast<int64_t>(decision.outcome) | (static_cast<int64_t>(decision.reason) << 8) |
+         (decision.mutating_in_kept_unit ? int64_t{1} << 16 : 0) |
+         (decision.random_call_of_kept_op ? int64_t{1} << 17 : 0) | (unit_plus_one << 32);
+}
+
+// The one overload `name` names (see sac_op_entry in c_api.h).
+const OpEntry& singleOverload(const std::string& name) {
+  std::vector<c10::OperatorHandle> handles = resolveOpSpelling(name);
+  TORCH_CHECK_VALUE(!handles.empty(), "sac: ", describeUnknownOp(name));
+  if (handles.size() == 1) return lookupOp(handles.front());
+  const OpEntry* match = nullptr;
+  for (const c10::OperatorHandle& handle : handles) {
+    const OpEntry& entry = lookupOp(handle);
+    if (entry.traits.qualified_name == name) match = &entry;
+  }
+  TORCH_CHECK_VALUE(match != nullptr, "sac: '", printableName(name), "' names ", handles.size(),
+                    " overloads; name one, such as '", lookupOp(handles.front()).traits.qualified_name, "'");
+  return *match;
+}
+
+}  // namespace
+}  // namespace sac
+
+using sac::guarded;
+
+SAC_C_API int32_t sac_scope_c_api_version() { return kSacCApiVersion; }
+
+SAC_C_API void* sac_region_new(const void* policy_address) {
+  if (policy_address == nullptr) return nullptr;
+  const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
+  void* region = nullptr;
+  guarded([&] { region = c10::make_intrusive<sac::RegionHandle>(policy).release(); });
+  return region;
+}
+
+SAC_C_API void sac_region_release(void* region) {
+  if (region == nullptr) return;
+  // Adopts the reference sac_region_new handed out; the handle's destructor closes a scope still
+  // open on this thread (NOTE: [Scopes are checked before they change anything]).
+  c10::intrusive_ptr<sac::RegionHandle>::reclaim(static_cast<sac::RegionHandle*>(region));
+}
+
+SAC_C_API int64_t sac_region_enter(void* region, int32_t recompute) {
+  int64_t depth = 0;
+  int32_t status = guarded([&] { depth = static_cast<sac::RegionHandle*>(region)->enter(sac::kindOf(recompute)); });
+  return status == kSacScopeOk ? depth : -status;
+}
+
+SAC_C_API int32_t sac_region_exit(void* region, int32_t recompute, int64_t depth) {
+  return guarded([&] { static_cast<sac::RegionHandle*>(region)->exit(sac::kindOf(recompute), depth); });
+}
+
+SAC_C_API int64_t sac_unit_id(const char* name, int64_t length) {
+  int64_t id_plus_one = 0;
+  int32_t status = guarded([&] {
+    TORCH_CHECK_VALUE(name != nullptr && length >= 0, "sac: a recompute unit needs a name");
+    id_plus_one = static_cast<int64_t>(sac::internUnit(std::string(name, static_cast<size_t>(length)))) + 1;
+  });
+  return status == kSacScopeOk ? id_plus_one : -status;
+}
+
+SAC_C_API int64_t sac_unit_push(int64_t unit_id_plus_one) {
+  int64_t depth = 0;
+  int32_t status = guarded([&] {
+    TORCH_CHECK_VALUE(sac::validUnit(unit_id_plus_one), "sac: no recompute unit has id ", unit_id_plus_one - 1);
+    depth = static_cast<int64_t>(sac::UnitStack::current().push(static_cast<sac::UnitId>(unit_id_plus_one - 1)));
+  });
+  return status == kSacScopeOk ? depth : -status;
+}
+
+SAC_C_API int32_t sac_unit_pop(int64_t unit_id_plus_one, int64_t depth) {
+  return guarded([&] {
+    TORCH_CHECK_VALUE(sac::validUnit(unit_id_plus_one), "sac: no recompute unit has id ", unit_id_plus_one - 1);
+    TORCH_CHECK_VALUE(depth > 0, "sac: unit depth must be positive, got ", depth);
+    sac::UnitStack::current().pop(static_cast<sac::UnitId>(unit_id_plus_one - 1), static_cast<size_t>(depth));
+  });
+}
+
+SAC_C_API const char* sac_scope_last_error() { return sac::lastError().c_str(); }
+
+SAC_C_API const void* sac_op_entry(const char* name, int64_t length) {
+  const void* entry = nullptr;
+  guarded([&] {
+    TORCH_CHECK_VALUE(name != nullptr && length >= 0, "sac: sac_op_entry needs an op name");
+    entry = &sac::singleOverload(std::string(name, static_cast<size_t>(length)));
+  });
+  return entry;
+}
+
+SAC_C_API void* sac_call_decider_new(const void* policy_address) {
+  void* decider = nullptr;
+  guarded([&] {
+    TORCH_CHECK_VALUE(policy_address != nullptr, "sac: a call decider needs a policy address, got null");
+    decider = new sac::CallDecider(*static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address));
+  });
+  return decider;
+}
+
+SAC_C_API void sac_call_decider_release(void* decider) { delete static_cast<sac::CallDecider*>(decider); }
+
+SAC_C_API int64_t sac_call_decider_decide(void* decider, const void* op_entry, int32_t pass,
+                                          const int64_t* unit_ids_plus_one, int64_t unit_count, int32_t facts) {
+  int64_t result = 0;
+  int32_t status = guarded([&] {
+    TORCH_CHECK_VALUE(decider != nullptr, "sac: a decision needs the decider sac_call_decider_new returned, got null");
+    TORCH_CHECK_VALUE(pass == 0 || pass == 1, "sac: pass is 0 (forward) or 1 (recompute), got ", pass);
+    result = sac::encode(static_cast<sac::CallDecider*>(decider)->decide(
+        sac::entryAt(op_entry), pass == 0 ? sac::Pass::kForward : sac::Pass::kRecompute,
+        sac::openUnits(unit_ids_plus_one, unit_count), sac::callFacts(facts)));
+  });
+  return status == kSacScopeOk ? result : -status;
+}
+
+SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry,
+                                    const int64_t* unit_ids_plus_one, int64_t unit_count, int64_t call_index,
+                                    int32_t facts) {
+  int64_t result = 0;
+  int32_t status = guarded([&] {
+    TORCH_CHECK_VALUE(policy_address != nullptr, "sac: a decision needs a policy address, got null");
+    TORCH_CHECK_VALUE(call_index >= 0, "sac: a call index counts from 0, got ", call_index);
+    sac::CallFacts call = sac::callFacts(facts);
+    call.call_index = static_cast<uint64_t>(call_index);
+    const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
+    result = sac::encode(policy->decide(sac::entryAt(op_entry), sac::openUnits(unit_ids_plus_one, unit_count), call));
+  });
+  return status == kSacScopeOk ? result : -status;
+}
+
+SAC_C_API const char* sac_reason_text(int32_t reason) {
+  if (reason < 0 || reason >= sac::kNumReasons) return nullptr;
+  return sac::reasonText(static_cast<sac::Reason>(reason));
+}

@@ -1,0 +1,92 @@
+#pragma once
+// The library's C ABI, what Python calls through ctypes on the hot paths: the scopes a
+// checkpointed step opens and closes (a region, created once per checkpoint call, its forward and
+// recompute entered and exited; a recompute unit), called by sac_plugin/_scopes.py, and the keep
+// rule (Policy::decide) for the Python front doors that decide calls themselves (torch.compile's
+// policy function, the dispatch-mode engine, the planner), called by sac_plugin/_rule.py.
+//
+// NOTE: [Scopes through a C ABI]
+// Each checkpoint call creates a region and enters and exits two scopes; a model with units
+// opens a unit per attention or MLP call. Through torchbind, each of those calls cost 3-5 us
+// warm and 10+ us in a real step (pybind11 dispatch, a ScriptMethod per attribute lookup, a
+// schema match, the GIL released and taken back), which made a region's fixed cost larger than
+// the interception of 100 ops. A ctypes call of a C function costs ~0.4 us. The functions here
+// take and return only integers and pointers, never throw (every exception becomes a status
+// and a per-thread message, with its Python type), and do exactly what the torchbind methods
+// do, through the same RegionHandle and UnitStack code, so the checks are identical.
+//
+// Python finds these symbols in the library torch.ops.load_library loaded (ctypes.CDLL on the
+// same path returns the same handle), so SAC_PLUGIN_LIBRARY builds serve them too.
+
+#include <cstdint>
+
+#define SAC_C_API extern "C" __attribute__((visibility("default")))
+
+// Bumped when a signature or a meaning changes; Python refuses a library with another version.
+inline constexpr int32_t kSacCApiVersion = 2;
+
+// Status of a call that can fail; the message is sac_scope_last_error()'s.
+enum SacScopeStatus : int32_t {
+  kSacScopeOk = 0,
+  kSacScopeRuntimeError = 1,
+  kSacScopeValueError = 2,
+};
+
+SAC_C_API int32_t sac_scope_c_api_version();
+
+// A new region for the policy at `policy_address` (PolicyHandle.policy_address(): the address of
+// a std::shared_ptr<const Policy> that outlives the call). Returns an owned RegionHandle*, or
+// null when the policy address is null.
+SAC_C_API void* sac_region_new(const void* policy_address);
+// Drops the reference sac_region_new returned.
+SAC_C_API void sac_region_release(void* region);
+// `recompute`: 0 for the forward, 1 for the recompute. Enter returns the depth (> 0) to pass to
+// exit, or minus a SacScopeStatus on error; exit returns a SacScopeStatus.
+SAC_C_API int64_t sac_region_enter(void* region, int32_t recompute);
+SAC_C_API int32_t sac_region_exit(void* region, int32_t recompute, int64_t depth);
+
+// Units by interned id (sac_unit_id: id + 1, or minus a SacScopeStatus on error). Push returns
+// the depth (> 0), or minus a SacScopeStatus; pop returns a SacScopeStatus.
+SAC_C_API int64_t sac_unit_id(const char* name, int64_t length);
+SAC_C_API int64_t sac_unit_push(int64_t unit_id_plus_one);
+SAC_C_API int32_t sac_unit_pop(int64_t unit_id_plus_one, int64_t depth);
+
+// The message of this thread's last failed call; the status says which Python exception.
+SAC_C_API const char* sac_scope_last_error();
+
+// --- The keep rule (NOTE: [The keep rule] in policy/policy.cpp) ---------------------------------
+//
+// A decision is returned as one int64, never negative on success (minus a SacScopeStatus on error):
+//   bits 0-7    Outcome (0 recompute, 1 keep)
+//   bits 8-15   Reason (sac::Reason; sac_reason_text names it)
+//   bit 16      a mutating op selected by a kept unit (worth a warning)
+//   bit 17      a selected op's call that draws random numbers, e.g. attention with dropout_p > 0
+//               (worth a warning)
+//   bits 32-62  the id + 1 of the kept unit that selected the call, 0 for none
+// Units cross as sac_unit_id returns them (id + 1). `facts`: bit 0, the call draws random
+// numbers; bit 1, it casts a parameter; other bits are refused.
+
+// The catalog entry of exactly one op overload: "aten::mm.default", "aten.mm.default", or a
+// qualified name as profiles and audits write it ("aten::mm" for the default overload, which
+// is how this function reads a name that could also mean every overload). Null, with a
+// ValueError message, for a name that names no overload or several. Entries live as long as
+// the process.
+SAC_C_API const void* sac_op_entry(const char* name, int64_t length);
+
+// A decider for one region: it numbers each op's calls per pass exactly as the native fallback
+// numbers the forward's (Policy::countsCalls), then decides. Owned; release it once. Null, with
+// a message, when the policy address is null.
+SAC_C_API void* sac_call_decider_new(const void* policy_address);
+SAC_C_API void sac_call_decider_release(void* decider);
+// `pass`: 0 for the forward, 1 for the recompute (each counts from 0).
+SAC_C_API int64_t sac_call_decider_decide(void* decider, const void* op_entry, int32_t pass,
+                                          const int64_t* unit_ids_plus_one, int64_t unit_count, int32_t facts);
+
+// Stateless, for a caller that knows the call's 0-based index among the region's counted calls
+// of its op (the planner).
+SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry,
+                                    const int64_t* unit_ids_plus_one, int64_t unit_count, int64_t call_index,
+                                    int32_t facts);
+
+// The label of a Reason ("mutates an input"); null for a value that is no Reason.
+SAC_C_API const char* sac_reason_text(int32_t reason);
