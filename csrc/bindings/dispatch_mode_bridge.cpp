@@ -252,7 +252,7 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   std::vector<WrittenStorage> written;
   if (entry.traits.mutates_inputs || entry.traits.writes_out_arguments) {
     written = writtenStorages(schema, stack);
-    if (entry.traits.mutates_inputs && !mode.recompute) region->demoteKeptOutputsIn(written);
+    if (!mode.recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
   }
   // The non-tensor arguments, folded into one key by Python, name the call with its tensors.
   stack.emplace_back(key);

@@ -111,7 +111,7 @@ class InterceptedCall {
     std::vector<WrittenStorage> written;
     if (entry_.traits.mutates_inputs || entry_.traits.writes_out_arguments) {
       written = writtenStorages();
-      if (entry_.traits.mutates_inputs && !recompute) region->demoteKeptOutputsIn(written);
+      if (!recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
     }
     DataFlow& flow = region->flow();
     const uint64_t call = flow.identify(entry_, arguments, num_arguments);

@@ -110,9 +110,11 @@ def compile_policy_fn_decisions(policy):
             seen.append((f"{op._schema.name}.{op._overloadname}", decision == CheckpointPolicy.MUST_SAVE))
         return decision
 
+    # Only the forward's decisions are compared: torch's eager cache cannot demote the kept clone
+    # the forward writes in place (the native engine can), so it is told to allow that.
     torch.manual_seed(1)
     checkpoint(layer, x, use_reentrant=False,
-               context_fn=lambda: create_selective_checkpoint_contexts(policy_fn)).backward()
+               context_fn=lambda: create_selective_checkpoint_contexts(policy_fn, allow_cache_entry_mutation=True))
     return _indexed(seen)
 
 

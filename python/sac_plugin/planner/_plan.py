@@ -150,7 +150,7 @@ class Plan:
         if not isinstance(policy, Policy):
             raise TypeError(f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got "
                             f"{describe_value(policy)}")
-        return frozenset((c.op, c.index) for c in self.profile.calls if c.policy_may_keep and _keeps(policy, c))
+        return _kept_by(policy, self.profile)
 
     def _solver(self) -> knapsack.Knapsack:
         if self._knapsack is None:
@@ -316,11 +316,19 @@ def budget_in_bytes(budget, profile: LayerProfile) -> int:
     return int(budget)
 
 
-def _keeps(policy: Policy, call: ProfiledCall) -> bool:
-    """Whether `policy` keeps this profiled call: the one C++ rule (docs/semantics.md), asked with
-    the call's op, its index among the op's calls and the innermost unit it ran in."""
-    units = (call.unit,) if call.unit else ()
-    return _rule.decide_call(policy, _overload(call.op), units, call.index).keep
+def _kept_by(policy: Policy, profile: LayerProfile) -> frozenset[tuple[str, int]]:
+    """The profiled calls `policy` keeps: the one C++ rule (docs/semantics.md), asked call by call
+    in the order the forward made them, through the call decider that also numbers the calls for
+    every-nth and kept-call rules exactly as the engines do (a call in a recomputed unit takes no
+    number). Each call is asked with the innermost unit it ran in."""
+    decider = _rule.CallDecider(policy)
+    kept = set()
+    for call in profile.calls:
+        units = (call.unit,) if call.unit else ()
+        decision = decider.decide(_overload(call.op), False, units)
+        if decision.keep and call.policy_may_keep:
+            kept.add((call.op, call.index))
+    return frozenset(kept)
 
 
 def _solver_for(profile: LayerProfile) -> knapsack.Knapsack:
