@@ -69,7 +69,6 @@ def test_several_steps_stay_equal():
         assert torch.equal(p, q)
 
 
-@pytest.mark.native_engine("torch's SAC, under the dispatch-mode engine, frees its cache at the first backward")
 def test_retain_graph_allows_a_second_backward():
     model, reference = make_pair(policy=POLICIES["kept_units"])
     x = torch.randn(4, 16)

@@ -49,7 +49,6 @@ def _layer_mutating_in_unit(weight, x):
     return h.sin()
 
 
-@pytest.mark.native_engine("a kept output written later in the forward is demoted by the native engine; torch's SAC raises instead")
 def test_mutating_op_in_kept_unit_warns_once_and_is_recomputed():
     torch.manual_seed(0)
     weight = torch.randn(8, 8, requires_grad=True)
@@ -80,7 +79,6 @@ def test_mutating_op_in_kept_unit_warns_once_and_is_recomputed():
     assert audit.hits("aten::tanh") == 2
 
 
-@pytest.mark.native_engine("a kept output written later in the forward is demoted by the native engine; torch's SAC raises instead")
 def test_a_second_policy_warns_again():
     x = torch.randn(4, 8)
     for _ in range(2):
@@ -92,7 +90,6 @@ def test_a_second_policy_warns_again():
         assert sum("aten::mul_.Tensor mutates" in str(w.message) for w in caught) == 1
 
 
-@pytest.mark.native_engine("the error naming the op and unit is the native engine's; torch's SAC raises its own")
 def test_kept_tensor_mutated_after_the_forward_is_an_error_naming_the_op():
     weight = torch.randn(8, 8, requires_grad=True)
 
@@ -167,7 +164,6 @@ def _layer_with_collectives(weight, x, group):
     return h.sin()
 
 
-@pytest.mark.native_engine("torch's SAC lets wait_tensor through without recomputing it")
 def test_collectives_inside_a_kept_unit_run_again_in_the_recompute(gloo_one_rank):
     torch.manual_seed(0)
     weight = torch.randn(8, 8, requires_grad=True)

@@ -74,8 +74,8 @@ def test_plan_policy_gives_bitwise_gradients_and_keeps_exactly_the_planned_calls
     assert sum(row.hits for row in audit.rows()) == len(plan.kept)
 
 
-@pytest.mark.native_engine("the plugin's store holds exactly the planned outputs; torch's SAC cache is counted by "
-                           "benchmarks/bench_memory.py, not by track_activation_memory")
+@pytest.mark.native_engine("track_activation_memory counts the native engine's regions, which hold exactly the "
+                           "planned outputs")
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "moe"])
 def test_measured_bytes_are_the_predicted_bytes(moe):
     block, args = llama_inputs(moe=moe)

@@ -53,7 +53,7 @@ def test_layers_and_units_add_up_to_the_audit():
     assert "  unit mlp" in table and "saved for backward, by place (each storage once per life):" in table
 
 
-@pytest.mark.native_engine("kept bytes are read from the native engine's region store; torch's SAC cache is opaque")
+@pytest.mark.native_engine("kept bytes are read from the native engine's regions")
 def test_kept_bytes_by_layer_and_unit_match_the_regions():
     model = _model()
     tokens = torch.randint(64, (2, 16))
