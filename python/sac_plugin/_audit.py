@@ -62,7 +62,7 @@ class Audit:
 
     def __exit__(self, *exc_info):
         # Checked before anything changes (see NOTE: [Scopes are checked before they change
-        # anything] in csrc/library.cpp): a refused exit leaves the audit running and exitable.
+        # anything] in csrc/dispatch/region_scopes.h): a refused exit leaves the audit running and exitable.
         if self._handle is None or not self._handle.running():
             raise RuntimeError(
                 "sac_plugin: exiting an audit that is not running (never entered, or already exited); nothing was changed"

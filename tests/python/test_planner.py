@@ -87,11 +87,13 @@ def test_measured_bytes_are_the_predicted_bytes(moe):
 
 
 @examples(25, shrink=False)
-@given(steps=steps_strategy, budget=st.one_of(st.floats(0.0, 1.0), st.integers(0, 4096)))
+@given(steps=steps_strategy, budget=st.one_of(st.floats(0.0, 1.0), st.integers(0, 1 << 20)))
 def test_plan_never_exceeds_its_budget_on_random_layers(steps, budget):
-    """Over random layers of the property suite's ops and random budgets (fractions and bytes):
-    what the plan predicts and what its policy measurably holds stay within the budget, or at
-    the floor (full recompute's bytes) when the budget is below it."""
+    """Over random layers of the property suite's ops and random budgets (fractions and bytes,
+    up to far above the layer's own bytes): what the plan predicts and what its policy measurably
+    holds stay within the budget, or at the floor (full recompute's bytes) when the budget is below
+    it, never above what the layer holds without checkpointing; and the plan's policy gives the
+    unmodified layer's gradients bitwise."""
     torch.manual_seed(0)
     weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(DIM, DIM) * 0.5) for _ in range(3))
 
@@ -108,8 +110,19 @@ def test_plan_never_exceeds_its_budget_on_random_layers(steps, budget):
     plan = sac_plugin.plan(layer, x, budget=budget, runs=1, warmup=0)
     limit = max(plan.budget_bytes, plan.profile.full_recompute_bytes)
     assert plan.held_bytes <= limit
+    assert plan.held_bytes <= max(plan.profile.no_checkpoint_bytes, plan.profile.full_recompute_bytes)
     if sac_plugin.engine() == "native":
         assert measured_bytes(layer, (x,), plan.policy) <= limit
+    reference = copy.deepcopy(layer)
+    checkpointed = sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), plan.policy)
+    grads = []
+    for module in (reference, checkpointed):
+        inputs = x.detach().clone().requires_grad_()
+        torch.manual_seed(1)
+        module(inputs).square().sum().backward()
+        grads.append([inputs.grad, *(p.grad for p in module.parameters())])
+    for expected, got in zip(*grads):
+        assert (expected is None and got is None) or torch.equal(expected, got)
 
 
 @examples(200)

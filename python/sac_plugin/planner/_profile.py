@@ -1,5 +1,5 @@
 """Profiling a layer: every call of its forward as the plugin's fallback sees it, with bytes,
-kernel time and whether it may be kept (csrc/diagnostics/call_profile.h), plus the activation
+kernel time and whether it may be kept (csrc/dispatch/call_profile.h), plus the activation
 bytes the layer holds without checkpointing and with full recompute, counted as
 sac_plugin.memory (and benchmarks/bench_memory.py) counts them."""
 
