@@ -23,7 +23,8 @@ __all__ = ["CheckpointedForward", "checkpoint_call", "ForwardInUnits", "Instance
 # Instance attributes the wrappers below keep on a module; remove_installed deletes them all. An
 # integration that changes a module in its framework's own way leaves `_sac_undo` there: a callable
 # that puts the module back, which remove_installed calls.
-_STATE_ATTRIBUTES = ("_sac_undo", "_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_forward_units",
+_STATE_ATTRIBUTES = ("_sac_undo", "_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_early_stop",
+                     "_sac_forward_units",
                      "_sac_plan_request")
 
 
@@ -76,7 +77,8 @@ class _RefuseScripting:
         )
 
 
-def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve_rng_state: bool = True):
+def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve_rng_state: bool = True,
+                    early_stop: bool = True):
     """torch.utils.checkpoint.checkpoint(function, *args, **kwargs), non-reentrant, with every
     keyword reaching `function`.
 
@@ -88,11 +90,9 @@ def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve
     checkpoint itself is given none of the caller's.
     """
     if kwargs:
-        bound = functools.partial(function, **kwargs)
-        return checkpoint(bound, *args, use_reentrant=False, context_fn=context_fn,
-                          preserve_rng_state=preserve_rng_state)
+        function = functools.partial(function, **kwargs)
     return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
-                      preserve_rng_state=preserve_rng_state)
+                      preserve_rng_state=preserve_rng_state, early_stop=early_stop)
 
 
 class CheckpointedForward(InstanceForward):
@@ -104,7 +104,8 @@ class CheckpointedForward(InstanceForward):
     def __call__(self, *args, **kwargs):
         module = self.module
         return checkpoint_call(type(module).forward, (module, *args), kwargs, context_fn=module._sac_context_fn,
-                               preserve_rng_state=module._sac_preserve_rng_state)
+                               preserve_rng_state=module._sac_preserve_rng_state,
+                               early_stop=module.__dict__.get("_sac_early_stop", True))
 
 
 def call_in_units(units, function, *args, **kwargs):

@@ -136,13 +136,15 @@ def context_fn(policy: Policy | None = None):
 
 
 def apply_selective_checkpointing(
-    module: torch.nn.Module, policy: Policy | None = None, *, preserve_rng_state: bool = True
+    module: torch.nn.Module, policy: Policy | None = None, *, preserve_rng_state: bool = True, early_stop: bool = True
 ) -> torch.nn.Module:
     """Checkpoints `module`'s forward with `policy`, in place, and returns the module.
 
     Parameter names and state_dict keys are unchanged. With no policy (or one that keeps
     nothing) this is plain full recompute through the same mechanism, with no interception.
     The module stays checkpointed through pickle, torch.save/torch.load and copy.deepcopy.
+    preserve_rng_state and early_stop are torch.utils.checkpoint's: early_stop=False runs the
+    whole recompute rather than stopping once the last tensor saved for backward is recomputed.
     """
     # Everything is checked before the module is touched: a refused call leaves it as it was,
     # so a corrected retry works.
@@ -153,11 +155,11 @@ def apply_selective_checkpointing(
             "sac_plugin: apply_selective_checkpointing: policy must be a sac_plugin.Policy or None, got "
             f"{describe_value(policy)}{hint}"
         )
-    if not isinstance(preserve_rng_state, bool):
-        raise TypeError(
-            "sac_plugin: apply_selective_checkpointing: preserve_rng_state must be True or False, got "
-            f"{describe_value(preserve_rng_state)}"
-        )
+    for name, value in (("preserve_rng_state", preserve_rng_state), ("early_stop", early_stop)):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"sac_plugin: apply_selective_checkpointing: {name} must be True or False, got {describe_value(value)}"
+            )
     policy = Policy() if policy is None else policy
     context = context_fn(policy)
     logger.debug("checkpointing %s with %s", type(module).__name__,
@@ -165,6 +167,8 @@ def apply_selective_checkpointing(
     module._sac_policy = policy
     module._sac_context_fn = context
     module._sac_preserve_rng_state = preserve_rng_state
+    if not early_stop:
+        module._sac_early_stop = False
     CheckpointedForward.install(module)
     return module
 

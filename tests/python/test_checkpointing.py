@@ -220,3 +220,21 @@ def test_remove_checkpointing_of_an_untouched_module_says_so():
         sac_plugin.remove_checkpointing(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got 3 \(int\)"):
         sac_plugin.remove_checkpointing(3)
+
+
+@pytest.mark.parametrize("early_stop, sin_recomputed", [(True, 0), (False, 1)])
+def test_early_stop_is_torch_s_and_can_be_turned_off(early_stop, sin_recomputed):
+    from toy_models import AttnLayer
+
+    torch.manual_seed(0)
+    layer = AttnLayer()
+    reference = copy.deepcopy(layer)
+    sac_plugin.apply_selective_checkpointing(layer, Policy(kept_units=["attn"]), early_stop=early_stop)
+    x = torch.randn(4, 16)
+    with audit() as counted:
+        run_step(layer, x)
+    run_step(reference, x)
+    # The final sin runs after the last tensor saved for backward: an early stop never reaches it.
+    assert counted.count("aten::sin", phase="recompute") == sin_recomputed
+    assert counted.hits("aten::tanh") == 1
+    assert_same_gradients(layer, reference)

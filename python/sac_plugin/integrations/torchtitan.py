@@ -130,11 +130,12 @@ def _check_fqns(fqns) -> None:
                         f"module names, e.g. ['moe.router.gate'], got {describe_value(fqns)}")
 
 
-def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, preserve_rng_state: bool) -> nn.Module:
+def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, preserve_rng_state: bool,
+                      early_stop: bool) -> nn.Module:
     policy, in_units = policy_for_block(block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn)
     for owner, name, unit in in_units:
         run_in_unit(owner, name, unit)
-    return apply_selective_checkpointing(block, policy, preserve_rng_state=preserve_rng_state)
+    return apply_selective_checkpointing(block, policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop)
 
 
 def _layers(model: nn.Module) -> nn.Module:
@@ -160,8 +161,8 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     block of model.layers in place and returns the model.
 
     ac_config: torchtitan's SelectiveAC.Config (torchtitan's selective AC: see this module's
-    table), FullAC.Config (plain full recompute) or None (nothing). Its preserve_rng_state is
-    honoured; debug and determinism_check must be at their defaults. Warns once that the
+    table), FullAC.Config (plain full recompute) or None (nothing). Its preserve_rng_state and
+    early_stop are honoured; debug and determinism_check must be at their defaults. Warns once that the
     collectives torchtitan keeps are recomputed.
     """
     if not isinstance(model, nn.Module):
@@ -172,9 +173,10 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     _check_ac_config(ac_config)
     layers = _layers(model)
     preserve = bool(getattr(ac_config, "preserve_rng_state", True))
+    early_stop = bool(getattr(ac_config, "early_stop", True))
     if kind == "full":
         for _, block in layers.named_children():
-            apply_selective_checkpointing(block, None, preserve_rng_state=preserve)
+            apply_selective_checkpointing(block, None, preserve_rng_state=preserve, early_stop=early_stop)
         return model
     fqns = tuple(getattr(ac_config, "force_recompute_mm_shapes_by_fqns", DEFAULT_FORCE_RECOMPUTE_FQNS))
     _check_fqns(fqns)
@@ -184,7 +186,7 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     warnings.warn(COLLECTIVES_WARNING, stacklevel=2)
     for layer_id, block in layers.named_children():
         _checkpoint_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}",
-                          preserve_rng_state=preserve)
+                          preserve_rng_state=preserve, early_stop=early_stop)
     return model
 
 
@@ -228,7 +230,8 @@ def _plugin_selective_ac():
         def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
             _check_ac_config(self.config)
             return _checkpoint_block(module, force_recompute_fqns=tuple(self.config.force_recompute_mm_shapes_by_fqns),
-                                     base_fqn=base_fqn, preserve_rng_state=self.config.preserve_rng_state)
+                                     base_fqn=base_fqn, preserve_rng_state=self.config.preserve_rng_state,
+                                     early_stop=bool(getattr(self.config, "early_stop", True)))
 
     PluginSelectiveAC.__module__ = __name__
     return PluginSelectiveAC
