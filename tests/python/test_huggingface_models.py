@@ -201,6 +201,19 @@ def test_a_unit_found_in_no_selected_layer_is_named():
     assert not any("_sac_policy" in vars(m) or "_sac_forward_units" in vars(m) for m in model.modules())
 
 
+@_ROUTER_WRITTEN
+def test_a_unit_in_some_layers_of_a_mixed_stack_is_installed_there(caplog):
+    model = build("deepseek_v3")
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.DEBUG, logger="sac_plugin"):
+        huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]))
+    assert "unit 'moe_gate' (deepseek_v3 (Hugging Face, derived)) is in layers 1 of 2 (1) only" in caplog.messages
+    dense, moe = huggingface.decoder_layers(model)
+    assert "_sac_forward_units" not in vars(dense.mlp)
+    assert vars(moe.mlp.gate)["_sac_forward_units"] == ("moe_gate",)
+    assert_bitwise_equal(model, reference)
+
+
 def test_a_derived_map_is_logged_once(caplog):
     huggingface._logged_derived_maps.discard(transformers.Qwen3ForCausalLM)
     with caplog.at_level(logging.INFO, logger="sac_plugin"):

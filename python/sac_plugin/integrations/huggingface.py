@@ -395,19 +395,17 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
                 "call sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
             )
     selected = config.selected_layers(len(layers))
-    if config.budget is not None:
-        plans = _plan_layers(model, config, [layers[i] for i in selected], example_inputs)
-        policies = [p.policy for p in plans]
-        target_map = None
-    else:
-        target_map = _map_for(model, config, target_map, layers)
-        policies, plans = None, None
+    target_map = None if config.budget is not None else _map_for(model, config, target_map, layers)
     # Layers whose checkpointing transformers turned off lose the stale state first (checked
     # above: nothing else is checkpointed), so disable-then-apply works.
     for module in model.modules():
         if _disabled_by_transformers(module):
             module._sac_undo()
-    if policies is None:
+    plans = None
+    if config.budget is not None:
+        plans = _plan_layers(model, config, [layers[i] for i in selected], example_inputs)
+        policies = [p.policy for p in plans]
+    else:
         policy = _prepare(model, config, target_map, layers, selected)
         policies = [policy] * len(selected)
     for position, (index, policy) in enumerate(zip(selected, policies)):
