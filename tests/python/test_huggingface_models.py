@@ -5,6 +5,7 @@ model's, keep the attention they are told to keep (audit hits), plan budgets per
 train bitwise-equal under transformers' Trainer."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -51,6 +52,7 @@ MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
 SHIPPED = {"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt2"}
 # The attention submodule of each layer, by the transformers name the derived map must find.
 ATTENTION_NAME = {"gpt2": "attn", "gpt_neox": "attention", "falcon": "self_attention", "bert": "attention"}
+SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 # Models whose gradients differ in the last bits under any checkpointing (transformers' own
 # included): their reference is transformers' own gradient checkpointing.
 LAST_BIT = {"gpt2"}
@@ -92,10 +94,18 @@ def step(model):
     return loss
 
 
+def enable_transformers_checkpointing(model, kwargs):
+    """transformers 5 renamed gradient_checkpointing_enable (deprecated until v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def reference_for(model_type, model):
     reference = copy.deepcopy(model)
     if model_type in LAST_BIT:
-        reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_transformers_checkpointing(reference, {"use_reentrant": False})
     return reference
 
 
@@ -124,8 +134,8 @@ _ROUTER_WRITTEN = pytest.mark.native_engine(
     "the MoE block writes in place a tensor its kept router produced: the native engine demotes that kept output, "
     "torch's SAC raises")
 _FALCON_EAGER_WRITES = pytest.mark.native_engine(
-    "Falcon's eager attention writes in place a tensor its kept projections produced: the native engine demotes "
-    "that kept output, torch's SAC raises")
+    "Falcon's eager attention divides its scores in place (attention_scores /= ...) after the kept matmul made "
+    "them: the native engine demotes that kept output, torch's SAC raises")
 WRITES_A_KEPT_OUTPUT = {("mixtral", "moe_gate"): _ROUTER_WRITTEN, ("mixtral", "mlp+moe_gate"): _ROUTER_WRITTEN,
                         ("deepseek_v3", "moe_gate"): _ROUTER_WRITTEN, ("deepseek_v3", "mlp+moe_gate"): _ROUTER_WRITTEN,
                         ("falcon", "attn", "eager"): _FALCON_EAGER_WRITES}
@@ -146,7 +156,7 @@ def cases():
                 yield pytest.param(name, units, attention, id=f"{name}-{units}-{attention}", marks=marks)
 
 
-@pytest.mark.parametrize(("model_type", "units", "attention"), cases())
+@pytest.mark.parametrize(("model_type", "units", "attention"), list(cases()))
 def test_full_recompute_and_units_are_bitwise(model_type, units, attention):
     model = build(model_type, attention)
     reference = reference_for(model_type, model)
@@ -237,7 +247,7 @@ def test_bert_through_gradient_checkpointing_kwargs(sites):
     reference = copy.deepcopy(model)
     wrap_sites = None if sites == "found" else list(model.bert.encoder.layer)
     kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]), wrap_sites=wrap_sites)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_transformers_checkpointing(model, kwargs)
     audit = assert_bitwise_equal(model, reference)
     # Per layer: the query, key, value and output projections of the attention are kept.
     assert audit.hits("aten::addmm") == 4 * LAYERS
@@ -276,10 +286,14 @@ def test_trainer_three_steps_are_bitwise(tmp_path):
             tokens = torch.randint(3, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
             return {"input_ids": tokens, "labels": tokens}
 
+    # transformers 5 renamed the gradient_checkpointing arguments (deprecated until v6).
+    fields = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+    switch = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
     def train(model, checkpointing_kwargs, name):
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=2,
-            gradient_checkpointing=checkpointing_kwargs is not None, gradient_checkpointing_kwargs=checkpointing_kwargs,
+            **{switch: checkpointing_kwargs is not None, f"{switch}_kwargs": checkpointing_kwargs},
             report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, save_strategy="no",
             logging_steps=1)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
@@ -288,7 +302,11 @@ def test_trainer_three_steps_are_bitwise(tmp_path):
 
     model = build("qwen3")
     reference = copy.deepcopy(model)
-    losses = train(model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"])), "sac")
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    with sac_plugin.audit() as audit:
+        losses = train(model, kwargs, "sac")
+    # Each step's recompute is served the attention's kept calls (SDPA and projections).
+    assert audit.hits(SDPA_CPU) == 3 * LAYERS
     expected = train(reference, None, "reference")
     assert len(losses) == 3 and losses == expected
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
