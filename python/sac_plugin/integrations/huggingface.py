@@ -173,8 +173,8 @@ class _DerivedCallables(KeptCallables):
     MLP is "mlp", a MoE layer's is "mlp.experts"), so each layer finds its own; `paths` lists
     them all."""
 
-    unit: RecomputeUnit = RecomputeUnit.ATTN
-    moe: bool = False
+    unit: RecomputeUnit
+    moe: bool  # the model's config declares experts: look for MoE blocks
 
     def __init__(self, paths, unit: RecomputeUnit, moe: bool):
         super().__init__(paths)
