@@ -235,6 +235,18 @@ def test_a_derived_map_is_logged_once(caplog):
                        "post_attention_layernorm"]
 
 
+def test_without_checkpointable_layers_the_layers_are_the_class_repeated_in_a_module_list():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.ModuleList([torch.nn.Embedding(8, 4)])
+    model.blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+    assert huggingface.decoder_layers(model) == list(model.blocks)
+
+
 def test_the_layers_of_an_encoder_are_its_blocks_not_its_embeddings():
     model = build("bert")
     assert [type(layer).__name__ for layer in huggingface.decoder_layers(model)] == ["BertLayer"] * LAYERS
@@ -263,6 +275,8 @@ def test_a_budget_is_planned_per_layer_and_bitwise(model_type):
     budget = int(0.3 * sum(p.profile.no_checkpoint_bytes for p in plans))
     assert sum(p.held_bytes for p in plans) <= budget
     assert all(layer._sac_policy is plan.policy for layer, plan in zip(layers, plans))
+    # DeepSeek-V3's dense and MoE layers are two planning problems; Llama's two layers are one.
+    assert (plans[0].profile is plans[1].profile) == (model_type == "llama")
     assert_bitwise_equal(model, reference)
 
 
