@@ -54,6 +54,7 @@ if ! "$python" -c "import transformers" 2>/dev/null; then
   "$venv/bin/pip" install -q "huggingface-hub>=1.31.0,<3.0" "tokenizers>=0.23.1,<0.24.0" "safetensors>=0.8.0" \
     "regex>=2025.10.22" "packaging>=20.0" "tqdm>=4.60" typer
 fi
+"$python" -c "import accelerate" 2>/dev/null || "$venv/bin/pip" install -q --no-deps "accelerate==1.15.0" "psutil>=5.9"  # Trainer's; its other imports (pyyaml, huggingface-hub, safetensors, numpy, packaging) are above
 # torchtitan (the torchtitan integration's tests): --no-deps, with only what its model code and
 # activation-checkpoint module import (tyro, spmd_types, and triton, which its expert-parallel
 # kernels import at module level; the CUDA torch wheels already bring triton).

@@ -164,10 +164,10 @@ def test_gradient_checkpointing_kwargs_recipe(model_type):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError) as error:
-        huggingface.target_map_for(build("llama", "sdpa", False).__class__.__new__(torch.nn.Linear))
-    assert str(error.value).startswith("sac_plugin: no Hugging Face target map for model_type None (Linear); shipped: "
-                                       "gpt2, llama, mistral, mixtral, qwen2, qwen2_moe.")
+    with pytest.raises(ConfigError) as error:
+        huggingface.target_map_for(torch.nn.Linear(2, 2))
+    assert str(error.value) == ("Linear has no layers sac_plugin can find (no GradientCheckpointingLayer, no ModuleList "
+                                "of one class); pass wrap_sites=[the layers to checkpoint]")
     model = build("llama", "sdpa", False)
     with pytest.raises(ConfigError) as error:
         huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(every_nth_layer=2))
@@ -186,9 +186,21 @@ def test_bad_input_is_named():
         huggingface.apply_recompute_config(other)
 
 
-def test_a_budget_config_is_refused_for_transformers_models_not_run_as_full_recompute():
+def test_a_budget_through_the_core_entry_point_is_planned_and_bitwise():
+    model = build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
+    sac_plugin.apply_recompute_config(model, RecomputeConfig(budget=0.3),
+                                      example_inputs={"input_ids": tokens, "labels": tokens})
+    layers = huggingface.decoder_layers(model)
+    assert all(layer._sac_policy is layer._sac_plan.policy for layer in layers)
+    assert_bitwise_equal(model, reference)
+
+
+def test_a_budget_is_refused_by_gradient_checkpointing_kwargs():
     model = build("llama", "sdpa", dropout=False)
     with pytest.raises(ConfigError) as error:
-        sac_plugin.apply_recompute_config(model, RecomputeConfig(budget=0.3))
-    assert str(error.value).startswith("recompute config: budget is not supported for transformers models yet")
+        huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(budget=0.3))
+    assert str(error.value).startswith("recompute config: gradient_checkpointing_kwargs hands every layer one policy, "
+                                       "and a budget plans one per layer")
     assert not any("_sac_policy" in vars(module) for module in model.modules())
