@@ -80,8 +80,11 @@ using ProfileRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, s
                                std::vector<int64_t>, std::vector<std::string>, std::vector<double>>;
 
 struct ProfileHandle : torch::CustomClassHolder {
-  c10::intrusive_ptr<RegionHandle> newRegion() {
-    return c10::make_intrusive<RegionHandle>(c10::make_intrusive<Region>(keeps_nothing, profile));
+  // A profiling region, as an owned RegionHandle* that Python enters through the C ABI like any
+  // region (sac_region_enter, sac_region_exit) and releases with sac_region_release.
+  int64_t newRegionAddress() {
+    auto handle = c10::make_intrusive<RegionHandle>(c10::make_intrusive<Region>(keeps_nothing, profile));
+    return reinterpret_cast<int64_t>(handle.release());
   }
 
   // Columns, one row per call of the first run: op, index among the op's calls, innermost unit
@@ -176,17 +179,10 @@ OpTraitsTuple opTraits(const std::string& spelling) {
 }  // namespace
 
 TORCH_LIBRARY(sac, m) {
-  // Registered first: CallProfile.new_region() and region_at return it. Checkpoint regions are
-  // made and entered through the C ABI (sac_region_new, sac_region_enter); region_at gives one
-  // its queries. enter_forward and exit_forward serve the profiling regions
-  // CallProfile.new_region() makes (sac_plugin/planner/profile.py).
+  // Registered first: region_at returns it. Every region, checkpoint or profiling, is made,
+  // entered and exited through the C ABI (sac_region_new, sac_region_enter, sac_region_exit): the
+  // one way into scopes. region_at gives one its queries.
   m.class_<RegionHandle>("Region")
-      .def("enter_forward",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->enter(ActivationKind::kForward); })
-      .def("exit_forward",
-           [](const c10::intrusive_ptr<RegionHandle>& self, int64_t depth) {
-             self->exit(ActivationKind::kForward, depth);
-           })
       .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptBytes(); })
       .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptCalls(); })
       .def("kept_tensors",
@@ -231,7 +227,8 @@ TORCH_LIBRARY(sac, m) {
 
   m.class_<ProfileHandle>("CallProfile")
       .def(torch::init<>())
-      .def("new_region", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegion(); })
+      .def("new_region_address",
+           [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegionAddress(); })
       .def("begin_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->beginRun(); })
       .def("end_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->endRun(); })
       .def("runs", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->runs(); })

@@ -73,6 +73,13 @@ class RegionReference:
     def __init__(self, policy_address: int):
         self.address = _region_new(policy_address)
 
+    @classmethod
+    def adopt(cls, address: int) -> RegionReference:
+        """Owns a region handle the library made elsewhere (a profiling region)."""
+        reference = cls.__new__(cls)
+        reference.address = address
+        return reference
+
     def __del__(self, _release=_region_release):
         _release(self.address)
 
@@ -103,6 +110,11 @@ class RegionScope:
         if status:
             raise_last_error(status)
         return False
+
+
+def profiling_region_forward(profile) -> RegionScope:
+    """The forward scope of a new profiling region of `profile` (a torch.classes.sac.CallProfile)."""
+    return RegionScope(RegionReference.adopt(profile.new_region_address()), 0)
 
 
 def new_region_scopes(policy_address: int) -> tuple[RegionScope, RegionScope]:

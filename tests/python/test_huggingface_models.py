@@ -128,17 +128,9 @@ def attention_modules(model):
 UNITS = {"full": (), "attn": ("attn",), "moe_gate": ("moe_gate",), "mlp+moe_gate": ("mlp", "moe_gate")}
 
 
-# A kept tensor written in place later in the layer: the native engine demotes that kept output
-# (it is recomputed), torch's SAC (the dispatch_mode engine) raises.
-_ROUTER_WRITTEN = pytest.mark.native_engine(
-    "the MoE block writes in place a tensor its kept router produced: the native engine demotes that kept output, "
-    "torch's SAC raises")
-_FALCON_EAGER_WRITES = pytest.mark.native_engine(
-    "Falcon's eager attention divides its scores in place (attention_scores /= ...) after the kept matmul made "
-    "them: the native engine demotes that kept output, torch's SAC raises")
-WRITES_A_KEPT_OUTPUT = {("mixtral", "moe_gate"): _ROUTER_WRITTEN, ("mixtral", "mlp+moe_gate"): _ROUTER_WRITTEN,
-                        ("deepseek_v3", "moe_gate"): _ROUTER_WRITTEN, ("deepseek_v3", "mlp+moe_gate"): _ROUTER_WRITTEN,
-                        ("falcon", "attn", "eager"): _FALCON_EAGER_WRITES}
+# Some layers write in place a tensor a kept call produced (the MoE block writes into its kept
+# router's output; Falcon's eager attention divides its kept scores in place): both engines demote
+# that kept output and recompute it (NOTE: [Kept outputs written in the forward]).
 
 
 def cases():
@@ -149,8 +141,7 @@ def cases():
             if units.startswith(("moe", "mlp")) and name not in MOE_TYPES:
                 continue
             for attention in ("eager", "sdpa"):
-                marks = type_marks + [mark for key, mark in WRITES_A_KEPT_OUTPUT.items()
-                         if key in ((name, units), (name, units, attention))]
+                marks = list(type_marks)
                 if attention == "sdpa" and name in NO_SDPA:
                     marks.append(pytest.mark.skip(reason=NO_SDPA[name]))
                 yield pytest.param(name, units, attention, id=f"{name}-{units}-{attention}", marks=marks)
@@ -211,7 +202,6 @@ def test_a_unit_found_in_no_selected_layer_is_named():
     assert not any("_sac_policy" in vars(m) or "_sac_forward_units" in vars(m) for m in model.modules())
 
 
-@_ROUTER_WRITTEN
 def test_a_unit_in_some_layers_of_a_mixed_stack_is_installed_there(caplog):
     model = build("deepseek_v3")
     reference = copy.deepcopy(model)
@@ -265,7 +255,7 @@ def test_bert_through_gradient_checkpointing_kwargs(sites):
     assert audit.hits("aten::addmm") == 4 * LAYERS
 
 
-@pytest.mark.parametrize("model_type", ["llama", pytest.param("deepseek_v3", marks=_ROUTER_WRITTEN)])
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
 def test_a_budget_is_planned_per_layer_and_bitwise(model_type):
     model = build(model_type)
     reference = copy.deepcopy(model)

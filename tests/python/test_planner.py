@@ -15,7 +15,7 @@ import pytest
 import sac_plugin
 import torch
 from sac_plugin import ConfigError, Plan, PlanError, RecomputeConfig
-from sac_plugin import Policy
+from sac_plugin import Policy, _scopes
 from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import Llama, LlamaBlock, MoEBlock, rotary_tables
@@ -159,11 +159,9 @@ def test_profiling_changes_no_result_and_plan_leaves_no_trace():
     assert all(torch.equal(a, b) for a, b in zip(block.buffers(), buffers))
     # A forward inside a profiling region computes what a plain forward computes, bitwise.
     profile = torch.classes.sac.CallProfile()
-    region = profile.new_region()
     profile.begin_run()
-    depth = region.enter_forward()
-    profiled = block(x, cos, sin)
-    region.exit_forward(depth)
+    with _scopes.profiling_region_forward(profile):
+        profiled = block(x, cos, sin)
     profile.end_run()
     profiled.pow(2).sum().backward()
     profiled_grads = [p.grad.clone() for p in block.parameters()]

@@ -12,6 +12,7 @@ import statistics
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .. import _scopes
 from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
@@ -121,7 +122,7 @@ def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: i
         for _ in range(runs):
             call_args = tuple(_fresh(a) for a in args)
             call_kwargs = {k: _fresh(v) for k, v in kwargs.items()}
-            region = handle.new_region()
+            forward = _scopes.profiling_region_forward(handle)
             packed_at = []
 
             def pack(tensor):
@@ -130,12 +131,8 @@ def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: i
 
             handle.begin_run()
             try:
-                depth = region.enter_forward()
-                try:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                        out = module(*call_args, **call_kwargs)
-                finally:
-                    region.exit_forward(depth)
+                with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    out = module(*call_args, **call_kwargs)
             finally:
                 handle.end_run()
             # NOTE: [Where the recompute stops] torch.utils.checkpoint (non-reentrant) stops the
