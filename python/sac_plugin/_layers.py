@@ -55,7 +55,9 @@ def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: Recomp
     force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
     changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
     apply_selective_checkpointing, so they are checked for that too."""
-    check_target_map(target_map, sites[0])
+    # Each unit must mean something in at least one selected layer (a MoE unit in the MoE layers
+    # of a stack that also has dense ones); where a layer lacks it, nothing is installed there.
+    check_target_map(target_map, [sites[index] for index in selected])
     policy = policy_for(config, target_map)
 
     # Plan: every (owner, attribute, unit) to run in a unit, per selected site.

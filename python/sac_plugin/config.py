@@ -275,9 +275,11 @@ def _check_strings(field: str, values) -> None:
             raise ConfigError(f"recompute config: {field}[{i}] must be a non-empty string, got {bounded_repr(value)}")
 
 
-def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | None = None) -> None:
-    """Every unit of the map resolves to at least one registered op or, given a wrap site, one
-    callable under it; a KeptOps unit names no collective (Policy refuses it)."""
+def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[nn.Module] | None = None) -> None:
+    """Every unit of the map resolves to at least one registered op or, given wrap sites (one
+    module or several: the selected layers of a stack that mixes dense and MoE layers), one
+    callable under at least one of them; a KeptOps unit names no collective (Policy refuses it)."""
+    sites = [] if site is None else [site] if isinstance(site, nn.Module) else list(site)
     for unit, target in target_map.items():
         where = f"target map of {target_map.model_name}: unit '{unit.value}'"
         if isinstance(target, KeptOps):
@@ -291,8 +293,9 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | None = No
         elif isinstance(target, KeptCallables):
             if not target.paths:
                 raise ConfigError(f"{where} is empty: it names no callable")
-            if site is not None and not target.find(site):
-                raise ConfigError(f"{where}: {list(target.paths)} match nothing in {type(site).__name__}")
+            if sites and not any(target.find(layer) for layer in sites):
+                names = sorted({type(layer).__name__ for layer in sites})
+                raise ConfigError(f"{where}: {list(target.paths)} match nothing in {', '.join(names)}")
         else:
             raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
 

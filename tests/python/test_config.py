@@ -326,3 +326,28 @@ def test_configs_bound_list_sizes_and_text_length():
     limit = sac_plugin.config.MAX_TEXT_CHARACTERS
     with pytest.raises(ConfigError, match=rf"the text has {limit + 1} characters; a recompute config has at most {limit}$"):
         RecomputeConfig.from_json(" " * (limit + 1))
+
+
+def test_a_unit_is_checked_against_every_selected_layer_of_a_mixed_stack():
+    from sac_plugin.models import MOE_TARGETS, LlamaBlock
+
+    torch.manual_seed(0)
+    model = MoEModel(layers=3)
+    model.layers[0] = LlamaBlock(128, 4)  # a dense first layer, as in DeepSeek-V3
+    apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]), target_map=MOE_TARGETS)
+    assert "forward" not in vars(model.layers[0].feed_forward)
+    assert all("forward" in vars(layer.moe.router) for layer in list(model.layers)[1:])
+    tokens = torch.randint(0, 512, (2, 16))
+    with audit() as counted:
+        model(tokens).sum().backward()
+    assert counted.hits("aten::mm") > 0
+
+
+def test_a_unit_that_matches_no_selected_layer_is_an_error_naming_it():
+    from sac_plugin.models import Llama, MOE_TARGETS
+
+    model = Llama(layers=2)
+    with pytest.raises(ConfigError, match=r"target map of MoEModel: unit 'moe_gate': \[.moe.router.\] "
+                                          r"match nothing in LlamaBlock$"):
+        apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]), target_map=MOE_TARGETS)
+    assert not any("forward" in vars(m) for m in model.modules())
