@@ -1,0 +1,132 @@
+"""The test accelerator: a PrivateUse1 backend named ``sac_accel`` whose memory is host memory.
+
+Importing this package loads the backend's library (``libsac_test_accelerator.so``, next to this
+file, or the path in ``SAC_TEST_ACCELERATOR_LIBRARY``) and registers the device with torch:
+tensors live on ``sac_accel:0`` and ``sac_accel:1``, ``torch.accelerator`` reports it (memory
+statistics, streams, events), pinned host memory comes from its host allocator, and autograd runs
+backward for it on a device thread of its own, as for CUDA. Every op runs the CPU kernel on the
+same memory, so results are bitwise those of the CPU; work is synchronous, so recorded events have
+always completed.
+
+Autograd starts its device threads once per process, counting the devices of the backends
+registered at that moment: import this package before the process's first backward, or a backward
+on the device fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "BACKEND",
+    "current_device",
+    "device",
+    "device_count",
+    "get_rng_state",
+    "is_available",
+    "is_initialized",
+    "library_path",
+    "manual_seed",
+    "manual_seed_all",
+    "set_device",
+    "set_rng_state",
+    "synchronize",
+]
+
+BACKEND = "sac_accel"
+_LIBRARY_NAME = "libsac_test_accelerator.so"
+
+
+def library_path() -> Path:
+    """The backend's library: SAC_TEST_ACCELERATOR_LIBRARY, else the one next to this file."""
+    configured = os.environ.get("SAC_TEST_ACCELERATOR_LIBRARY")
+    path = Path(configured) if configured else Path(__file__).with_name(_LIBRARY_NAME)
+    if not path.is_file():
+        raise ImportError(
+            f"sac_test_accelerator: no library at {path}; build it with the tests "
+            "(bash tools/build.sh) or install it with bash tools/build_test_accelerator.sh"
+        )
+    return path
+
+
+# The device module torch.get_device_module("sac_accel") returns. torch.accelerator asks it for
+# is_available and device_count, and the backend's C++ hooks and device guard for the rest; the
+# other functions are for code that asks the module (e.g. torch.utils.checkpoint saving and
+# restoring device RNG state). Nothing here may call torch.accelerator.is_available or
+# torch.accelerator.device_count, which would call back here.
+def is_available() -> bool:
+    return True  # the library is loaded (this module registers only after loading it)
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False  # no driver state: a forked child can use the device as its parent did
+
+
+def device_count() -> int:
+    return torch.ops.sac_test_accelerator.device_count()
+
+
+def current_device() -> int:
+    return torch.accelerator.current_device_index()
+
+
+def set_device(index: int | str | torch.device) -> None:
+    torch.accelerator.set_device_index(index)
+
+
+def synchronize(index: int | str | torch.device | None = None) -> None:
+    torch.accelerator.synchronize(index)
+
+
+@contextlib.contextmanager
+def device(index: int | str | torch.device | None):
+    """Makes ``index`` the current device inside the block (None leaves it as it is)."""
+    if index is None:
+        yield
+        return
+    previous = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(index)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_device_index(previous)
+
+
+# The backend has no generator of its own: its kernels are the CPU kernels and draw from the CPU
+# generator. Its RNG state is therefore the CPU generator's state.
+def get_rng_state(device: int | str | torch.device = BACKEND) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: int | str | torch.device = BACKEND) -> None:
+    torch.set_rng_state(new_state)
+
+
+def manual_seed(seed: int) -> None:
+    torch.random.default_generator.manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.random.default_generator.manual_seed(seed)
+
+
+def _register() -> None:
+    import sys
+
+    if torch._C._get_privateuse1_backend_name() == BACKEND:
+        return  # loaded already (a second import under another module name)
+    torch.ops.load_library(str(library_path()))
+    torch.utils.rename_privateuse1_backend(BACKEND)
+    torch._register_device_module(BACKEND, sys.modules[__name__])
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+
+
+_register()
