@@ -64,8 +64,8 @@ class Hooks final : public at::PrivateUse1HooksInterface {
 
 struct RegisterHooks {
   RegisterHooks() {
-    static Hooks hooks;
-    at::RegisterPrivateUse1HooksInterface(&hooks);
+    // Never destroyed: autograd's device threads may still ask the hooks while the process exits.
+    at::RegisterPrivateUse1HooksInterface(new Hooks());
   }
 } register_hooks;
 

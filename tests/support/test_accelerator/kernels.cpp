@@ -5,7 +5,9 @@
 // copy: host_view() wraps its data with the same sizes and strides. The boxed fallback replaces
 // every device tensor (and device argument) in the stack with that CPU view, calls the op again
 // (it now dispatches to CPU), and turns what comes back into device tensors:
-// - a returned CPU view of an argument (in-place and out= ops) is that argument itself;
+// - a returned CPU view of an argument (in-place ops) is that argument itself;
+// - an out= argument is the exception to sharing memory: it gets a CPU tensor of its own, which
+//   the CPU kernel may resize, and the device tensor takes its shape and values afterwards;
 // - a CPU tensor inside an argument's memory (a view op the CPU backend implements, e.g. unfold)
 //   becomes the same view of the device argument (as_strided over its storage);
 // - anything else is new memory: it is copied into a device tensor from the device allocator, so
@@ -81,15 +83,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size,
-                         std::optional<at::MemoryFormat> memory_format) {
-  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  impl->set_sizes_contiguous(size);
-  if (memory_format.has_value()) {
-    TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve,
-                "sac_test_accelerator: resize_ does not accept memory_format=torch.preserve_format");
-    impl->empty_tensor_restride(*memory_format);
-  }
+// Gives a device tensor new sizes and strides (same storage offset), growing its storage if they
+// reach past its end.
+void restride(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  self.unsafeGetTensorImpl()->set_sizes_and_strides(size, stride, self.storage_offset());
   if (self.numel() > 0) {
     size_t needed =
         at::detail::computeStorageNbytes(self.sizes(), self.strides(), self.dtype().itemsize(), self.storage_offset());
@@ -97,6 +94,18 @@ const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size,
       resize_device_storage(self.storage(), needed);
     }
   }
+}
+
+const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size,
+                         std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK(memory_format.value_or(at::MemoryFormat::Contiguous) != at::MemoryFormat::Preserve,
+              "sac_test_accelerator: resize_ does not accept memory_format=torch.preserve_format");
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (memory_format.has_value()) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  restride(self, self.sizes(), self.strides());
   return self;
 }
 
@@ -106,14 +115,8 @@ at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_o
               source.device());
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(std::move(source));
-  impl->set_sizes_and_strides(size, stride, storage_offset);
-  if (self.numel() > 0) {
-    size_t needed =
-        at::detail::computeStorageNbytes(self.sizes(), self.strides(), self.dtype().itemsize(), self.storage_offset());
-    if (needed > self.storage().nbytes()) {
-      resize_device_storage(self.storage(), needed);
-    }
-  }
+  impl->set_storage_offset(storage_offset);
+  restride(self, size, stride);
   return self;
 }
 
@@ -127,7 +130,27 @@ at::Tensor& set_empty(at::Tensor& self) {
 struct DeviceArgument {
   at::Tensor device_tensor;
   at::Tensor host_tensor;
+  bool is_out;  // host_tensor is a CPU tensor of its own, copied back after the op
 };
+
+// An out= argument gets a CPU tensor of its own rather than a view of the device memory: the CPU
+// kernel may resize it, which a view of memory it does not own refuses. After the op the device
+// tensor takes the CPU tensor's sizes and strides (growing its storage through the device
+// allocator) and its values.
+at::Tensor host_copy_for_out(const at::Tensor& tensor) {
+  at::Tensor host = at::empty_strided(tensor.sizes(), tensor.strides(), tensor.options().device(at::kCPU));
+  host.copy_(host_view(tensor));
+  return host;
+}
+
+void copy_back_out(const DeviceArgument& argument) {
+  const at::Tensor& host = argument.host_tensor;
+  const at::Tensor& device = argument.device_tensor;
+  if (host.sizes() != device.sizes() || host.strides() != device.strides()) {
+    restride(device, host.sizes(), host.strides());
+  }
+  host_view(device).copy_(host);
+}
 
 at::Tensor to_device(const at::Tensor& result, const std::vector<DeviceArgument>& arguments, c10::Device device) {
   if (!result.defined() || on_device(result)) {
@@ -164,28 +187,29 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   std::vector<DeviceArgument> device_arguments;
   std::optional<c10::Device> device;
-  auto swap_tensor = [&](const at::Tensor& tensor) -> at::Tensor {
+  auto swap_tensor = [&](const at::Tensor& tensor, bool is_out) -> at::Tensor {
     if (!on_device(tensor)) {
       return tensor;
     }
     if (!device.has_value()) {
       device = tensor.device();
     }
-    at::Tensor host = host_view(tensor);
-    device_arguments.push_back({tensor, host});
+    at::Tensor host = is_out ? host_copy_for_out(tensor) : host_view(tensor);
+    device_arguments.push_back({tensor, host, is_out});
     return host;
   };
   for (auto it = arguments_begin; it != stack->end(); ++it) {
     c10::IValue& value = *it;
+    const bool is_out = schema.arguments()[it - arguments_begin].is_out();
     if (value.isTensor()) {
-      value = swap_tensor(value.toTensor());
+      value = swap_tensor(value.toTensor(), is_out);
     } else if (value.isList()) {
       // Tensor[] and Tensor?[]: a copy, since the caller's list must keep its device tensors.
       c10::List<c10::IValue> swapped = value.toList().copy();
       for (size_t i = 0; i < swapped.size(); ++i) {
         c10::IValue element = swapped.get(i);
         if (element.isTensor()) {
-          swapped.set(i, swap_tensor(element.toTensor()));
+          swapped.set(i, swap_tensor(element.toTensor(), is_out));
         }
       }
       value = swapped;
@@ -203,6 +227,11 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // device_arguments holds the device tensors until the results are converted: their host views
   // on the stack do not own their memory.
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  for (const DeviceArgument& argument : device_arguments) {
+    if (argument.is_out) {
+      copy_back_out(argument);
+    }
+  }
 
   const size_t return_count = schema.returns().size();
   for (auto it = stack->end() - static_cast<std::ptrdiff_t>(return_count); it != stack->end(); ++it) {
