@@ -38,9 +38,9 @@ _DIRECTORY, _SKIP_REASON = _package_directory()
 pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 
 
-def run_on_accelerator(body):
-    """Runs `body` in a fresh interpreter that has loaded the accelerator first; returns the JSON
-    object the body prints last (`report(...)`).
+def run_on_accelerator(body, before_import="pass"):
+    """Runs `body` in a fresh interpreter that has loaded the accelerator first (after
+    `before_import`); returns the JSON object the body prints last (`report(...)`).
 
     The interpreter leaves with os._exit once the body has reported: autograd's device threads may
     still be releasing the last backward's objects, and one that reaches for the GIL while the
@@ -52,11 +52,10 @@ def run_on_accelerator(body):
         import json, os, sys, threading
         sys.path[:0] = {[_DIRECTORY] if _DIRECTORY else []!r}
         import torch
-        import sac_test_accelerator
         def report(**values):
             print(json.dumps(values))
         """
-    )
+    ) + textwrap.dedent(before_import) + "\nimport sac_test_accelerator\n"
     epilogue = "\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
     result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + epilogue],
                             capture_output=True, text=True, timeout=300)
@@ -281,3 +280,25 @@ def test_a_device_index_out_of_range_is_refused_by_name():
     )
     assert values == {"message": "sac_test_accelerator: device index 2 is out of range; devices are 0..1",
                       "bytes": 0}
+
+
+def test_importing_after_the_first_backward_says_why_backward_would_fail():
+    values = run_on_accelerator(
+        """
+        report(unreachable=True)
+        """,
+        before_import="""
+        torch.ones(1, requires_grad=True).sum().backward()
+        try:
+            import sac_test_accelerator
+        except ImportError as error:
+            report(message=str(error))
+            sys.stdout.flush()
+            os._exit(0)
+        """,
+    )
+    assert values == {"message": (
+        "sac_test_accelerator was imported after this process ran its first backward: autograd starts its device "
+        "threads once, counting the devices registered then, so it has none for sac_accel; import "
+        "sac_test_accelerator before any backward (the device stays registered, but backward on it fails in this "
+        "process)")}

@@ -173,10 +173,9 @@ at::Tensor to_device(const at::Tensor& result, const std::vector<DeviceArgument>
     }
   }
   at::Tensor fresh = empty_strided(result.sizes(), result.strides(), result.scalar_type(), std::nullopt, device, false);
-  if (!at::detail::computeStorageNbytes(result.sizes(), result.strides(), result.dtype().itemsize())) {
-    return fresh;
+  if (result.numel() > 0) {
+    host_view(fresh).copy_(result);
   }
-  host_view(fresh).copy_(result);
   return fresh;
 }
 

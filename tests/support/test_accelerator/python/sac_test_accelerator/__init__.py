@@ -127,6 +127,26 @@ def _register() -> None:
     torch.utils.rename_privateuse1_backend(BACKEND)
     torch._register_device_module(BACKEND, sys.modules[__name__])
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    _check_autograd_has_device_threads()
+
+
+def _check_autograd_has_device_threads() -> None:
+    """A backward on each device, so that a process whose autograd engine started before the
+    backend was registered (it then has no thread for these devices) hears it here, by name,
+    rather than from an internal assertion in its first backward on the device."""
+    for index in range(device_count()):
+        leaf = torch.ones(1, device=f"{BACKEND}:{index}", requires_grad=True)
+        try:
+            torch.autograd.grad(leaf.sum(), leaf)
+        except RuntimeError as error:
+            if "device_ready_queues_" not in str(error):
+                raise
+            raise ImportError(
+                "sac_test_accelerator was imported after this process ran its first backward: autograd "
+                "starts its device threads once, counting the devices registered then, so it has none for "
+                f"{BACKEND}; import sac_test_accelerator before any backward (the device stays registered, "
+                "but backward on it fails in this process)"
+            ) from None
 
 
 _register()
