@@ -135,9 +135,11 @@ def _check_autograd_has_device_threads() -> None:
     backend was registered (it then has no thread for these devices) hears it here, by name,
     rather than from an internal assertion in its first backward on the device."""
     for index in range(device_count()):
-        leaf = torch.ones(1, device=f"{BACKEND}:{index}", requires_grad=True)
+        # Tensors without elements: the device thread lets go of a graph's tensors a moment after
+        # the backward returns, and these hold no bytes that the memory statistics would count.
+        leaf = torch.empty(0, device=f"{BACKEND}:{index}", requires_grad=True)
         try:
-            torch.autograd.grad(leaf.sum(), leaf)
+            torch.autograd.grad(leaf * 2, leaf, torch.empty(0, device=leaf.device))
         except RuntimeError as error:
             if "device_ready_queues_" not in str(error):
                 raise
