@@ -199,6 +199,7 @@ def test_pinned_host_tensors_are_pinned():
         empty_pinned = torch.empty(4, pin_memory=True)
         device = plain.to("sac_accel")
         empty_pinned.copy_(device, non_blocking=True)
+        torch.accelerator.synchronize()
         report(plain=plain.is_pinned(), pinned=pinned.is_pinned(), empty_pinned=empty_pinned.is_pinned(),
                pinned_device=str(pinned.device), copied=torch.equal(empty_pinned, plain),
                device_bytes=torch.accelerator.memory_allocated())
@@ -228,6 +229,7 @@ def test_an_offload_round_trip_on_a_side_stream_with_events():
             start.record()
             host.copy_(activation, non_blocking=True)
             copied.record()
+        activation.record_stream(side)  # the side stream still reads it after the free below
         default.wait_event(copied)
         del activation
         freed = torch.accelerator.memory_allocated()
@@ -302,3 +304,61 @@ def test_importing_after_the_first_backward_says_why_backward_would_fail():
         "threads once, counting the devices registered then, so it has none for sac_accel; import "
         "sac_test_accelerator before any backward (the device stays registered, but backward on it fails in this "
         "process)")}
+
+
+def test_queued_copies_show_a_missing_wait_or_record_stream():
+    values = run_on_accelerator(
+        """
+        sac_test_accelerator.set_copy_delay(0.2)
+        side = torch.Stream(device="sac_accel")
+        ones = lambda: torch.ones(4, device="sac_accel")
+
+        # Read before waiting: the old values; after the event: the copied ones.
+        host = torch.zeros(4, pin_memory=True)
+        source = ones()
+        with side:
+            host.copy_(source, non_blocking=True)
+            copied = side.record_event()
+        early, query_early = host.tolist(), copied.query()
+        copied.synchronize()
+        waited = host.tolist()
+
+        # Freed without record_stream while the copy is queued: the copy reads the poisoned block.
+        host = torch.zeros(4, pin_memory=True)
+        with side:
+            host.copy_(ones(), non_blocking=True)
+        side.synchronize()
+        unrecorded = host.tolist()
+
+        # The same with record_stream: the block outlives the queued copy.
+        host = torch.zeros(4, pin_memory=True)
+        source = ones()
+        with side:
+            host.copy_(source, non_blocking=True)
+        source.record_stream(side)
+        del source
+        side.synchronize()
+        recorded = host.tolist()
+
+        # Unpinned host memory: non_blocking copies run at once, as on CUDA.
+        plain = torch.zeros(4)
+        with side:
+            plain.copy_(ones(), non_blocking=True)
+        report(early=early, query_early=query_early, waited=waited, unrecorded=[str(v) for v in unrecorded],
+               recorded=recorded, unpinned=plain.tolist(), bytes=torch.accelerator.memory_allocated())
+        """
+    )
+    assert values == {"early": [0.0] * 4, "query_early": False, "waited": [1.0] * 4, "unrecorded": ["nan"] * 4,
+                      "recorded": [1.0] * 4, "unpinned": [1.0] * 4, "bytes": 0}
+
+
+def test_the_copy_delay_must_be_a_number_of_seconds():
+    values = run_on_accelerator(
+        """
+        try:
+            sac_test_accelerator.set_copy_delay(-1)
+        except ValueError as error:
+            report(message=str(error))
+        """
+    )
+    assert values == {"message": "sac_test_accelerator.set_copy_delay: seconds must be a number >= 0, got -1"}

@@ -5,15 +5,20 @@
 // machines without a GPU. Every piece torch asks an accelerator for is real (an allocator with
 // statistics, a pinned host allocator, a device guard with streams and events, the hooks that make
 // torch.accelerator see it); only the kernels are borrowed: every op runs the CPU kernel on the
-// same memory (kernels.cpp). Work is synchronous, so every stream is always idle and every
-// recorded event has completed.
+// same memory (kernels.cpp). Ops run when called; non_blocking copies run later on the stream's
+// worker thread (streams.cpp, NOTE: [What runs asynchronously]).
 #pragma once
 
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
 
+#include <c10/core/Stream.h>
+
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
 
 namespace sac_test_accelerator {
 
@@ -32,6 +37,18 @@ c10::Allocator* pinned_host_allocator();
 bool is_pinned_host_pointer(const void* pointer);
 // The device that owns a pointer from the device allocator (any pointer inside a live block).
 c10::Device device_of_pointer(const void* pointer);
+// The device's current stream on the calling thread (device_guard.cpp).
+c10::Stream current_stream(c10::DeviceIndex device);
+
+// Stream workers (streams.cpp, NOTE: [What runs asynchronously]).
+void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work);
+void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy);
+void synchronize_stream(const c10::Stream& stream);
+bool stream_idle(const c10::Stream& stream);
+std::vector<c10::Stream> busy_streams();
+void synchronize_device(c10::DeviceIndex device);
+void set_copy_delay_us(int64_t microseconds);
+
 // Grows or shrinks a device storage to new_bytes, keeping the common prefix of its contents.
 void resize_device_storage(const c10::Storage& storage, size_t new_bytes);
 

@@ -5,7 +5,11 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <memory>
+#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -30,6 +34,7 @@ void* aligned_block(size_t bytes) {
 struct Block {
   size_t bytes;
   c10::DeviceIndex device;
+  std::vector<c10::Stream> streams;  // recorded with Tensor.record_stream: they may still use it
 };
 
 const Block* block_containing(const std::map<const void*, Block>& blocks, const void* pointer) {
@@ -55,7 +60,7 @@ class DeviceMemory final : public c10::DeviceAllocator {
     }
     void* block = aligned_block(bytes);
     std::lock_guard<std::mutex> lock(mutex_);
-    blocks_.emplace(block, Block{bytes, device});
+    blocks_.emplace(block, Block{bytes, device, {}});
     DeviceStats& stats = stats_[device];
     for (c10::CachingAllocator::StatArray* array :
          {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes, &stats.requested_bytes}) {
@@ -81,8 +86,17 @@ class DeviceMemory final : public c10::DeviceAllocator {
   }
   // Nothing is cached: freed blocks go straight back to the host.
   void emptyCache(c10::MempoolId_t /*mempool_id*/) override {}
-  // Work is synchronous: a block is never in use by a stream after its tensor is freed.
-  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = blocks_.find(ptr.get());
+    if (found == blocks_.end()) {
+      return;  // no bytes (a tensor without elements)
+    }
+    std::vector<c10::Stream>& streams = found->second.streams;
+    if (std::find(streams.begin(), streams.end(), stream) == streams.end()) {
+      streams.push_back(stream);
+    }
+  }
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_device_index(device);
@@ -130,12 +144,20 @@ class DeviceMemory final : public c10::DeviceAllocator {
     instance().free_block(block);
   }
 
+  // NOTE: [Freeing a block streams may still use]
+  // The statistics drop when the tensor is freed, as CUDA's do. The memory itself goes back to the
+  // host only once every stream that may still use it has finished the work queued on it now: the
+  // streams recorded on the block, and every stream with queued work (NOTE: [What runs
+  // asynchronously]). A block no stream was recorded on is poisoned first (every byte 0xFF: NaN
+  // in a floating-point tensor), so a queued copy that reads it after the free, the bug
+  // record_stream exists to prevent, copies NaNs rather than the old values.
   void free_block(void* block) {
+    Block freed;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto found = blocks_.find(block);
       TORCH_INTERNAL_ASSERT(found != blocks_.end(), "sac_test_accelerator: freeing an unknown block");
-      const Block& freed = found->second;
+      freed = std::move(found->second);
       DeviceStats& stats = stats_[freed.device];
       for (c10::CachingAllocator::StatArray* array :
            {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes, &stats.requested_bytes}) {
@@ -147,7 +169,27 @@ class DeviceMemory final : public c10::DeviceAllocator {
       stats.num_device_free += 1;
       blocks_.erase(found);
     }
-    std::free(block);
+    if (freed.streams.empty()) {
+      std::memset(block, 0xFF, freed.bytes);
+    }
+    std::vector<c10::Stream> users = std::move(freed.streams);
+    for (const c10::Stream& busy : busy_streams()) {
+      if (std::find(users.begin(), users.end(), busy) == users.end()) {
+        users.push_back(busy);
+      }
+    }
+    if (users.empty()) {
+      std::free(block);
+      return;
+    }
+    auto remaining = std::make_shared<std::atomic<size_t>>(users.size());
+    for (const c10::Stream& user : users) {
+      enqueue_on_stream(user, [remaining, block] {
+        if (remaining->fetch_sub(1) == 1) {
+          std::free(block);
+        }
+      });
+    }
   }
 
  public:
@@ -175,7 +217,7 @@ class PinnedHostMemory final : public c10::Allocator {
     }
     void* block = aligned_block(bytes);
     std::lock_guard<std::mutex> lock(mutex_);
-    blocks_.emplace(block, Block{bytes, -1});
+    blocks_.emplace(block, Block{bytes, -1, {}});
     return {block, block, &release, c10::Device(c10::DeviceType::CPU)};
   }
 

@@ -76,9 +76,11 @@ int64_t device_count() {
 }  // namespace
 
 // The Python device module's device_count() (torch.accelerator.device_count() asks the module,
-// so the module must ask the library).
+// so the module must ask the library), and the delay before each queued copy (NOTE: [What runs
+// asynchronously]).
 TORCH_LIBRARY(sac_test_accelerator, m) {
   m.def("device_count() -> int", &device_count);
+  m.def("set_copy_delay_us(int microseconds) -> ()", &set_copy_delay_us);
 }
 
 }  // namespace sac_test_accelerator

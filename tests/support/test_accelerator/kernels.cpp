@@ -15,7 +15,8 @@
 // What the fallback cannot do generically is registered below as kernels of its own: making
 // tensors (empty, empty_strided), copying between devices (_copy_from, _copy_from_and_resize),
 // views torch expects every backend to implement (as_strided, view, _reshape_alias), and changing
-// a tensor's storage (resize_, set_), since the CPU views do not own their memory.
+// a tensor's storage (resize_, set_), since the CPU views do not own their memory, and
+// record_stream, which only a device's allocator can honour.
 #include "accelerator.h"
 
 #include <ATen/ATen.h>
@@ -24,6 +25,7 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -72,9 +74,35 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   return at::detail::empty_strided_generic(size, stride, device_allocator(), keys, c10::dtype_or_default(dtype));
 }
 
-// Host to device, device to host, device to device: all the same memcpy-like CPU copy.
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
-  host_view(dst).copy_(host_view(self));
+// A CPU tensor over any tensor's memory, owning nothing and carrying no autograd state, for a
+// copy that runs on a stream's worker thread.
+at::Tensor bare_alias(const at::Tensor& tensor) {
+  return at::from_blob(tensor.data_ptr(), tensor.sizes(), tensor.strides(),
+                       tensor.options().device(at::kCPU).requires_grad(false));
+}
+
+// Host to device, device to host, device to device: all the same CPU copy. A non_blocking copy
+// between the device and pinned host memory (or within the device) is queued on the device's
+// current stream (NOTE: [What runs asynchronously]); from or to unpinned host memory it runs now,
+// as on CUDA. The queued copy does not keep the device memory alive (record_stream does: NOTE:
+// [Freeing a block streams may still use]); it keeps the host tensor alive, as a pinned-memory
+// allocator that tracks its blocks' streams would.
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const at::Tensor& device_side = on_device(dst) ? dst : self;
+  c10::Stream stream = current_stream(device_side.device().index());
+  auto pinned_or_device = [](const at::Tensor& tensor) {
+    return on_device(tensor) || tensor.numel() == 0 || is_pinned_host_pointer(tensor.data_ptr());
+  };
+  if (!non_blocking || !pinned_or_device(self) || !pinned_or_device(dst)) {
+    synchronize_stream(stream);
+    host_view(dst).copy_(host_view(self));
+    return dst;
+  }
+  at::Tensor host_side = on_device(dst) ? self : dst;
+  enqueue_copy_on_stream(stream, [source = bare_alias(self), destination = bare_alias(dst),
+                                  keep_alive = on_device(host_side) ? at::Tensor() : host_side]() mutable {
+    destination.copy_(source);
+  });
   return dst;
 }
 
@@ -124,6 +152,14 @@ at::Tensor& set_empty(at::Tensor& self) {
   c10::DeviceGuard guard(self.device());
   c10::Storage empty(c10::Storage::use_byte_size_t(), 0, device_allocator(), /*resizable=*/true);
   return set_storage(self, std::move(empty), 0, {0}, {1});
+}
+
+// The tensor's block stays allocated until the work queued on `stream` now has run (NOTE:
+// [Freeing a block streams may still use]).
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == c10::DeviceType::PrivateUse1,
+              "sac_test_accelerator: record_stream takes a stream of this device, got one of ", stream.device());
+  static_cast<c10::DeviceAllocator*>(device_allocator())->recordStream(self.storage().data_ptr(), stream);
 }
 
 // What the fallback turns a CPU result back into (NOTE: [Running every op on the CPU kernels]).
@@ -223,6 +259,8 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!device.has_value()) {
     device = c10::Device(c10::DeviceType::PrivateUse1, current_device());
   }
+  // The op runs now, after the work queued on its stream (NOTE: [What runs asynchronously]).
+  synchronize_stream(current_stream(device->index()));
   // device_arguments holds the device tensors until the results are converted: their host views
   // on the stack do not own their memory.
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -262,6 +300,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", TORCH_FN(resize));
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage));
   m.impl("set_", TORCH_FN(set_empty));
+  m.impl("record_stream", TORCH_FN(record_stream));
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("view", TORCH_FN(at::native::view));
   m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));

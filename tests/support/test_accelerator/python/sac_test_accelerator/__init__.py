@@ -5,8 +5,11 @@ file, or the path in ``SAC_TEST_ACCELERATOR_LIBRARY``) and registers the device 
 tensors live on ``sac_accel:0`` and ``sac_accel:1``, ``torch.accelerator`` reports it (memory
 statistics, streams, events), pinned host memory comes from its host allocator, and autograd runs
 backward for it on a device thread of its own, as for CUDA. Every op runs the CPU kernel on the
-same memory, so results are bitwise those of the CPU; work is synchronous, so recorded events have
-always completed.
+same memory, so results are bitwise those of the CPU. Ops run when called, after the work queued
+on their stream; a non_blocking copy between the device and pinned host memory is queued on the
+current stream's worker thread and runs later (after set_copy_delay's delay), so a missing wait
+on its event or stream, or a missing Tensor.record_stream before freeing its source (the freed
+block is poisoned with NaNs), shows in the values copied.
 
 Autograd starts its device threads once per process, counting the devices of the backends
 registered at that moment: import this package before the process's first backward, or a backward
@@ -32,6 +35,7 @@ __all__ = [
     "library_path",
     "manual_seed",
     "manual_seed_all",
+    "set_copy_delay",
     "set_device",
     "set_rng_state",
     "synchronize",
@@ -116,6 +120,15 @@ def manual_seed(seed: int) -> None:
 
 def manual_seed_all(seed: int) -> None:
     torch.random.default_generator.manual_seed(seed)
+
+
+def set_copy_delay(seconds: float) -> None:
+    """Each queued (non_blocking) copy waits this long on its stream before it runs, so that a
+    test reading its destination too early reliably sees the old values. 0 (the default) runs
+    queued copies as soon as their stream reaches them."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
+        raise ValueError(f"sac_test_accelerator.set_copy_delay: seconds must be a number >= 0, got {seconds!r}")
+    torch.ops.sac_test_accelerator.set_copy_delay_us(round(seconds * 1_000_000))
 
 
 def _register() -> None:
