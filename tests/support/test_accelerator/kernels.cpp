@@ -39,8 +39,9 @@ bool on_device(const at::Tensor& tensor) {
   return tensor.defined() && tensor.device().is_privateuseone();
 }
 
-// A CPU tensor over a device tensor's memory: same data, sizes and strides; it does not own the
-// memory, so it must not outlive the device tensor (the fallback keeps both on its stack).
+// A CPU tensor over a device tensor's memory: same data, sizes and strides. It does not own the
+// memory, so it must not outlive the device tensor: the fallback holds every device argument
+// until the op's results are converted.
 at::Tensor host_view(const at::Tensor& tensor) {
   if (!on_device(tensor)) {
     return tensor;
@@ -95,6 +96,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   };
   if (!non_blocking || !pinned_or_device(self) || !pinned_or_device(dst)) {
     synchronize_stream(stream);
+    if (on_device(self) && on_device(dst) && self.device() != dst.device()) {
+      synchronize_stream(current_stream(self.device().index()));
+    }
     host_view(dst).copy_(host_view(self));
     return dst;
   }

@@ -68,6 +68,7 @@ class Worker {
       running_ = true;
       lock.unlock();
       work();  // the queued work is ours: it reports no errors (the copies were checked when queued)
+      work = nullptr;  // what it holds (a host tensor) is released before the queue is locked again
       lock.lock();
       running_ = false;
       changed_.notify_all();

@@ -11,9 +11,12 @@ current stream's worker thread and runs later (after set_copy_delay's delay), so
 on its event or stream, or a missing Tensor.record_stream before freeing its source (the freed
 block is poisoned with NaNs), shows in the values copied.
 
-Autograd starts its device threads once per process, counting the devices of the backends
-registered at that moment: import this package before the process's first backward, or a backward
-on the device fails.
+Autograd starts its device threads once per process, counting the devices registered at that
+moment: import this package before the process's first backward (importing it later raises
+ImportError, saying so). A process that exits right after a backward on the device can abort on
+the way out ("terminate called without an active exception"): a device thread still letting go of
+the graph reaches for the GIL while the interpreter finalizes, a race in torch's exit path that
+every accelerator with device threads shares. Test scripts end with os._exit after reporting.
 """
 
 from __future__ import annotations
