@@ -35,7 +35,9 @@ def _package_directory():
 
 
 _DIRECTORY, _SKIP_REASON = _package_directory()
-pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+# slow: each test starts an interpreter; and the backend does not depend on the plugin's engine, so
+# tools/test.sh's passes with another engine (-m "not slow") need not run it again.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 
 
 def run_on_accelerator(body, before_import="pass"):
