@@ -1,0 +1,171 @@
+// Stream workers: the one kind of work that runs asynchronously is a non_blocking copy.
+//
+// NOTE: [What runs asynchronously]
+// Every op runs when it is called, on the calling thread, after the work queued on the current
+// stream of its device has finished (so each stream stays in order). A copy with
+// non_blocking=True is the exception: it is queued on the current stream's worker thread and runs
+// later, after an optional delay (set_copy_delay), exactly as a host<->device copy on a side
+// stream runs behind the host on a GPU. So the synchronization offloading needs is observable:
+// reading a copy's destination before waiting on its event or stream sees the old values, and a
+// device block freed while a queued copy still reads it reads poison (allocator.cpp) unless the
+// stream was recorded on it (Tensor.record_stream). Events are recorded by queueing a marker;
+// making a stream wait on an event queues a wait on that stream's worker (or, for work that runs on
+// the calling thread, waits there).
+#include "accelerator.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace sac_test_accelerator {
+namespace {
+
+std::atomic<int64_t> copy_delay_us{0};
+
+// One worker thread per stream that ever had work queued. Never destroyed: the threads are
+// detached and may still be waiting when the process exits.
+class Worker {
+ public:
+  Worker() {
+    std::thread([this] { run(); }).detach();
+  }
+
+  void enqueue(std::function<void()> work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    changed_.notify_all();
+  }
+
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] { return queue_.empty() && !running_; });
+  }
+
+  bool idle() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return queue_.empty() && !running_;
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      changed_.wait(lock, [this] { return !queue_.empty(); });
+      std::function<void()> work = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+      lock.unlock();
+      work();  // the queued work is ours: it reports no errors (the copies were checked when queued)
+      work = nullptr;  // what it holds (a host tensor) is released before the queue is locked again
+      lock.lock();
+      running_ = false;
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> queue_;
+  bool running_ = false;
+};
+
+struct Workers {
+  std::mutex mutex;
+  std::map<std::pair<c10::DeviceIndex, c10::StreamId>, Worker*> by_stream;
+};
+
+Workers& workers() {
+  static auto* all = new Workers();
+  return *all;
+}
+
+Worker* find_worker(const c10::Stream& stream) {
+  Workers& all = workers();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto found = all.by_stream.find({stream.device_index(), stream.id()});
+  return found == all.by_stream.end() ? nullptr : found->second;
+}
+
+Worker& worker_for(const c10::Stream& stream) {
+  Workers& all = workers();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  Worker*& worker = all.by_stream[{stream.device_index(), stream.id()}];
+  if (worker == nullptr) {
+    worker = new Worker();
+  }
+  return *worker;
+}
+
+}  // namespace
+
+void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work) {
+  worker_for(stream).enqueue(std::move(work));
+}
+
+void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy) {
+  enqueue_on_stream(stream, [copy = std::move(copy)] {
+    int64_t delay = copy_delay_us.load();
+    if (delay > 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(delay));
+    }
+    copy();
+  });
+}
+
+void synchronize_stream(const c10::Stream& stream) {
+  if (Worker* worker = find_worker(stream)) {
+    worker->drain();
+  }
+}
+
+bool stream_idle(const c10::Stream& stream) {
+  Worker* worker = find_worker(stream);
+  return worker == nullptr || worker->idle();
+}
+
+std::vector<c10::Stream> busy_streams() {
+  std::vector<c10::Stream> busy;
+  Workers& all = workers();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  for (const auto& [key, worker] : all.by_stream) {
+    if (!worker->idle()) {
+      busy.emplace_back(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, key.first), key.second);
+    }
+  }
+  return busy;
+}
+
+void synchronize_device(c10::DeviceIndex device) {
+  std::vector<Worker*> on_device;
+  {
+    Workers& all = workers();
+    std::lock_guard<std::mutex> lock(all.mutex);
+    for (const auto& [key, worker] : all.by_stream) {
+      if (key.first == device) {
+        on_device.push_back(worker);
+      }
+    }
+  }
+  for (Worker* worker : on_device) {
+    worker->drain();
+  }
+}
+
+void set_copy_delay_us(int64_t microseconds) {
+  TORCH_CHECK(microseconds >= 0, "sac_test_accelerator: the copy delay must be >= 0 microseconds, got ", microseconds);
+  copy_delay_us.store(microseconds);
+}
+
+}  // namespace sac_test_accelerator
