@@ -327,6 +327,7 @@ def _report_steps(model, steps):
     return rep
 
 
+@pytest.mark.native_engine("kept bytes are read from the native engine's regions")
 def test_a_report_over_n_steps_counts_n_times_one_step_and_identical_blocks_alike():
     torch.manual_seed(0)
     model = _TinyStack(Policy(kept_ops=["aten::addmm", "aten::tanh"]))
