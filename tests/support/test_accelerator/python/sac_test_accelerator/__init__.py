@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "get_amp_supported_dtype",
     "BACKEND",
     "current_device",
     "device",
@@ -123,6 +124,12 @@ def manual_seed(seed: int) -> None:
 
 def manual_seed_all(seed: int) -> None:
     torch.random.default_generator.manual_seed(seed)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes autocast may cast to on this device (torch.utils.checkpoint asks, to restore
+    the forward's autocast state around the recompute)."""
+    return [torch.float16, torch.bfloat16]
 
 
 def set_copy_delay(seconds: float) -> None:
