@@ -25,8 +25,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "ops/user_warning.h"
 #include "dispatch/data_flow.h"
+#include "dispatch/fallback.h"
 #include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
@@ -161,25 +161,6 @@ void flatten(const std::vector<c10::IValue>& values, std::vector<std::optional<a
   }
 }
 
-// The same two warnings the fallback gives (InterceptedCall::warnOnce in dispatch/fallback.cpp).
-void warnOnce(const Policy& policy, const OpEntry& entry, const Decision& decision) {
-  if (!policy.claimWarning(entry)) return;
-  if (decision.mutating_in_kept_unit) {
-    SAC_WARN_USER("sac: ", entry.traits.qualified_name, " mutates an input inside kept unit '",
-                  unitName(decision.unit), "'; it is recomputed rather than kept (warned once per policy)");
-  } else {
-    SAC_WARN_USER("sac: ", entry.traits.qualified_name,
-                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
-                  "the recompute draws the same numbers (warned once per policy)");
-  }
-}
-
-// NOTE: [Python below our key (torch 2.11)] (fallback.cpp): where the key sits above Python, an
-// audit's key makes the fallback count each call on its way to the mode, as a recompute
-// execution; a call the mode then serves is a hit instead.
-const bool kPythonBelowSacKey =
-    c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kSacKey).has(c10::DispatchKey::Python);
-
 struct ModeRegion {
   ModeRegion(std::shared_ptr<const Policy> policy, c10::intrusive_ptr<Region> marker_region)
       : region(c10::make_intrusive<Region>(std::move(policy))), marker(std::move(marker_region)) {}
@@ -200,23 +181,6 @@ struct ModeRegion {
 ModeRegion& modeRegion(int64_t address) {
   TORCH_CHECK_VALUE(address != 0, "sac: the dispatch-mode engine needs the address mode_region_new returned, got 0");
   return *reinterpret_cast<ModeRegion*>(address);
-}
-
-// Storages of the arguments this op writes (in place or as out= arguments), as
-// InterceptedCall::writtenStorages notes them, before the kernel consumes the arguments.
-std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
-  std::vector<WrittenStorage> storages;
-  const auto& arguments = schema.arguments();
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const c10::AliasInfo* alias = arguments[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) continue;
-    forEachTensor(args[i], [&](const at::Tensor& tensor) {
-      if (tensor.defined() && tensor.has_storage()) {
-        storages.push_back(WrittenStorage{tensor.storage(), static_cast<uint32_t>(i)});
-      }
-    });
-  }
-  return storages;
 }
 
 // (action, the call's identity, the served tensors, each return's tensor count). The identity
@@ -251,7 +215,7 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   if (carriesOurKey(stack, num_arguments)) return result;
   std::vector<WrittenStorage> written;
   if (entry.traits.mutates_inputs || entry.traits.writes_out_arguments) {
-    written = writtenStorages(schema, stack);
+    written = writtenStorages(schema, stack.data());
     if (!mode.recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
   }
   // The non-tensor arguments, folded into one key by Python, name the call with its tensors.
@@ -266,7 +230,7 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   mode.pending_keep = false;
   if (mode.recompute) {
     if (region->serve(entry, call, op.handle, &stack)) {
-      if (kPythonBelowSacKey && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
+      if (pythonBelowSacKey() && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
         entry.counters.reclassifyRecomputeAsHit();
       } else {
         entry.counters.recordHit();
@@ -288,7 +252,9 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   const std::vector<UnitId>& open_units = UnitStack::current().units();
   if (policy.countsCalls(entry, open_units)) facts.call_index = region->nextCallIndex(entry);
   Decision decision = policy.decide(entry, open_units, facts);
-  if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, entry, decision);
+  if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
+    warnAboutRecomputedSelection(policy, entry, decision);
+  }
   mode.pending_keep = decision.keep;
   mode.pending_unit = decision.unit;
   std::get<0>(result) = decision.keep ? kRunAndKeep : kRunAndRecord;

@@ -132,7 +132,9 @@ class InterceptedCall {
     const std::vector<UnitId>& open_units = UnitStack::current().units();
     if (policy.countsCalls(entry_, open_units)) facts.call_index = region->nextCallIndex(entry_);
     Decision decision = policy.decide(entry_, open_units, facts);
-    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) warnOnce(policy, decision);
+    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
+      warnAboutRecomputedSelection(policy, entry_, decision);
+    }
     countAndRun(state.phase());
     if (decision.keep) region->keep(entry_, call, decision.unit, *stack_, num_returns);
     flow.recordCall(call, schema, *stack_, num_returns, written);
@@ -157,35 +159,11 @@ class InterceptedCall {
     runKernel();
   }
 
-  // Storages of the arguments this op writes (in place or as out= arguments), noted before the
-  // kernel consumes the arguments.
   std::vector<WrittenStorage> writtenStorages() const {
-    std::vector<WrittenStorage> storages;
-    const auto& arguments = op_.schema().arguments();
-    const size_t first = stack_->size() - arguments.size();
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const c10::AliasInfo* alias = arguments[i].alias_info();
-      if (alias == nullptr || !alias->isWrite()) continue;
-      forEachTensor((*stack_)[first + i], [&](const at::Tensor& tensor) {
-        if (tensor.defined() && tensor.has_storage()) {
-          storages.push_back(WrittenStorage{tensor.storage(), static_cast<uint32_t>(i)});
-        }
-      });
-    }
-    return storages;
+    const c10::FunctionSchema& schema = op_.schema();
+    return sac::writtenStorages(schema, &(*stack_)[stack_->size() - schema.arguments().size()]);
   }
 
-  void warnOnce(const Policy& policy, const Decision& decision) {
-    if (!policy.claimWarning(entry_)) return;
-    if (decision.mutating_in_kept_unit) {
-      SAC_WARN_USER("sac: ", entry_.traits.qualified_name, " mutates an input inside kept unit '",
-                 unitName(decision.unit), "'; it is recomputed rather than kept (warned once per policy)");
-    } else {
-      SAC_WARN_USER("sac: ", entry_.traits.qualified_name,
-                 " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
-                 "the recompute draws the same numbers (warned once per policy)");
-    }
-  }
 
   const c10::OperatorHandle& op_;
   c10::DispatchKeySet keys_;
@@ -222,6 +200,35 @@ InterceptionPath installed_path = InterceptionPath::kNotInstalled;
 c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long as the process
 
 }  // namespace
+
+std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, const c10::IValue* arguments) {
+  std::vector<WrittenStorage> storages;
+  const auto& declared = schema.arguments();
+  for (size_t i = 0; i < declared.size(); ++i) {
+    const c10::AliasInfo* alias = declared[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.has_storage()) {
+        storages.push_back(WrittenStorage{tensor.storage(), static_cast<uint32_t>(i)});
+      }
+    });
+  }
+  return storages;
+}
+
+void warnAboutRecomputedSelection(const Policy& policy, const OpEntry& op, const Decision& decision) {
+  if (!policy.claimWarning(op)) return;
+  if (decision.mutating_in_kept_unit) {
+    SAC_WARN_USER("sac: ", op.traits.qualified_name, " mutates an input inside kept unit '", unitName(decision.unit),
+                  "'; it is recomputed rather than kept (warned once per policy)");
+  } else {
+    SAC_WARN_USER("sac: ", op.traits.qualified_name,
+                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
+                  "the recompute draws the same numbers (warned once per policy)");
+  }
+}
+
+bool pythonBelowSacKey() { return kPythonBelowSacKey; }
 
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   InterceptedCall(op, keys, stack).run();
