@@ -15,6 +15,7 @@ from sac_plugin import ConfigError, RecomputeConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
+from test_huggingface import enable_transformers_checkpointing, reference_for  # noqa: E402
 
 LAYERS, VOCAB, BATCH, SEQ = 2, 128, 2, 8
 _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -53,9 +54,6 @@ SHIPPED = {"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt2"}
 # The attention submodule of each layer, by the transformers name the derived map must find.
 ATTENTION_NAME = {"gpt2": "attn", "gpt_neox": "attention", "falcon": "self_attention", "bert": "attention"}
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
-# Models whose gradients differ in the last bits under any checkpointing (transformers' own
-# included): their reference is transformers' own gradient checkpointing.
-LAST_BIT = {"gpt2"}
 
 
 def _available(model_type):
@@ -92,21 +90,6 @@ def step(model):
     loss = model(**batch()).loss
     loss.backward()
     return loss
-
-
-def enable_transformers_checkpointing(model, kwargs):
-    """transformers 5 renamed gradient_checkpointing_enable (deprecated until v6)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def reference_for(model_type, model):
-    reference = copy.deepcopy(model)
-    if model_type in LAST_BIT:
-        enable_transformers_checkpointing(reference, {"use_reentrant": False})
-    return reference
 
 
 def assert_bitwise_equal(model, reference):
