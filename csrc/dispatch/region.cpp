@@ -116,10 +116,11 @@ void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::ji
 // NOTE: [Kept outputs written in the forward]
 // A kept output that the checkpointed function itself later writes, in place or as an out=
 // argument (an in-place activation, an in-place collective on a buffer made inside a kept unit,
-// x.view(...).add_(), torch.sin(y, out=y)), cannot be served: the recompute would apply the write a second time to an already-written
-// value. torch's SAC raises an error at backward; we instead demote the call to recompute as
-// soon as the write is seen, which is always correct and frees the memory early. Writes that
-// happen after the forward cannot be undone this way, and serve() reports them.
+// x.view(...).add_(), torch.sin(y, out=y)), cannot be served: the recompute would apply the write
+// a second time to an already-written value. torch's SAC raises an error at backward; we instead
+// demote the call to recompute as soon as the write is seen, which is always correct and frees the
+// memory early. Writes that happen after the forward cannot be undone this way, and serve()
+// reports them.
 void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   for (const WrittenStorage& write : written) {
     auto found = kept_storages_.find(write.storage.unsafeGetStorageImpl());
