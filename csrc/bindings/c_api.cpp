@@ -139,6 +139,17 @@ SAC_C_API int32_t sac_region_exit(void* region, int32_t recompute, int64_t depth
   return guarded([&] { static_cast<sac::RegionHandle*>(region)->exit(sac::kindOf(recompute), depth); });
 }
 
+SAC_C_API int64_t sac_region_forward_position(void* region) {
+  return static_cast<sac::RegionHandle*>(region)->region->forwardPosition();
+}
+
+SAC_C_API int64_t sac_region_release_unreached(void* region, int64_t last_saved_position) {
+  int64_t released = 0;
+  int32_t status = guarded(
+      [&] { released = static_cast<sac::RegionHandle*>(region)->region->releaseUnreached(last_saved_position); });
+  return status == kSacScopeOk ? released : -status;
+}
+
 SAC_C_API int64_t sac_unit_id(const char* name, int64_t length) {
   int64_t id_plus_one = 0;
   int32_t status = guarded([&] {

@@ -23,7 +23,7 @@
 #define SAC_C_API extern "C" __attribute__((visibility("default")))
 
 // Bumped when a signature or a meaning changes; Python refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 2;
+inline constexpr int32_t kSacCApiVersion = 3;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -44,6 +44,11 @@ SAC_C_API void sac_region_release(void* region);
 // exit, or minus a SacScopeStatus on error; exit returns a SacScopeStatus.
 SAC_C_API int64_t sac_region_enter(void* region, int32_t recompute);
 SAC_C_API int32_t sac_region_exit(void* region, int32_t recompute, int64_t depth);
+// NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp): the forward's position
+// (calls decided so far), read at each tensor saved for backward; and, at the forward's end,
+// freeing the kept outputs after the last save's position (returns how many, or minus a status).
+SAC_C_API int64_t sac_region_forward_position(void* region);
+SAC_C_API int64_t sac_region_release_unreached(void* region, int64_t last_saved_position);
 
 // Units by interned id (sac_unit_id: id + 1, or minus a SacScopeStatus on error). Push returns
 // the depth (> 0), or minus a SacScopeStatus; pop returns a SacScopeStatus.

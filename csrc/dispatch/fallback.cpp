@@ -135,8 +135,13 @@ class InterceptedCall {
     if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
       warnAboutRecomputedSelection(policy, entry_, decision);
     }
+    region->advancePosition();
     countAndRun(state.phase());
-    if (decision.keep) region->keep(entry_, call, decision.unit, *stack_, num_returns);
+    if (decision.keep) {
+      // NOTE: [Kept outputs the recompute never reaches] (region.cpp)
+      const uint32_t ordinal = region->nextKeptOrdinal(entry_);
+      if (!policy.neverReached(entry_, ordinal)) region->keep(entry_, call, decision.unit, *stack_, num_returns, ordinal);
+    }
     flow.recordCall(call, schema, *stack_, num_returns, written);
   }
 

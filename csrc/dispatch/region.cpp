@@ -6,6 +6,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "dispatch/ivalue_tensors.h"
@@ -90,7 +91,7 @@ int64_t pendingVersionBumps(const OpEntry& op) {
 }
 
 void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack,
-                  size_t num_returns) {
+                  size_t num_returns, uint32_t ordinal) {
   auto [it, inserted] = kept_.try_emplace(call);
   // Identities are unique within a pass; a repeat would be a 64-bit hash collision: keep the
   // first and let the second run again in the recompute.
@@ -98,7 +99,8 @@ void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::ji
   KeptOutputs& kept = it->second;
   kept.op = &op;
   kept.unit = unit;
-  kept.ordinal = ++kept_per_op_[&op];
+  kept.ordinal = ordinal != 0 ? ordinal : nextKeptOrdinal(op);
+  kept.position = forward_position_;
   kept.outputs.reserve(num_returns);
   const int64_t pending = pendingVersionBumps(op);
   for (size_t i = stack.size() - num_returns; i < stack.size(); ++i) {
@@ -196,7 +198,36 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
 }
 
 // Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
-void Region::beginForward() { flow_.reset(++passes_, policy_->callsPerPassHint()); }
+void Region::beginForward() {
+  flow_.reset(++passes_, policy_->callsPerPassHint());
+  forward_position_ = 0;
+}
+
+// NOTE: [Kept outputs the recompute never reaches]
+// torch's non-reentrant checkpoint stops the recompute as soon as every tensor the forward saved
+// for backward has been saved again (early stop). A kept call that ran after the forward's last
+// save (the last projection of a block, whose input autograd saves before it runs) is never
+// reached by the recompute, so its kept output would be held from the forward to the backward
+// for nothing. The first forward of each policy is watched (sac_plugin/checkpointing.py:
+// _ReachWatch notes the region's position at every save); at its end the region frees those
+// outputs and tells the policy their (op, ordinal), and later regions of the policy decide the
+// same calls as kept but do not hold them (the fallback asks Policy::neverReached). Nothing is
+// recomputed that was not before: the recompute never reaches these calls. With early_stop=False
+// the whole recompute runs and nothing is released.
+int64_t Region::releaseUnreached(int64_t last_saved_position) {
+  int64_t released = 0;
+  for (auto& [call, kept] : kept_) {
+    if (kept.position <= static_cast<uint64_t>(std::max<int64_t>(last_saved_position, 0)) || kept.demoted ||
+        kept.outputs.empty()) {
+      continue;
+    }
+    policy_->noteNeverReached(*kept.op, kept.ordinal);
+    kept.outputs.clear();
+    kept.demoted = true;
+    ++released;
+  }
+  return released;
+}
 
 void Region::endForward() {
   calls_per_pass_ = flow_.callsRecorded();

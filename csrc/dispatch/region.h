@@ -56,8 +56,21 @@ class Region : public c10::intrusive_ptr_target {
   DataFlow& flow() { return flow_; }
 
   // Forward: the kept call's outputs are the last `num_returns` values on the stack; `call` is
-  // its data-flow identity.
-  void keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack, size_t num_returns);
+  // its data-flow identity; `ordinal` its 1-based number among the op's kept calls in this
+  // forward (nextKeptOrdinal), or 0 to take the next one here.
+  void keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack, size_t num_returns,
+            uint32_t ordinal = 0);
+  // Forward: the number of the op's next kept call (1-based), taken whether or not it is held.
+  uint32_t nextKeptOrdinal(const OpEntry& op) { return ++kept_per_op_[&op]; }
+
+  // Forward: one more call of the region was decided (its position, for releaseUnreached).
+  void advancePosition() { ++forward_position_; }
+  int64_t forwardPosition() const { return static_cast<int64_t>(forward_position_); }
+  // End of the forward: frees the kept outputs of calls after `last_saved_position` (the position
+  // at the forward's last tensor saved for backward), which the recompute's early stop never
+  // reaches, and tells the policy, so later regions do not hold them. Returns how many were freed.
+  // NOTE: [Kept outputs the recompute never reaches]
+  int64_t releaseUnreached(int64_t last_saved_position);
 
   // Forward: an op is about to write these storages in place. Kept outputs living in them are
   // demoted: freed now and recomputed later, so that the recompute sees the value before the
@@ -109,6 +122,7 @@ class Region : public c10::intrusive_ptr_target {
     std::vector<int64_t> versions;     // version of each stored tensor, in output order
     UnitId unit = kNoUnit;
     uint32_t ordinal = 0;  // 1-based, among the calls of this op the forward kept (for messages)
+    uint64_t position = 0;  // the forward's calls decided up to and including this one
     bool consumed = false;
     bool demoted = false;
   };
@@ -123,6 +137,7 @@ class Region : public c10::intrusive_ptr_target {
   HashMap<const OpEntry*, uint64_t> forward_nth_calls_;
   std::vector<UnitId> units_around_forward_;
   uint64_t passes_ = 0;
+  uint64_t forward_position_ = 0;
   size_t left_to_serve_ = 0;
   size_t calls_per_pass_ = 0;  // calls the forward named: what the recompute's records reserve
   bool consume_served_ = true;

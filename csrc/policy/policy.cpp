@@ -282,6 +282,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::keptCalls() co
   return rules;
 }
 
+void Policy::noteNeverReached(const OpEntry& op, uint32_t ordinal) const {
+  std::lock_guard<std::mutex> lock(warned_mutex_);
+  never_reached_.insert({&op, ordinal});
+  any_never_reached_.store(true, std::memory_order_release);
+}
+
 bool Policy::claimWarning(const OpEntry& op) const {
   std::lock_guard<std::mutex> lock(warned_mutex_);
   return warned_.insert(&op).second;

@@ -166,6 +166,16 @@ class Policy {
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
 
+  // NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp). The calls, as (op,
+  // 1-based ordinal among the region's kept calls of the op), that a region of this policy kept
+  // although torch's early stop ended its recompute before them: later regions do not hold them.
+  void noteNeverReached(const OpEntry& op, uint32_t ordinal) const;
+  bool neverReached(const OpEntry& op, uint32_t ordinal) const {
+    if (!any_never_reached_.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(warned_mutex_);
+    return never_reached_.count({&op, ordinal}) > 0;
+  }
+
   // How many calls a forward of a region with this policy named last time: a sizing hint for
   // the next region's data-flow tables (relaxed: any recent value will do).
   size_t callsPerPassHint() const { return calls_per_pass_hint_.load(std::memory_order_relaxed); }
@@ -181,8 +191,10 @@ class Policy {
   HashMap<const OpEntry*, std::vector<uint64_t>> kept_calls_;
   HashSet<UnitId> recomputed_units_;
   mutable std::atomic<size_t> calls_per_pass_hint_{0};
-  mutable std::mutex warned_mutex_;
+  mutable std::mutex warned_mutex_;  // guards warned_ and never_reached_
   mutable HashSet<const OpEntry*> warned_;
+  mutable HashSet<std::pair<const OpEntry*, uint32_t>> never_reached_;
+  mutable std::atomic<bool> any_never_reached_{false};
 };
 
 // The two passes of a region, each counting its own call indices.

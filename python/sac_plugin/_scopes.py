@@ -12,7 +12,7 @@ import torch
 from . import _library
 
 _ERRORS = {1: RuntimeError, 2: ValueError}
-_EXPECTED_VERSION = 2
+_EXPECTED_VERSION = 3
 
 
 def _bind():
@@ -31,6 +31,8 @@ def _bind():
         "sac_unit_push": (ctypes.c_int64, [ctypes.c_int64]),
         "sac_unit_pop": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int64]),
         "sac_scope_last_error": (ctypes.c_char_p, []),
+        "sac_region_forward_position": (ctypes.c_int64, [ctypes.c_void_p]),
+        "sac_region_release_unreached": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -54,6 +56,16 @@ _unit_id = _lib.sac_unit_id
 unit_push = _lib.sac_unit_push
 _unit_pop = _lib.sac_unit_pop
 _last_error = _lib.sac_scope_last_error
+region_forward_position = _lib.sac_region_forward_position
+_region_release_unreached = _lib.sac_region_release_unreached
+
+
+def release_unreached(address: int, last_saved_position: int) -> int:
+    """NOTE: [Kept outputs the recompute never reaches]: frees what the early stop never serves."""
+    released = _region_release_unreached(address, last_saved_position)
+    if released < 0:
+        raise_last_error(-released)
+    return released
 
 
 def raise_last_error(status: int):

@@ -106,7 +106,7 @@ def _selective_contexts(policy: Policy):
 
         def kept_calls():
             return sum(sum(kept) for kept in plan.values())
-    elif not (observing or policy._unchecked_units):
+    elif not (observing or policy._unchecked_units or policy._reach_unknown):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
         # (NOTE: [Scopes through a C ABI]).
         return _scopes.new_region_scopes(policy._policy_address)
@@ -115,6 +115,8 @@ def _selective_contexts(policy: Policy):
         for observer in _observers.observers():
             observer.region_created(region)
         forward, recompute = region.forward, region.recompute
+        if policy._reach_unknown:
+            forward = _ReachWatch(policy, forward)
 
         def kept_calls():
             return region.kept_calls
@@ -123,6 +125,66 @@ def _selective_contexts(policy: Policy):
     for observer in _observers.observers():
         forward, recompute = observer.wrap_passes(region, policy, forward, recompute, kept_calls)
     return forward, recompute
+
+
+def _stops_early(pack) -> bool:
+    """Whether the checkpoint whose pack hook this is stops its recompute early: its frame (in the
+    hook's closure) says so. A hook with no frame is not torch's checkpoint: nothing to watch."""
+    for cell in getattr(pack, "__closure__", None) or ():
+        try:
+            frame = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if hasattr(frame, "early_stop") and hasattr(frame, "weak_holders"):
+            return bool(frame.early_stop)
+    return False
+
+
+class _ReachWatch:
+    """The first forward of a region with a policy, watched for the kept calls its recompute never
+    reaches (NOTE: [Kept outputs the recompute never reaches] in csrc/dispatch/region.cpp).
+
+    torch's checkpoint pushes its saved-tensor hooks just before it enters this context, so they
+    are the top hooks here. Hooks of the same pack are pushed over them for the forward: each save
+    notes the region's position (calls decided so far), then goes to torch's pack hook unchanged.
+    At the end of the forward the region frees the kept outputs after the last save, and the
+    policy remembers them; later forwards of the policy run unwatched, on the hot path."""
+
+    __slots__ = ("_policy", "_forward", "_last_saved", "_pushed")
+
+    def __init__(self, policy: Policy, forward):
+        self._policy, self._forward = policy, forward
+        self._last_saved, self._pushed = 0, False
+
+    def __enter__(self):
+        self._forward.__enter__()
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and _stops_early(hooks[0]):
+            pack, unpack = hooks
+            address = self._forward._region.address
+
+            def note_position(tensor):
+                self._last_saved = _scopes.region_forward_position(address)
+                return pack(tensor)
+
+            torch._C._autograd._push_saved_tensors_default_hooks(note_position, unpack)
+            self._pushed = True
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            if self._pushed:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                if exc_info[0] is None:
+                    released = _scopes.release_unreached(self._forward._region.address, self._last_saved)
+                    self._policy._reach_unknown = False
+                    if released:
+                        logger.info("%d kept calls of %s run after the region's last tensor saved for backward; "
+                                    "torch's early stop never serves them, so they are not held", released,
+                                    self._policy)
+        finally:
+            suppressed = self._forward.__exit__(*exc_info)
+        return suppressed
 
 
 def context_fn(policy: Policy | None = None):

@@ -162,7 +162,8 @@ class Policy:
     """
 
     __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth",
-                 "_recomputed_units", "_kept_call_spellings", "_kept_calls", "_unchecked_units", "_watched_forwards")
+                 "_recomputed_units", "_kept_call_spellings", "_kept_calls", "_unchecked_units", "_watched_forwards",
+                 "_reach_unknown")
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
                  every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = (),
@@ -194,6 +195,9 @@ class Policy:
         # Units not yet seen to mean something in a region's forward (see unit_checks.py).
         self._unchecked_units = set(self._kept_units | self._recomputed_units)
         self._watched_forwards = 0
+        # Whether no forward of a region with this policy has been watched yet for the kept calls
+        # its recompute never reaches (NOTE: [Kept outputs the recompute never reaches]).
+        self._reach_unknown = not self.keeps_nothing
 
     @property
     def kept_ops(self) -> frozenset[str]:

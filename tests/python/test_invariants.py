@@ -1,5 +1,6 @@
 """The invariants no policy overrides: collectives, random ops, mutation, and the exact errors."""
 
+import copy
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from sac_plugin import Policy, _compat, recompute_unit
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 from toy_models import observed_regions, assert_same_gradients, make_pair
 
@@ -365,3 +367,41 @@ def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(
     assert torch.equal(got, expected)
     assert audit.count("aten::mm", phase="recompute") == 1  # the written one: demoted, run again
     assert audit.hits("aten::mm") == 1  # inputs @ y: kept and served
+
+
+def test_a_kept_output_the_recompute_never_reaches_is_released_and_then_not_kept():
+    # NOTE: [Kept outputs the recompute never reaches]: the block's last Linear runs after the
+    # region's last tensor saved for backward (its input, saved before it runs), so torch's early
+    # stop ends the recompute before it: its kept output would be held for nothing.
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    reference = copy.deepcopy(block)
+    sac_plugin.apply_selective_checkpointing(block, Policy(kept_ops=["aten::addmm"]))
+    held, hits = [], []
+    for _ in range(3):
+        x = torch.randn(4, 16, requires_grad=True)
+        with observed_regions() as regions, sac_plugin.audit() as audit:
+            out = block(x)
+            held.append([(region.kept_calls, region.kept_bytes) for region in regions])
+            out.sum().backward()
+        hits.append(audit.hits("aten::addmm"))
+        expected = reference(x.detach().requires_grad_())
+        expected.sum().backward()
+    # Step 1 keeps both addmm calls and frees the last one when the forward ends; later steps
+    # do not keep it at all. The first is served every time.
+    assert held == [[(1, 4 * 16 * 4)]] * 3
+    assert hits == [1, 1, 1]
+    for p, q in zip(block.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_early_stop_off_serves_every_kept_output():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    sac_plugin.apply_selective_checkpointing(block, Policy(kept_ops=["aten::addmm"]), early_stop=False)
+    for _ in range(2):
+        with observed_regions() as regions, sac_plugin.audit() as audit:
+            out = block(torch.randn(4, 16, requires_grad=True))
+            assert [region.kept_calls for region in regions] == [2]
+            out.sum().backward()
+        assert audit.hits("aten::addmm") == 2
