@@ -7,7 +7,9 @@ GELU MLP in unit "mlp"), checkpointed, batch 1. Bytes are counted the way
 sac_plugin.memory.track_activation_memory counts them: the unique storages reachable from
 tensors autograd saves outside the checkpointed region (the block's input included), plus the
 outputs the region keeps (the plugin's store, or torch's SAC cache), each storage once, whole;
-parameters excluded. The same policy must hold the same bytes under the plugin and torch's SAC.
+parameters excluded. The plugin must hold no more than torch's SAC with the same policy: the same
+bytes, or fewer where torch holds a kept output its recompute never reaches (NOTE: [Kept outputs
+the recompute never reaches]).
 """
 
 from __future__ import annotations
@@ -81,13 +83,13 @@ def run(dims, seqs, heads, device):
 
 def print_report(rows, device):
     print(f"activation memory, GPT block, batch 1, {device}, torch {torch.__version__}")
-    print(f"{'dim':>5} {'seq':>5}  {'policy':<32}{'plugin MiB':>11}{'torch SAC MiB':>15}{'same':>6}"
+    print(f"{'dim':>5} {'seq':>5}  {'policy':<32}{'plugin MiB':>11}{'torch SAC MiB':>15}{'<= SAC':>7}"
           f"{'ratio':>8}{'recomputed':>12}")
     for r in rows:
         torch_mib = "-" if r["torch_sac_bytes"] is None else f"{r['torch_sac_bytes'] / 2**20:.2f}"
-        same = "-" if r["torch_sac_bytes"] is None else ("yes" if r["torch_sac_bytes"] == r["plugin_bytes"] else "NO")
+        same = "-" if r["torch_sac_bytes"] is None else ("yes" if r["plugin_bytes"] <= r["torch_sac_bytes"] else "NO")
         print(f"{r['dim']:>5} {r['seq']:>5}  {r['policy']:<32}{r['plugin_bytes'] / 2**20:>11.2f}{torch_mib:>15}"
-              f"{same:>6}{r['ratio_to_no_checkpointing']:>8.3f}{r['ops_recomputed']:>12}")
+              f"{same:>7}{r['ratio_to_no_checkpointing']:>8.3f}{r['ops_recomputed']:>12}")
 
 
 def main():
@@ -103,9 +105,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "torch": torch.__version__, "rows": rows}, f, indent=2)
-    mismatched = [r for r in rows if r["torch_sac_bytes"] not in (None, r["plugin_bytes"])]
+    mismatched = [r for r in rows if r["torch_sac_bytes"] is not None and r["plugin_bytes"] > r["torch_sac_bytes"]]
     if mismatched:
-        raise SystemExit(f"plugin and torch SAC hold different bytes for {len(mismatched)} policies")
+        raise SystemExit(f"the plugin holds more bytes than torch SAC for {len(mismatched)} policies")
 
 
 if __name__ == "__main__":

@@ -369,6 +369,7 @@ def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(
     assert audit.hits("aten::mm") == 1  # inputs @ y: kept and served
 
 
+@pytest.mark.native_engine("the native engine's regions learn which kept outputs the recompute never reaches")
 def test_a_kept_output_the_recompute_never_reaches_is_released_and_then_not_kept():
     # NOTE: [Kept outputs the recompute never reaches]: the block's last Linear runs after the
     # region's last tensor saved for backward (its input, saved before it runs), so torch's early
@@ -395,6 +396,7 @@ def test_a_kept_output_the_recompute_never_reaches_is_released_and_then_not_kept
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.native_engine("kept calls are read from the native engine's regions")
 def test_early_stop_off_serves_every_kept_output():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))

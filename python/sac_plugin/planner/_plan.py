@@ -326,7 +326,9 @@ def _kept_by(policy: Policy, profile: LayerProfile) -> frozenset[tuple[str, int]
     for call in profile.calls:
         units = (call.unit,) if call.unit else ()
         decision = decider.decide(_overload(call.op), False, units)
-        if decision.keep and call.policy_may_keep:
+        # A call after the recompute stops is decided as kept but not held (NOTE: [Kept outputs
+        # the recompute never reaches]): it holds no bytes and saves no time.
+        if decision.keep and call.keepable:
             kept.add((call.op, call.index))
     return frozenset(kept)
 

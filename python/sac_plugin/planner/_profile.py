@@ -39,11 +39,6 @@ class ProfiledCall:
         """Worth offering to a plan: a policy may keep it and the recompute would run it."""
         return not self.why_not_keepable
 
-    @property
-    def policy_may_keep(self) -> bool:
-        """A policy that names it keeps it (and holds its bytes), even where that saves nothing."""
-        return self.why_not_keepable in ("", AFTER_THE_RECOMPUTE_STOPS)
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
