@@ -78,10 +78,7 @@ _SIGNATURES = {
                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]),
     "sac_reason_text": (ctypes.c_char_p, [ctypes.c_int32]),
 }
-for _name, (_restype, _argtypes) in _SIGNATURES.items():
-    _function = getattr(_lib, _name)
-    _function.restype = _restype
-    _function.argtypes = _argtypes
+_scopes.declare(_lib, _SIGNATURES)
 _op_entry = _lib.sac_op_entry
 _decider_new = _lib.sac_call_decider_new
 _decider_release = _lib.sac_call_decider_release

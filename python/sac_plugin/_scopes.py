@@ -15,6 +15,14 @@ _ERRORS = {1: RuntimeError, 2: ValueError}
 _EXPECTED_VERSION = 3
 
 
+def declare(lib, signatures: dict) -> None:
+    """Sets each C function's (restype, argtypes), so that ctypes converts and checks them."""
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+
+
 def _bind():
     # ctypes on the path torch.ops.load_library loaded returns that very library (dlopen
     # hands back the loaded object), so a SAC_PLUGIN_LIBRARY build serves these calls too.
@@ -34,10 +42,7 @@ def _bind():
         "sac_region_forward_position": (ctypes.c_int64, [ctypes.c_void_p]),
         "sac_region_release_unreached": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(lib, name)
-        function.restype = restype
-        function.argtypes = argtypes
+    declare(lib, signatures)
     version = lib.sac_scope_c_api_version()
     if version != _EXPECTED_VERSION:
         raise ImportError(

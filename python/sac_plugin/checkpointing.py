@@ -173,11 +173,14 @@ class _ReachWatch:
 
     def __exit__(self, *exc_info):
         try:
+            if exc_info[0] is None:
+                # Settled after one completed forward, also where there was nothing to watch (a
+                # checkpoint without early stop): later forwards take the hot path.
+                self._policy._reach_unknown = False
             if self._pushed:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
                 if exc_info[0] is None:
                     released = _scopes.release_unreached(self._forward._region.address, self._last_saved)
-                    self._policy._reach_unknown = False
                     if released:
                         logger.info("%d kept calls of %s run after the region's last tensor saved for backward; "
                                     "torch's early stop never serves them, so they are not held", released,

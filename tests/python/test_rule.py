@@ -126,19 +126,24 @@ def planner_decisions(policy):
     return kept
 
 
+def hits_per_policy() -> dict:
+    """{policy name: {op: kept outputs served}} over one step of each policy, as an audit sees it."""
+    hits = {}
+    for name, policy in POLICIES.items():
+        layer, x = _layer_and_input()
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+        torch.manual_seed(1)
+        with sac_plugin.audit() as audit:
+            layer(x).backward()
+        hits[name] = {row.op: row.hits for row in audit.rows() if row.hits}
+    return hits
+
+
 DISPATCH_MODE_RUN = """
-import json, sys, torch, sac_plugin
+import json, sys
 sys.path.insert(0, {tests!r})
-from test_rule import POLICIES, _layer_and_input
-hits = {{}}
-for name, policy in POLICIES.items():
-    layer, x = _layer_and_input()
-    sac_plugin.apply_selective_checkpointing(layer, policy)
-    torch.manual_seed(1)
-    with sac_plugin.audit() as audit:
-        layer(x).backward()
-    hits[name] = {{row.op: row.hits for row in audit.rows() if row.hits}}
-print(json.dumps(hits))
+from test_rule import hits_per_policy
+print(json.dumps(hits_per_policy()))
 """
 
 
@@ -161,14 +166,7 @@ def test_the_planner_predicts_the_calls_the_native_engine_keeps(name):
 
 
 def test_the_dispatch_mode_engine_serves_what_the_native_engine_serves():
-    native = {}
-    for name, policy in POLICIES.items():
-        layer, x = _layer_and_input()
-        sac_plugin.apply_selective_checkpointing(layer, policy)
-        torch.manual_seed(1)
-        with sac_plugin.audit() as audit:
-            layer(x).backward()
-        native[name] = {row.op: row.hits for row in audit.rows() if row.hits}
+    native = hits_per_policy()
     code = DISPATCH_MODE_RUN.format(tests=str(Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "SAC_PLUGIN_ENGINE": "dispatch_mode"})
