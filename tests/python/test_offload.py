@@ -398,3 +398,29 @@ def test_the_offload_benchmark_runs_on_the_test_accelerator():
     assert all(row[-1] == "True" for row in rows.values()), done.stdout  # bitwise gradients
     held = {name: float(row[0]) for name, row in rows.items()}
     assert held["offload attention + matmuls"] < held["keep attention + matmuls"] < held["no checkpointing"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
+def test_a_recompute_fetches_its_outputs_and_the_next_regions_on_the_device_thread(engine):
+    values = _on_accelerator("""
+model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
+seen = []
+
+def note(module, args):
+    # In the recompute, the forward pre-hook runs once the region's recompute has begun.
+    if torch._C._current_graph_task_id() >= 0:
+        seen.append((threading.get_ident() != main_thread, stats()["copies_to_device"] - start))
+
+main_thread = threading.get_ident()
+for layer in model:
+    layer.up.register_forward_pre_hook(note)
+start = stats()["copies_to_device"]
+with sac_plugin.audit() as audit:
+    step(model, x)
+report(seen=seen, hits=audit.hits("aten::addmm"), units_left=sac_plugin.open_units())
+""", engine)
+    # The last layer's recompute runs first: its own output and the first layer's are on their way
+    # back before either recompute reaches the call.
+    assert values == {"seen": [[True, 2], [True, 2]], "hits": 4, "units_left": []}
