@@ -12,6 +12,11 @@
 // only the mode drives it, pass by pass (mode_region_pass) and call by call (mode_call_*).
 // A call belongs to the mode region only while its marker is the innermost region on the thread,
 // exactly as the fallback hands a call only to the innermost region.
+//
+// The same mode also runs the recompute of a region the native fallback ran forward, while other
+// dispatch modes are on (NOTE: [Modes above the key see only what ran] in _dispatch_mode.py):
+// mode_region_over binds a mode region to that native region, whose scopes drive its passes, and
+// mode_call_begin_all names each call from all its arguments, as the fallback named it.
 
 #include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
