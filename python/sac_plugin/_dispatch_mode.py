@@ -26,6 +26,7 @@ import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _current_dispatch_modes
 
 from . import _scopes
 from ._call_facts import OpTraits, draws_random, op_traits
@@ -296,7 +297,9 @@ def _assemble(op: _Op, served, counts, other_value):
 #     re-opened) is the innermost region while our mode is on, so the fallback below only counts
 #     the calls that ran, for audits; served calls are counted as hits by the mode.
 #   - The forward stays on the native key (its calls all run, so every mode sees them all), and
-#     with no dispatch mode on the recompute does too: nothing changes on the hot path.
+#     with no dispatch mode on the recompute does too: nothing changes on the hot path. Nor with
+#     only the plugin's own modes on: the per-op trace watches the fallback serve (NOTE: [The
+#     per-op trace costs nothing without a trace]); beside another mode it sees what that one sees.
 # Served calls are made invisible rather than the count corrected afterwards: a correction would
 # serve one counter (FlopCounterMode's formulas), while any mode (a logger, a tracker of which
 # weights a matmul reads, a debug mode) must agree with what ran, and torch's own selective
@@ -353,6 +356,7 @@ class _RecomputeAboveModes(TorchDispatchMode):
 
 
 _marker_policy = None
+_OWN_MODULES = f"{__package__}."
 
 
 def _recompute_above_modes(region_address: int):
@@ -360,6 +364,8 @@ def _recompute_above_modes(region_address: int):
     native region at `region_address`, already entered, above the dispatch modes that are on;
     None for a region that intercepts nothing (it serves nothing either)."""
     global _marker_policy
+    if all(type(mode).__module__.startswith(_OWN_MODULES) for mode in _current_dispatch_modes()):
+        return None  # only the plugin's own modes (the per-op trace), which watch it serve
     if _marker_policy is None:
         _marker_policy = Policy()
     marker = _scopes.RegionReference(_marker_policy._policy_address)
