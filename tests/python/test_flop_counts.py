@@ -107,7 +107,7 @@ def _every_op_of_a_layer() -> list[str]:
 
 
 # On CPU the layers' only op with a FLOP formula is mm (torch has none for the CPU flash attention).
-@pytest.mark.parametrize("kept", [[MM], [MM, ATTENTION], "everything"])
+@pytest.mark.parametrize("kept", [[MM], [MM, ATTENTION], "everything"], ids=["mm", "mm and attention", "everything"])
 def test_flop_counter_counts_what_torchs_sac_counts(kept):
     kept = _every_op_of_a_layer() if kept == "everything" else kept
     reference = _llama()
@@ -120,14 +120,43 @@ def test_flop_counter_counts_what_torchs_sac_counts(kept):
     _assert_same_gradients(ours_model, reference)
 
 
-def test_flop_counter_counts_the_recompute_that_ran():
-    """Keeping nothing or only attention, every matmul runs again (but those after the last tensor
-    saved for backward, where torch's early stop ends the recompute): as under torch's own SAC."""
+def _with_torch_sac_every_second_mm(model):
+    """torch's SAC saving the mm calls 0, 2, 4, ... of each layer's forward (and so of its recompute)."""
+
+    def contexts():
+        calls = {False: 0, True: 0}
+
+        def policy(ctx, op, *args, **kwargs):
+            if op is not torch.ops.aten.mm.default:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            index = calls[ctx.is_recompute]
+            calls[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if index % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    for layer in model.layers:
+        forward = layer.forward
+
+        def checkpointed(*args, forward=forward):
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
+
+        layer.forward = checkpointed
+    return model
+
+
+def test_flop_counter_counts_the_matmuls_that_ran_again():
+    """Keeping every second matmul, the counter counts the recompute's other half, as under torch's
+    own SAC: between the unmodified model and full recompute (which both count alike)."""
     plain = _flops_of_a_step(_llama())
     full = _flops_of_a_step(_with_plugin(_llama(), []))
     assert full == _flops_of_a_step(_with_torch_sac(_llama(), []))
-    assert full > plain
-    assert _flops_of_a_step(_with_plugin(_llama(), [ATTENTION])) == full
+    model = _llama()
+    for layer in model.layers:
+        sac_plugin.apply_selective_checkpointing(layer, sac_plugin.Policy(every_nth_op={MM: 2}))
+    half = _flops_of_a_step(model)
+    assert half == _flops_of_a_step(_with_torch_sac_every_second_mm(_llama()))
+    assert plain < half < full
 
 
 class _CallCounter(TorchDispatchMode):
