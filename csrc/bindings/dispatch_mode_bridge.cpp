@@ -12,12 +12,19 @@
 // only the mode drives it, pass by pass (mode_region_pass) and call by call (mode_call_*).
 // A call belongs to the mode region only while its marker is the innermost region on the thread,
 // exactly as the fallback hands a call only to the innermost region.
+//
+// The same mode also runs the recompute of a region the native fallback ran forward, while other
+// dispatch modes are on (NOTE: [Modes above the key see only what ran] in _dispatch_mode.py):
+// mode_region_over binds a mode region to that native region, whose scopes drive its passes, and
+// mode_call_begin_all names each call from all its arguments, as the fallback named it.
 
+#include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -132,6 +139,58 @@ std::vector<c10::IValue> rebuild(const std::vector<Slot>& slots, const std::vect
   return values;
 }
 
+// An empty list as the fallback receives it for an argument of `type` (Python passes `()`: an
+// empty list has no type of its own there). Lists of ints, SymInts included, are int lists.
+c10::IValue emptyListOf(c10::TypePtr type) {
+  if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+  auto list = type->cast<c10::ListType>();
+  if (list == nullptr) return c10::IValue();
+  const c10::TypePtr& element = list->getElementType();
+  if (element->kind() == c10::TypeKind::IntType || element->kind() == c10::TypeKind::SymIntType) {
+    return c10::List<int64_t>();
+  }
+  if (element->kind() == c10::TypeKind::FloatType) return c10::List<double>();
+  if (element->kind() == c10::TypeKind::BoolType) return c10::List<bool>();
+  return c10::impl::GenericList(element);
+}
+
+// The full argument values, as the native fallback receives them on its stack: `rebuild`'s
+// tensors, and each other argument from `others` (its position in `other_positions`) or, where
+// torch left it out of the Python call because it equals its default, the schema's default.
+std::vector<c10::IValue> rebuildAll(const c10::FunctionSchema& schema, const std::vector<Slot>& slots,
+                                    const std::vector<std::optional<at::Tensor>>& tensors,
+                                    const std::vector<int64_t>& positions, const c10::List<c10::IValue>& others,
+                                    const std::vector<int64_t>& other_positions) {
+  std::vector<c10::IValue> values = rebuild(slots, tensors, positions);
+  TORCH_CHECK_VALUE(others.size() == other_positions.size(), "sac: the dispatch-mode engine passed ", others.size(),
+                    " other arguments with ", other_positions.size(), " positions");
+  std::vector<bool> given(values.size(), false);
+  for (size_t i = 0; i < positions.size(); ++i) given[static_cast<size_t>(positions[i])] = true;
+  for (size_t i = 0; i < others.size(); ++i) {
+    const int64_t position = other_positions[i];
+    TORCH_CHECK_VALUE(position >= 0 && position < static_cast<int64_t>(values.size()),
+                      "sac: the dispatch-mode engine passed an argument at position ", position, " of a schema with ",
+                      values.size(), " arguments");
+    c10::IValue value = others.get(i);
+    if (value.isTuple() && value.toTupleRef().elements().empty()) value = emptyListOf(schema.arguments()[position].type());
+    if (slots[position] == Slot::kTensor && value.isScalar()) {
+      // Python's `x * 0.5` reaches the fallback as a wrapped-number tensor, and the mode as the
+      // number itself: it is named by its value and dtype, so the same wrapped number names it.
+      at::Tensor number = c10::scalar_to_tensor(value.toScalar());
+      number.unsafeGetTensorImpl()->set_wrapped_number(true);
+      value = std::move(number);
+    }
+    values[position] = std::move(value);
+    given[position] = true;
+  }
+  for (size_t slot = 0; slot < values.size(); ++slot) {
+    if (given[slot] || slots[slot] != Slot::kOther) continue;
+    const auto& default_value = schema.arguments()[slot].default_value();
+    if (default_value.has_value()) values[slot] = *default_value;
+  }
+  return values;
+}
+
 bool anyMetaTensor(const std::vector<std::optional<at::Tensor>>& tensors) {
   for (const auto& tensor : tensors) {
     if (tensor.has_value() && tensor->defined() && tensor->is_meta()) return true;
@@ -164,6 +223,10 @@ void flatten(const std::vector<c10::IValue>& values, std::vector<std::optional<a
 struct ModeRegion {
   ModeRegion(std::shared_ptr<const Policy> policy, c10::intrusive_ptr<Region> marker_region)
       : region(c10::make_intrusive<Region>(std::move(policy))), marker(std::move(marker_region)) {}
+  // The recompute of a region whose forward the native fallback ran (NOTE: [Modes above the key
+  // see only what ran]): its scopes drive its passes, the mode only its calls.
+  ModeRegion(c10::intrusive_ptr<Region> native_region, c10::intrusive_ptr<Region> marker_region, bool in_recompute)
+      : region(std::move(native_region)), marker(std::move(marker_region)), recompute(in_recompute) {}
 
   c10::intrusive_ptr<Region> region;
   c10::intrusive_ptr<Region> marker;
@@ -195,11 +258,13 @@ using BeginResult = std::tuple<int64_t, int64_t, std::vector<std::optional<at::T
 // (a `.data` write reaches the mode as an in-place op on the kept tensor's storage), the same
 // identity, decision, keep, serve (with its version check) and record. Execution counts are the
 // fallback's, under the marker region; hits are counted here, where the kernel is skipped.
-BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
-                          const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
-                          bool draws_random) {
-  ModeRegion& mode = modeRegion(address);
-  const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
+// The call's arguments: its tensors alone, with Python's key for the rest (a mode region), or all
+// of them (a native region's recompute, whose forward the fallback named from all of them).
+using BuildArguments = std::function<torch::jit::Stack()>;
+
+BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std::optional<at::Tensor>>& tensors,
+                      const BuildArguments& build, std::optional<int64_t> key, bool draws_random,
+                      std::vector<c10::IValue>* other_returns) {
   BeginResult result{kRunOnly, 0, {}, {}};
   const OpEntry& entry = lookupOp(op.handle);
   if (entry.traits.never_counts || anyMetaTensor(tensors)) return result;
@@ -211,17 +276,22 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
 
   const c10::FunctionSchema& schema = op.handle.schema();
   const size_t num_arguments = schema.arguments().size();
-  torch::jit::Stack stack = rebuild(op.arguments, tensors, positions);
+  torch::jit::Stack stack = build();
   if (carriesOurKey(stack, num_arguments)) return result;
   std::vector<WrittenStorage> written;
   if (entry.traits.mutates_inputs || entry.traits.writes_out_arguments) {
     written = writtenStorages(schema, stack.data());
     if (!mode.recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
   }
-  // The non-tensor arguments, folded into one key by Python, name the call with its tensors.
-  stack.emplace_back(key);
-  const uint64_t call = region->flow().identify(entry, stack.data(), stack.size());
-  stack.pop_back();
+  uint64_t call = 0;
+  if (key.has_value()) {
+    // The non-tensor arguments, folded into one key by Python, name the call with its tensors.
+    stack.emplace_back(*key);
+    call = region->flow().identify(entry, stack.data(), stack.size());
+    stack.pop_back();
+  } else {
+    call = region->flow().identify(entry, stack.data(), stack.size());
+  }
 
   std::get<1>(result) = static_cast<int64_t>(call);
   mode.pending_op = &op;
@@ -240,6 +310,12 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
       mode.pending_op = nullptr;
       std::get<0>(result) = kServed;
       flatten(served, &std::get<2>(result), &std::get<3>(result));
+      if (other_returns != nullptr) {
+        // The native fallback kept the non-tensor returns too (a mode region's stay in Python).
+        for (const c10::IValue& value : served) {
+          other_returns->push_back(value.isTensor() || value.isTensorList() ? c10::IValue() : value);
+        }
+      }
       return result;
     }
     std::get<0>(result) = kRunAndRecord;
@@ -259,6 +335,44 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   mode.pending_decision = decision;
   std::get<0>(result) = decision.held ? kRunAndKeep : kRunAndRecord;
   return result;
+}
+
+BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
+                          const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
+                          bool draws_random) {
+  const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
+  return beginCall(modeRegion(address), op, tensors, [&] { return rebuild(op.arguments, tensors, positions); }, key,
+                   draws_random, nullptr);
+}
+
+// mode_call_begin_all(int region, int op, Tensor?[] tensors, int[] positions, Any[] others,
+// int[] other_positions, bool draws_random) -> (int, int, Tensor?[], int[], Any[]): mode_call_begin
+// with every argument, for a region the native fallback named; the last return holds the
+// non-tensor values of a served call (None in a tensor's place).
+void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const bool draws_random = torch::jit::pop(*stack).toBool();
+  const std::vector<int64_t> other_positions = torch::jit::pop(*stack).toIntVector();
+  const c10::List<c10::IValue> others = torch::jit::pop(*stack).toList();
+  const std::vector<int64_t> positions = torch::jit::pop(*stack).toIntVector();
+  const c10::IValue tensor_list = torch::jit::pop(*stack);
+  std::vector<std::optional<at::Tensor>> tensors;
+  for (const c10::IValue& tensor : tensor_list.toListRef()) {
+    tensors.push_back(tensor.isNone() ? std::nullopt : std::optional<at::Tensor>(tensor.toTensor()));
+  }
+  const int64_t op_address = torch::jit::pop(*stack).toInt();
+  const int64_t address = torch::jit::pop(*stack).toInt();
+  const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
+  std::vector<c10::IValue> other_returns;
+  BeginResult result = beginCall(
+      modeRegion(address), op, tensors,
+      [&] { return rebuildAll(op.handle.schema(), op.arguments, tensors, positions, others, other_positions); },
+      std::nullopt, draws_random, &other_returns);
+  c10::List<std::optional<at::Tensor>> served;
+  for (auto& tensor : std::get<2>(result)) served.push_back(std::move(tensor));
+  c10::impl::GenericList values(c10::AnyType::get());
+  for (auto& value : other_returns) values.push_back(std::move(value));
+  torch::jit::push(*stack, std::get<0>(result), std::get<1>(result), std::move(served),
+                   c10::List<int64_t>(std::get<3>(result)), std::move(values));
 }
 
 // After the kernel ran: keeps (when decided) and records the call's outputs, which Python passes
@@ -326,6 +440,20 @@ TORCH_LIBRARY_FRAGMENT(sac, m) {
           auto* marker = reinterpret_cast<RegionHandle*>(marker_address);
           return reinterpret_cast<int64_t>(new ModeRegion(policy, marker->region));
         });
+  // A mode region over the native region at `region_address` (a RegionHandle from the scope C
+  // ABI) in its recompute, bound to the marker region at `marker_address` (NOTE: [Modes above
+  // the key see only what ran]); 0 for a region that intercepts nothing.
+  m.def("mode_region_over(int region_address, int marker_address) -> int",
+        [](int64_t region_address, int64_t marker_address) {
+          TORCH_CHECK_VALUE(region_address != 0 && marker_address != 0,
+                            "sac: mode_region_over needs a region address and a marker region address, got ",
+                            region_address, " and ", marker_address);
+          auto* native = reinterpret_cast<RegionHandle*>(region_address);
+          auto* marker = reinterpret_cast<RegionHandle*>(marker_address);
+          // A region that intercepts nothing kept nothing: its recompute has nothing to serve.
+          if (!native->region->intercepts()) return int64_t{0};
+          return reinterpret_cast<int64_t>(new ModeRegion(native->region, marker->region, /*in_recompute=*/true));
+        });
   m.def("mode_region_release(int address) -> ()", [](int64_t address) { delete &modeRegion(address); });
   m.def("mode_region_pass(int address, int which) -> ()", &modeRegionPass);
   m.def("mode_region_kept_calls(int address) -> int",
@@ -335,6 +463,9 @@ TORCH_LIBRARY_FRAGMENT(sac, m) {
   m.def("mode_call_begin(int region, int op, int key, Tensor?[] tensors, int[] positions, bool draws_random) -> "
         "(int, int, Tensor?[], int[])",
         &modeCallBegin);
+  m.def("mode_call_begin_all(int region, int op, Tensor?[] tensors, int[] positions, Any[] others, "
+        "int[] other_positions, bool draws_random) -> (int, int, Tensor?[], int[], Any[])",
+        torch::CppFunction::makeFromBoxedFunction<&modeCallBeginAll>());
   m.def("mode_call_end(int region, Tensor?[] tensors, int[] positions) -> ()", &modeCallEnd);
 }
 

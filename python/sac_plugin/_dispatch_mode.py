@@ -26,8 +26,11 @@ import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _current_dispatch_modes
 
+from . import _scopes
 from ._call_facts import OpTraits, draws_random, op_traits
+from .policy import Policy
 
 __all__ = ["dispatch_mode_contexts"]
 
@@ -83,6 +86,7 @@ class _Op:
 
 _ops: dict = {}  # op overload -> _Op, or None for ops that never count
 _call_begin = torch.ops.sac.mode_call_begin.default
+_call_begin_all = torch.ops.sac.mode_call_begin_all.default
 _call_end = torch.ops.sac.mode_call_end.default
 _no_python_dispatch = torch._C._DisableTorchDispatch
 
@@ -98,6 +102,16 @@ def _flatten_arguments(op: _Op, args, kwargs):
     is a subclass, False when a tensor sits where the schema takes none. The key folds the non-tensor arguments (with their positions) into
     one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
     hash collisions between small ints (hash(-1) == hash(-2))."""
+    split = _split_arguments(op, args, kwargs)
+    if not split:
+        return split
+    tensors, positions, others = split
+    return tensors, positions, hash(repr(others)) if others else 0
+
+
+def _split_arguments(op: _Op, args, kwargs):
+    """(tensors, their argument positions, [position, value, ...] of every other argument given);
+    None when a tensor is a subclass, False when a tensor sits where the schema takes none."""
     tensors: list = []
     positions: list = []
     others: list = []
@@ -126,7 +140,7 @@ def _flatten_arguments(op: _Op, args, kwargs):
         else:
             others.append(position)
             others.append(value)
-    return tensors, positions, hash(repr(others)) if others else 0
+    return tensors, positions, others
 
 
 def _flatten_returns(op: _Op, out):
@@ -159,6 +173,35 @@ class _ModeRegion:
         release = getattr(getattr(torch.ops, "sac", None), "mode_region_release", None)
         if release is not None:
             release(self.address)
+
+
+# c10::MemoryFormat's values: the fallback's stack holds a memory format as this int, and an `Any`
+# argument cannot take a torch.memory_format. dtypes and layouts travel as ints by themselves.
+_MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
+                   torch.channels_last_3d: 3}
+
+
+# What an `Any` argument takes as the fallback's stack holds it (dtypes and layouts become ints).
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.layout, torch.device, torch.Generator)
+# Any other value names a call the forward (whose stack held it as an object) never made: it runs.
+_UNNAMED = "sac_plugin: a value the dispatch-mode bridge does not pass"
+
+
+def _as_ivalue(value):
+    """A non-tensor argument as the fallback's stack holds it: lists as lists (`()` for an empty
+    one, whose type C++ takes from the schema), memory formats as ints."""
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return ()
+        elements = [_as_ivalue(element) for element in value]
+        # A list travels with one element type (an `Any` list is typed by its elements), a plain one.
+        types = {type(element) for element in elements}
+        return elements if len(types) == 1 and types <= {int, float, bool, complex, str, list} else _UNNAMED
+    if isinstance(value, torch.memory_format):
+        return _MEMORY_FORMATS.get(value, _UNNAMED)
+    return _UNNAMED
 
 
 class _RegionMode(TorchDispatchMode):
@@ -213,20 +256,125 @@ class _RegionMode(TorchDispatchMode):
         return out
 
     def _served(self, op: _Op, call: int, served, counts):
-        values = []
-        next_tensor = 0
-        for position, (slot, count) in enumerate(zip(op.returns, counts)):
-            if slot == _TENSOR:
-                values.append(served[next_tensor])
-                next_tensor += 1
-            elif slot >= _TENSOR_LIST:
-                values.append(list(served[next_tensor:next_tensor + count]))
-                next_tensor += count
-            else:
-                values.append(self._region.other_returns[call][position])
-        if len(values) == 1:
-            return values[0]
-        return tuple(values) if values else None
+        return _assemble(op, served, counts, lambda position: self._region.other_returns[call][position])
+
+
+def _assemble(op: _Op, served, counts, other_value):
+    """A served call's return value from its tensors (flat, `counts` per return) and
+    `other_value(position)` for each return that is not a tensor."""
+    values = []
+    next_tensor = 0
+    for position, (slot, count) in enumerate(zip(op.returns, counts)):
+        if slot == _TENSOR:
+            values.append(served[next_tensor])
+            next_tensor += 1
+        elif slot >= _TENSOR_LIST:
+            values.append(list(served[next_tensor:next_tensor + count]))
+            next_tensor += count
+        else:
+            values.append(other_value(position))
+    if len(values) == 1:
+        return values[0]
+    return tuple(values) if values else None
+
+
+# NOTE: [Modes above the key see only what ran]
+# A TorchDispatchMode (torch's FlopCounterMode, and with it torchtitan's MFU; a debug or logging
+# mode) sits above the plugin's key (NOTE: [The dispatch key sac_plugin intercepts on]): on the
+# native key it would see every call of a recompute, including those the fallback then serves
+# from a kept output without running the kernel, and count work that never ran. The rule: a
+# mode sees the calls that ran, and no served call. So when a region's recompute begins while
+# any dispatch mode is on, the region's recompute runs through a mode of ours pushed on top of
+# them (torch calls the most recently pushed mode first), which drives the region the native
+# fallback filled in the forward: a served call returns from our mode and never reaches the
+# modes below; any other call goes on to them through func(*args, **kwargs) and runs. As torch's
+# own selective checkpoint does, where its recompute mode is pushed last.
+#   - Naming: the fallback named the forward's calls from all their arguments, so our mode hands
+#     C++ all of them (mode_call_begin_all: tensors, every other value, the schema's defaults for
+#     those torch left out), and the same DataFlow::identify names the recompute's calls; a value
+#     that cannot travel the same way names a call the forward never made, which runs.
+#   - No double interception: a marker region (keeps nothing, the units around the forward
+#     re-opened) is the innermost region while our mode is on, so the fallback below only counts
+#     the calls that ran, for audits; served calls are counted as hits by the mode.
+#   - The forward stays on the native key (its calls all run, so every mode sees them all), and
+#     with no dispatch mode on the recompute does too: nothing changes on the hot path. Nor with
+#     only the plugin's own modes on: the per-op trace watches the fallback serve (NOTE: [The
+#     per-op trace costs nothing without a trace]); beside another mode it sees what that one sees.
+# Served calls are made invisible rather than the count corrected afterwards: a correction would
+# serve one counter (FlopCounterMode's formulas), while any mode (a logger, a tracker of which
+# weights a matmul reads, a debug mode) must agree with what ran, and torch's own selective
+# checkpoint shows modes below its recompute mode exactly that.
+class _RecomputeAboveModes(TorchDispatchMode):
+    """The recompute of a region the native fallback ran, under our mode on top of the others."""
+
+    def __init__(self, address: int, marker):
+        super().__init__()
+        self._address = address
+        self._marker = marker  # a RegionReference: entered through the C ABI, never a RegionScope
+        self._marker_depth = 0
+
+    def __enter__(self):
+        # The marker's forward, entered and left at once, notes the units the region's recompute
+        # re-opened; its recompute re-opens them again.
+        _scopes.enter_marker(self._marker.address, 0)
+        self._marker_depth = _scopes.enter_marker(self._marker.address, 1)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            with _no_python_dispatch():
+                torch.ops.sac.mode_region_release(self._address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _ops[func] if func in _ops else _op(func)
+        if op is None:
+            return func(*args, **kwargs)
+        split = _split_arguments(op, args, kwargs)
+        if not split:
+            return NotImplemented if split is None else func(*args, **kwargs)
+        tensors, positions, others = split
+        values = [_as_ivalue(value) for value in others[1::2]]
+        with _no_python_dispatch():
+            action, _, served, counts, other_returns = _call_begin_all(
+                self._address, op.address, tensors, positions, values, others[0::2], False)
+        if action == _SERVED:
+            return _assemble(op, served, counts, other_returns.__getitem__)
+        out = func(*args, **kwargs)
+        if action != _RUN_ONLY:
+            out_tensors, out_positions = _flatten_returns(op, out)
+            with _no_python_dispatch():
+                _call_end(self._address, out_tensors, out_positions)
+        return out
+
+
+_marker_policy = None
+_OWN_MODULES = f"{__package__}."
+
+
+def _recompute_above_modes(region_address: int):
+    """NOTE: [Modes above the key see only what ran]: the context that runs the recompute of the
+    native region at `region_address`, already entered, above the dispatch modes that are on;
+    None for a region that intercepts nothing (it serves nothing either)."""
+    global _marker_policy
+    if all(type(mode).__module__.startswith(_OWN_MODULES) for mode in _current_dispatch_modes()):
+        return None  # only the plugin's own modes (the per-op trace), which watch it serve
+    if _marker_policy is None:
+        _marker_policy = Policy()
+    marker = _scopes.RegionReference(_marker_policy._policy_address)
+    with _no_python_dispatch():  # the engine's own calls are no business of the modes that are on
+        address = torch.ops.sac.mode_region_over(region_address, marker.address)
+    return _RecomputeAboveModes(address, marker) if address else None
+
+
+_scopes.recompute_above_modes = _recompute_above_modes
 
 
 def _draws_random(dropout_p: int, args, kwargs) -> bool:

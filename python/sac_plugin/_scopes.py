@@ -63,6 +63,14 @@ _unit_pop = _lib.sac_unit_pop
 _last_error = _lib.sac_scope_last_error
 region_forward_position = _lib.sac_region_forward_position
 _region_release_unreached = _lib.sac_region_release_unreached
+_dispatch_modes_on = torch._C._len_torch_dispatch_stack
+
+
+def recompute_above_modes(region_address: int):
+    """The context a region's recompute runs under while dispatch modes are on, or None; the
+    dispatch-mode engine, a layer above, installs its own (NOTE: [Modes above the key see only
+    what ran] in _dispatch_mode.py)."""
+    return None
 
 
 def release_unreached(address: int, last_saved_position: int) -> int:
@@ -108,25 +116,58 @@ class RegionReference:
 class RegionScope:
     """The forward (recompute=0) or the recompute (1) of one region, as a context manager."""
 
-    __slots__ = ("_region", "_recompute", "_depth")
+    __slots__ = ("_region", "_recompute", "_depth", "_above_modes")
 
     def __init__(self, region: RegionReference, recompute: int):
         self._region = region
         self._recompute = recompute
         self._depth = 0
+        self._above_modes = None
 
     def __enter__(self):
         depth = _region_enter(self._region.address, self._recompute)
         if depth < 0:
             raise_last_error(-depth)
         self._depth = depth
+        if self._recompute and _dispatch_modes_on():
+            # NOTE: [Modes above the key see only what ran] (_dispatch_mode.py)
+            try:
+                above_modes = recompute_above_modes(self._region.address)
+                if above_modes is not None:
+                    above_modes.__enter__()
+            except BaseException:
+                _region_exit(self._region.address, self._recompute, depth)
+                raise
+            self._above_modes = above_modes
         return self
 
     def __exit__(self, *exc_info):
-        status = _region_exit(self._region.address, self._recompute, self._depth)
+        above_modes, self._above_modes = self._above_modes, None
+        try:
+            if above_modes is not None:
+                above_modes.__exit__(*exc_info)
+        finally:
+            status = _region_exit(self._region.address, self._recompute, self._depth)
         if status:
             raise_last_error(status)
         return False
+
+
+def enter_marker(address: int, recompute: int) -> int:
+    """Enters the forward (recompute=0, left again at once) or the recompute of a marker region
+    (NOTE: [Modes above the key see only what ran] in _dispatch_mode.py); returns the depth."""
+    depth = _region_enter(address, recompute)
+    if depth < 0:
+        raise_last_error(-depth)
+    if not recompute:
+        exit_marker(address, 0, depth)
+    return depth
+
+
+def exit_marker(address: int, recompute: int, depth: int) -> None:
+    status = _region_exit(address, recompute, depth)
+    if status:
+        raise_last_error(status)
 
 
 def profiling_region_forward(profile) -> RegionScope:

@@ -8,12 +8,15 @@ equal to torchtitan's SAC and to the model without checkpointing.
 
 import collections
 import copy
+import dataclasses
 import warnings
 
 import pytest
 import sac_plugin
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
 
 tac = pytest.importorskip("torchtitan.distributed.activation_checkpoint",
                           reason="torchtitan is not importable: tools/setup.sh installs torchtitan 0.3.0, which needs torch >= 2.13")
@@ -127,7 +130,125 @@ def test_full_ac_and_none():
     with sac_plugin.audit() as audit:
         _loss(model, tokens).backward()
     assert sum(row.hits for row in audit.rows()) == 0
-    assert audit.count("aten::mm", phase="recompute") == 4  # the block's matmuls but w2 (recompute stops early)
+    # torchtitan's wrappers pass early_stop=False: the whole block runs again, w2 included.
+    assert audit.count("aten::mm", phase="recompute") == 5
+
+
+def _full_ac_config_with_early_stop(early_stop: bool):
+    """FullAC's config with an `early_stop` field, as torchtitan's configs have had."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(tac.FullAC.Config):
+        early_stop: bool = False
+
+    return Config(early_stop=early_stop)
+
+
+@pytest.mark.parametrize("early_stop", [None, False, True], ids=["no field", "False", "True"])
+def test_early_stop_is_torchtitans(early_stop):
+    config = tac.FullAC.Config() if early_stop is None else _full_ac_config_with_early_stop(early_stop)
+    model = titan_sac.apply_ac(titan_sac.cpu_debug_model("llama3", n_layers=1), config)
+    with sac_plugin.audit() as audit:
+        _loss(model, torch.randint(2048, (1, 8))).backward()
+    # The block's five matmuls, or all but w2 where the recompute stops after the last tensor the
+    # backward needs.
+    assert audit.count("aten::mm", phase="recompute") == (4 if early_stop else 5)
+
+
+# torchtitan's own unit tests of its activation checkpointing (tests/unit_tests/
+# test_activation_checkpoint.py: test_flops, test_force_recompute_mm_fqns), on the plugin's drop-in:
+# a block of three matmuls, gate -> wq -> output, the last twice as wide.
+class _ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from torchtitan.models.common.linear import Linear
+
+        self.moe = torch.nn.Module()
+        self.moe.router = torch.nn.Module()
+        self.moe.router.gate = Linear.Config(in_features=512, out_features=512, bias=False).build()
+        self.attention = torch.nn.Module()
+        self.attention.wq = Linear.Config(in_features=512, out_features=512, bias=False).build()
+        self.output = Linear.Config(in_features=512, out_features=1024, bias=False).build()
+
+    def forward(self, x):
+        return self.output(self.attention.wq(self.moe.router.gate(x))).sum()
+
+
+class _ToyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": _ToyBlock()})
+
+    def forward(self, x):
+        return self.layers["0"](x)
+
+
+def _toy_with(config):
+    model = _ToyModel()
+    if isinstance(config, tac.FullAC.Config):
+        titan_sac.apply_ac(model, config)
+    elif config is not None:
+        with pytest.warns(UserWarning, match="never keeps a collective"):
+            config.build().apply(model)
+    return model
+
+
+def _selective(fqns):
+    return titan_sac.PluginSelectiveAC.Config(force_recompute_mm_shapes_by_fqns=fqns)
+
+
+def test_flops_are_torchtitans():
+    """A FlopCounterMode around backward counts the matmuls that ran, in units of one 512^3 matmul:
+    torchtitan's expectations for its own SAC."""
+
+    def backward_flops(model):
+        model(torch.randn(512, 512, requires_grad=True)).backward()
+        out = model(torch.randn(512, 512, requires_grad=True))
+        with FlopCounterMode(display=False) as counter:
+            out.backward()
+        return counter.get_total_flops() / (512**3 * 2)
+
+    configs = {"no AC": None, "selective": _selective([]), "gate forced": _selective(["moe.router.gate"]),
+               "output forced": _selective(["output"]), "full": tac.FullAC.Config()}
+    flops = {name: backward_flops(_toy_with(config)) for name, config in configs.items()}
+    assert flops == {"no AC": 8.0, "selective": 9.0, "gate forced": 10.0, "output forced": 11.0, "full": 12.0}
+
+
+class _MatmulsByWeight(TorchDispatchMode):
+    """Counts the mm calls that reach it, by the Linear whose weight they read."""
+
+    def __init__(self, names_by_pointer):
+        super().__init__()
+        self._names = names_by_pointer
+        self.counts = {name: 0 for name in names_by_pointer.values()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func == torch.ops.aten.mm.default:
+            for arg in args:
+                name = self._names.get(arg.data_ptr())
+                if name is not None:
+                    self.counts[name] += 1
+                    break
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("fqns", "recomputed"), [
+    ([], {"wq"}),                                   # every second matmul
+    (["moe.router.gate"], {"gate", "wq"}),          # wq has gate's shape; output is then the first
+    (["output"], {"wq", "output"}),                 # gate and wq still alternate
+])
+def test_force_recompute_mm_fqns_recompute_torchtitans_matmuls(fqns, recomputed):
+    """A mode around backward sees two matmuls reading a recomputed weight (the recompute's and the
+    gradient's) and one reading a kept one."""
+    model = _toy_with(_selective(fqns))
+    names = {module.weight.data_ptr(): path.rsplit(".", 1)[-1] for path, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear)}
+    out = model(torch.randn(64, 512, requires_grad=True))
+    tracker = _MatmulsByWeight(names)
+    with tracker:
+        out.backward()
+    assert {name for name, count in tracker.counts.items() if count == 2} == recomputed
+    assert all(count in (1, 2) for count in tracker.counts.values())
 
 
 def test_bad_configs_are_refused_with_what_to_do():

@@ -162,7 +162,7 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
 
     ac_config: torchtitan's SelectiveAC.Config (torchtitan's selective AC: see this module's
     table), FullAC.Config (plain full recompute) or None (nothing). Its preserve_rng_state and
-    early_stop are honoured; debug and determinism_check must be at their defaults. Warns once that the
+    early_stop (False where the config has none, as torchtitan runs) are honoured; debug and determinism_check must be at their defaults. Warns once that the
     collectives torchtitan keeps are recomputed.
     """
     if not isinstance(model, nn.Module):
@@ -173,7 +173,7 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     _check_ac_config(ac_config)
     layers = _layers(model)
     preserve = bool(getattr(ac_config, "preserve_rng_state", True))
-    early_stop = bool(getattr(ac_config, "early_stop", True))
+    early_stop = _early_stop(ac_config)
     if kind == "full":
         for _, block in layers.named_children():
             apply_selective_checkpointing(block, None, preserve_rng_state=preserve, early_stop=early_stop)
@@ -188,6 +188,14 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
         _checkpoint_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}",
                           preserve_rng_state=preserve, early_stop=early_stop)
     return model
+
+
+def _early_stop(ac_config) -> bool:
+    """torchtitan's early stop: its config's `early_stop` where the config has one, else False,
+    which torchtitan's wrappers pass to torch's checkpoint (0.3.0 has no such field). The whole
+    recompute then runs, so a block's last matmuls run again in backward, as torchtitan's FLOP
+    counts expect."""
+    return bool(getattr(ac_config, "early_stop", False))
 
 
 def _config_kind(ac_config) -> str:
@@ -231,7 +239,7 @@ def _plugin_selective_ac():
             _check_ac_config(self.config)
             return _checkpoint_block(module, force_recompute_fqns=tuple(self.config.force_recompute_mm_shapes_by_fqns),
                                      base_fqn=base_fqn, preserve_rng_state=self.config.preserve_rng_state,
-                                     early_stop=bool(getattr(self.config, "early_stop", True)))
+                                     early_stop=_early_stop(self.config))
 
     PluginSelectiveAC.__module__ = __name__
     return PluginSelectiveAC
