@@ -265,3 +265,26 @@ def test_bad_configs_are_refused_with_what_to_do():
         titan_sac.apply_ac(model, {"mode": "selective"})
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         titan_sac.cpu_debug_model("gpt")
+
+
+def test_offloaded_ops_of_the_save_list_serve_what_keeping_serves():
+    # On the CPU offloading is keeping, so offloading topk (torchtitan keeps it) serves the same
+    # calls; the policy names it as offloaded instead of kept, and aten::mm cannot be offloaded.
+    served, policies = {}, {}
+    for offloaded in ((), ("aten::topk.default",)):
+        model = titan_sac.cpu_debug_model("deepseek_v3", n_layers=2)
+        tokens = torch.randint(2048, (2, 32), generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            titan_sac.apply_ac(model, tac.SelectiveAC.Config(), offloaded_ops=offloaded, offload_min_bytes=0)
+            with sac_plugin.audit() as audit:
+                _loss(model, tokens).backward()
+        served[offloaded] = {row.op: row.hits for row in audit.rows() if row.hits}
+        policies[offloaded] = vars(model.layers["1"])["_sac_policy"]
+    assert served[()] == served[("aten::topk.default",)] and served[()]["aten::topk"] == 1
+    assert "aten::topk" in policies[()].kept_ops and "aten::topk" not in policies[("aten::topk.default",)].kept_ops
+    assert policies[("aten::topk.default",)].offloaded_ops == frozenset({"aten::topk"})
+    with pytest.raises(ValueError, match="offloaded_ops names aten::mm, which torchtitan's selective AC keeps every "
+                                         "other call of"):
+        titan_sac.apply_ac(titan_sac.cpu_debug_model("llama3", n_layers=1), tac.SelectiveAC.Config(),
+                           offloaded_ops=["aten::mm"])

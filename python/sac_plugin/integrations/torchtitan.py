@@ -100,12 +100,25 @@ def _owner_and_name(block: nn.Module, path: str):
     return (block.get_submodule(parent) if parent else block), name
 
 
+def _offloaded_names(offload: dict) -> frozenset[str]:
+    """The overloads `offload["offloaded_ops"]` names, as Policy names them ("aten::addmm");
+    refuses mm, which torchtitan's every-other-matmul rule keeps."""
+    names = Policy(**offload).offloaded_ops if offload.get("offloaded_ops") else frozenset()
+    if "aten::mm" in names:
+        raise ValueError("sac_plugin: torchtitan: offloaded_ops names aten::mm, which torchtitan's selective AC keeps "
+                         "every other call of (every_nth_op); offload the other ops of its save list (save_ops())")
+    return names
+
+
 def policy_for_block(block: nn.Module, *, force_recompute_fqns=DEFAULT_FORCE_RECOMPUTE_FQNS,
-                     base_fqn: str | None = None):
+                     base_fqn: str | None = None, offload: dict | None = None):
     """(Policy, [(owner, attribute, unit)]): torchtitan's selective AC for one block, and where its
     units go. Every nn.Linear whose weight has a forced shape is recomputed, as torchtitan's
     shape match recomputes any matmul with that right operand; the expert-parallel dispatcher's
-    token-count exchange (its CUDA->CPU copies) is kept."""
+    token-count exchange (its CUDA->CPU copies) is kept. `offload`: Policy's offload keywords
+    (offloaded_ops, offload_min_bytes, host_memory_limit); the ops of the save list it names are
+    offloaded instead of kept."""
+    offload = dict(offload or {})
     _check_fqns(force_recompute_fqns)
     shapes = forced_recompute_shapes(block, force_recompute_fqns, base_fqn) if force_recompute_fqns else set()
     in_units = []
@@ -117,10 +130,12 @@ def policy_for_block(block: nn.Module, *, force_recompute_fqns=DEFAULT_FORCE_REC
             in_units.append((dispatcher, "_sync_token_count_exchange", CPU_OFFLOAD_UNIT))
     # Units only where the block has them: a unit no forward opens would be reported as a typo.
     units = {unit for _, _, unit in in_units}
-    policy = Policy(kept_ops=[op for op in save_ops() if op != MM],
+    offloaded = _offloaded_names(offload)
+    policy = Policy(kept_ops=[op for op in save_ops() if op != MM and op.removesuffix(".default") not in offloaded],
                     kept_units=[CPU_OFFLOAD_UNIT] if CPU_OFFLOAD_UNIT in units else [],
                     every_nth_op={MM: 2},
-                    recomputed_units=[FORCED_RECOMPUTE_UNIT] if FORCED_RECOMPUTE_UNIT in units else [])
+                    recomputed_units=[FORCED_RECOMPUTE_UNIT] if FORCED_RECOMPUTE_UNIT in units else [],
+                    **offload)
     return policy, in_units
 
 
@@ -131,8 +146,9 @@ def _check_fqns(fqns) -> None:
 
 
 def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, preserve_rng_state: bool,
-                      early_stop: bool) -> nn.Module:
-    policy, in_units = policy_for_block(block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn)
+                      early_stop: bool, offload: dict) -> nn.Module:
+    policy, in_units = policy_for_block(block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn,
+                                        offload=offload)
     for owner, name, unit in in_units:
         run_in_unit(owner, name, unit)
     return apply_selective_checkpointing(block, policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop)
@@ -156,17 +172,26 @@ def _check_ac_config(config) -> None:
                          "the plugin runs torch's default check, so leave it 'default'")
 
 
-def apply_ac(model: nn.Module, ac_config) -> nn.Module:
+def apply_ac(model: nn.Module, ac_config, *, offloaded_ops=(), offload_min_bytes: int = 1 << 20,
+             host_memory_limit: int | None = None) -> nn.Module:
     """Drop-in for torchtitan's `ac_config.build().apply(model)` on the plugin: checkpoints every
     block of model.layers in place and returns the model.
 
     ac_config: torchtitan's SelectiveAC.Config (torchtitan's selective AC: see this module's
     table), FullAC.Config (plain full recompute) or None (nothing). Its preserve_rng_state and
-    early_stop (False where the config has none, as torchtitan runs) are honoured; debug and determinism_check must be at their defaults. Warns once that the
-    collectives torchtitan keeps are recomputed.
+    early_stop (False where the config has none, as torchtitan runs) are honoured; debug and
+    determinism_check must be at their defaults. Warns once that the collectives torchtitan keeps
+    are recomputed.
+
+    offloaded_ops, offload_min_bytes, host_memory_limit: as sac_plugin.Policy takes them; with a
+    selective config, the ops of torchtitan's save list named here are held in pinned host memory
+    instead of on the device (not aten::mm, which keeps its every-other-call rule).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sac_plugin: torchtitan.apply_ac: model must be a torch.nn.Module, got {describe_value(model)}")
+    offload = {"offloaded_ops": offloaded_ops, "offload_min_bytes": offload_min_bytes,
+               "host_memory_limit": host_memory_limit}
+    _offloaded_names(offload)  # bad offload arguments are refused before anything changes
     if ac_config is None:
         return model
     kind = _config_kind(ac_config)
@@ -174,6 +199,9 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     layers = _layers(model)
     preserve = bool(getattr(ac_config, "preserve_rng_state", True))
     early_stop = _early_stop(ac_config)
+    if kind == "full" and offloaded_ops:
+        raise ValueError("sac_plugin: torchtitan.apply_ac: offloaded_ops needs torchtitan's SelectiveAC.Config; "
+                         "FullAC.Config recomputes every op, so there is nothing to offload")
     if kind == "full":
         for _, block in layers.named_children():
             apply_selective_checkpointing(block, None, preserve_rng_state=preserve, early_stop=early_stop)
@@ -182,11 +210,11 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     _check_fqns(fqns)
     # Every block is checked before any changes: a refused config leaves the model as it was.
     for layer_id, block in layers.named_children():
-        policy_for_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}")
+        policy_for_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}", offload=offload)
     warnings.warn(COLLECTIVES_WARNING, stacklevel=2)
     for layer_id, block in layers.named_children():
         _checkpoint_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}",
-                          preserve_rng_state=preserve, early_stop=early_stop)
+                          preserve_rng_state=preserve, early_stop=early_stop, offload=offload)
     return model
 
 
