@@ -1,8 +1,9 @@
 """Memory-budget plans with three outcomes per call: keep, offload or recompute. Built on synthetic
 profiles with given copy bandwidths: a copy that hides is chosen over a recompute, a recompute
 over a copy that cannot hide, the host-memory cap and the size floor bind; at every budget the
-three-way plan predicts a step no slower than the two-way plan and the fastest step there is; plans with offloads survive a file round trip; bad offload arguments are
-refused by name; on CPU without bandwidths the plan is two-way and says why once."""
+three-way plan predicts a step no slower than the two-way plan, and the fastest step there is;
+plans with offloads survive a file round trip; bad offload arguments are refused by name; on CPU
+without bandwidths the plan is two-way and says why once."""
 
 import inspect
 import itertools
@@ -154,7 +155,8 @@ def test_the_policy_offloads_exactly_the_planned_calls():
                          floor=MiB)
     plan = Plan.from_profile(profile, MiB, offload=OffloadModel(LINK, LINK, MiB // 2, 64 * MiB))
     assert plan.offloaded == {("aten::mm", 0), ("aten::mm", 1), ("aten::addmm", 0)}
-    assert plan.policy == Policy(kept_calls={}, offloaded_calls={"aten::mm.default": [0, 1], "aten::addmm.default": [0]},
+    assert plan.policy == Policy(kept_calls={},
+                                 offloaded_calls={"aten::mm.default": [0, 1], "aten::addmm.default": [0]},
                                  offload_min_bytes=MiB // 2, host_memory_limit=64 * MiB)
     assert plan.policy.offloaded_calls == {"aten::addmm.default": (0,), "aten::mm.default": (0, 1)}
 

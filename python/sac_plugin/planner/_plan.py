@@ -11,7 +11,7 @@ layer's inputs: the floor) plus the outputs the plan keeps. A fraction is of the
 holds without checkpointing; an int is bytes. The kept outputs are chosen by an exact 0/1
 knapsack (knapsack.py) that maximises the kernel time the recompute skips.
 
-NOTE: [The three-way model] With offload=True each call the recompute would run has three
+The three-way model. With offload=True each call the recompute would run has three
 outcomes, and the plan takes the least predicted step time within the budget:
   - keep: its output stays on the device (its bytes count against the budget), costs nothing;
   - offload: its output lives in pinned host memory between forward and backward (no device
@@ -134,8 +134,8 @@ class OffloadModel:
 
 @dataclasses.dataclass(frozen=True)
 class CopyCost:
-    """One call's two copies and the compute each can hide behind, in seconds (NOTE: [The
-    three-way model])."""
+    """One call's two copies and the compute each can hide behind, in seconds (the three-way
+    model, in this module's docstring)."""
 
     to_host: float
     to_device: float
@@ -234,7 +234,7 @@ class _Solver:
         return frozenset(kept)
 
     def choose(self, budget) -> tuple[frozenset, frozenset]:
-        """(kept, offloaded) for the budget: the least predicted step time (NOTE: [The three-way model])."""
+        """(kept, offloaded) for the budget: the least predicted step time (the three-way model)."""
         capacity = self.capacity(budget)
         two_way = self._kept(self.two_way, capacity)
         if self.offload is None:
@@ -335,7 +335,8 @@ class Plan:
     @classmethod
     def from_profile(cls, profile: LayerProfile, budget=0.3, *, offload: OffloadModel | None = None) -> Plan:
         """The plan for `budget` from a profile (no measurement): keep or recompute each call, or
-        with an OffloadModel keep, offload or recompute it (NOTE: [The three-way model])."""
+        with an OffloadModel keep, offload or recompute it (the three-way model in this module's
+        docstring)."""
         if offload is not None and not isinstance(offload, OffloadModel):
             raise TypeError(f"sac_plugin: Plan.from_profile: offload must be None or an OffloadModel, got "
                             f"{describe_value(offload)}")
@@ -438,7 +439,7 @@ class Plan:
             else:
                 copies = (f"{copy.to_host * 1e3:>9.3f}{copy.to_device * 1e3:>9.3f}{copy.forward_window * 1e3:>11.3f}"
                           f"{copy.exposed * 1e3:>12.3f}  {'yes' if copy.hides else 'no'}")
-            lines.append(f"{r['op'] + ' #' + str(r['index']):<48}{r['unit'] or '-':<14}{r['bytes'] / mib:>9.3f}"
+            lines.append(f"{r['op'] + ' #' + str(r['index']):<47} {r['unit'] or '-':<14}{r['bytes'] / mib:>9.3f}"
                          f"{r['seconds'] * 1e3:>9.3f}  {r['outcome']:<10}{copies}")
         return "\n".join(lines)
 
@@ -784,7 +785,7 @@ def plan(module: torch.nn.Module, *example_args, budget=0.3, runs: int = 5, warm
     between forward and backward without checkpointing (float, 0.0 to 1.0), or bytes (int).
 
     offload=True plans three outcomes per call, keep, offload or recompute, for the least predicted
-    step time (NOTE: [The three-way model]): the copy bandwidths are timed on the layer's
+    step time (the three-way model, docs/memory-budget.md): the copy bandwidths are timed on the layer's
     accelerator, or given as offload_bandwidth=(device_to_host, host_to_device) bytes per second;
     host_memory_limit caps the host bytes offloaded (None: no cap); calls under offload_min_bytes
     (default: the Policy's, 1 MiB) are never offloaded. With neither an accelerator nor
