@@ -363,3 +363,15 @@ def test_a_coarse_pair_table_never_goes_over_either_capacity():
         assert sum(weights[i] for i in device) <= capacity
         assert sum(weights[i] for i in host) <= 30 * MiB + 5
         assert all(i % 5 for i in host)  # only items the host may take
+
+
+def test_a_plan_refuses_offloads_it_cannot_price():
+    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", MiB // 2, 1.0))
+    with pytest.raises(ValueError) as raised:
+        Plan(profile, 1.0, frozenset(), {("aten::mm", 0)})
+    assert str(raised.value) == ("sac_plugin: Plan: ('aten::mm', 0) cannot be offloaded: there is no OffloadModel "
+                                 "(offload=...)")
+    with pytest.raises(ValueError) as raised:
+        Plan(profile, 1.0, frozenset(), {("aten::mm", 1)}, offload=OffloadModel(LINK, LINK))
+    assert str(raised.value) == ("sac_plugin: Plan: ('aten::mm', 1) cannot be offloaded: not a profiled call a plan "
+                                 "may offload")

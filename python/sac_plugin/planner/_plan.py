@@ -317,19 +317,20 @@ class Plan:
         self.kept = frozenset(kept)
         self.offloaded = frozenset(offloaded)
         self.offload = offload
-        if self.offloaded and offload is None:
-            raise ValueError("sac_plugin: Plan: offloaded calls need an OffloadModel (offload=...)")
+        self._solver_cache = solver
+        self.copies = solver.copies if solver is not None else copy_costs(profile, offload) if offload else {}
+        not_offloadable = sorted(self.offloaded - self.copies.keys())
+        if not_offloadable:
+            raise ValueError(f"sac_plugin: Plan: {not_offloadable[0]} cannot be offloaded: "
+                             + ("there is no OffloadModel (offload=...)" if offload is None else
+                                "not a profiled call a plan may offload"))
         by_key = {_key(c): c for c in profile.calls}
         self.kept_bytes = sum(by_key[k].bytes for k in self.kept)
         self.held_bytes = profile.full_recompute_bytes + self.kept_bytes
         self.offloaded_bytes = sum(by_key[k].bytes for k in self.offloaded)
-        if solver is None:
-            solver = _Solver(profile, offload)
-        self._solver = solver
-        self.copies = solver.copies
         self.recompute_seconds = _overhead(profile, self.kept | self.offloaded, frozenset(), {})
         self.copy_seconds = sum(self.copies[k].exposed for k in sorted(self.offloaded))
-        self.overhead_seconds = solver.overhead(self.kept, self.offloaded)
+        self.overhead_seconds = _overhead(profile, self.kept, self.offloaded, self.copies)
         self._policy = None
 
     @classmethod
@@ -467,12 +468,18 @@ class Plan:
     def with_budget(self, budget) -> Plan:
         """The same profile (and offload model) planned for another budget (no new measurement)."""
         check_budget(budget)
-        return Plan(self.profile, budget, *self._solver.choose(budget), offload=self.offload, solver=self._solver)
+        solver = self._solver()
+        return Plan(self.profile, budget, *solver.choose(budget), offload=self.offload, solver=solver)
 
     def without_offload(self) -> Plan:
         """The two-way plan (keep or recompute) for the same profile and budget."""
-        solver = self._solver.without_offload()
+        solver = self._solver().without_offload()
         return Plan(self.profile, self.budget, *solver.choose(self.budget), solver=solver)
+
+    def _solver(self) -> _Solver:
+        if self._solver_cache is None:
+            self._solver_cache = _Solver(self.profile, self.offload)
+        return self._solver_cache
 
     def evaluate(self, policy: Policy) -> dict:
         """What a hand-written policy is predicted to hold and recompute on this profile: kept ops,
