@@ -7,6 +7,9 @@ capacity down, so the answer can only be under the budget, never over. Every ans
 against the true bytes before it is returned (torch's Hirschberg knapsack has overshot its
 budget, pytorch#197871), then topped up greedily with whatever still fits in true bytes.
 One table answers every capacity up to the largest, which is how a Pareto curve is drawn.
+
+PairKnapsack is the same over two capacities at once, device and host bytes: each item is kept,
+offloaded or neither (the planner's three outcomes where its host-memory cap binds).
 """
 
 from __future__ import annotations
