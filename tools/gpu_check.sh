@@ -2,8 +2,9 @@
 # The GPU check, as one command, for a machine with a CUDA build of torch and no network (an H200
 # with torch 2.11 + CUDA 13): builds and installs the package against that machine's python3 torch
 # (build_plugin below says how), runs every test (CUDA tests included), the overhead, memory and
-# memory-budget benchmarks (benchmarks/) on CUDA tensors and a Llama-style block at realistic size
-# (bf16, hidden 4096, sequence 4096) with peak memory. Everything it prints also goes to one file:
+# memory-budget benchmarks (benchmarks/) on CUDA tensors, a Llama-style block at realistic size
+# (bf16, hidden 4096, sequence 4096) with peak memory, and the same block kept, offloaded and
+# recomputed (bytes, step times, exposed copy time). Everything it prints also goes to one file:
 # $OUT/gpu_check.txt under the device tool, else ./gpu_check.txt, the benchmarks' JSON results
 # at its end. SAC_GPU_PYTHON picks another python.
 # Budget: under 8 minutes on an H200.
@@ -82,6 +83,9 @@ build_plugin() {
     --seqs 2048 4096 --json "$results/memory_cuda.json"
   step "Llama block, bf16, hidden 4096, seq 4096" 120 "$python" benchmarks/bench_block.py --device cuda \
     --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 5 --json "$results/block_cuda.json"
+  step "keep, offload or recompute: Llama block, bf16, hidden 4096, seq 4096" 150 "$python" benchmarks/bench_offload.py \
+    --device cuda --dtype bfloat16 --dim 4096 --heads 32 --seq 4096 --steps 3 --min-bytes 1048576 \
+    --json "$results/offload_cuda.json"
   step "memory-budget plans (cuda, CUDA-event kernel times)" 240 "$python" benchmarks/bench_budget.py --device cuda \
     --sizes 1024x1024 2048x2048 --reps 5 --json "$results/budget_cuda.json"
   for json in "$results"/*.json; do

@@ -23,7 +23,7 @@
 #define SAC_C_API extern "C" __attribute__((visibility("default")))
 
 // Bumped when a signature or a meaning changes; Python refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 3;
+inline constexpr int32_t kSacCApiVersion = 4;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -62,12 +62,12 @@ SAC_C_API const char* sac_scope_last_error();
 // --- The keep rule (NOTE: [The keep rule] in policy/policy.cpp) ---------------------------------
 //
 // A decision is returned as one int64, never negative on success (minus a SacScopeStatus on error):
-//   bits 0-7    Outcome (0 recompute, 1 keep)
+//   bits 0-7    Outcome (0 recompute, 1 keep, 2 offload)
 //   bits 8-15   Reason (sac::Reason; sac_reason_text names it)
 //   bit 16      a mutating op selected by a kept unit (worth a warning)
 //   bit 17      a selected op's call that draws random numbers, e.g. attention with dropout_p > 0
 //               (worth a warning)
-//   bits 32-62  the id + 1 of the kept unit that selected the call, 0 for none
+//   bits 32-62  the id + 1 of the kept or offloaded unit that selected the call, 0 for none
 // Units cross as sac_unit_id returns them (id + 1). `facts`: bit 0, the call draws random
 // numbers; bit 1, it casts a parameter; other bits are refused.
 

@@ -174,7 +174,7 @@ struct ModeRegion {
   const ModeOp* pending_op = nullptr;
   uint64_t pending_call = 0;
   bool pending_keep = false;
-  UnitId pending_unit = kNoUnit;
+  Decision pending_decision;  // what the rule decided for the pending call
   std::vector<WrittenStorage> pending_written;
 };
 
@@ -255,9 +255,9 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
   if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
     warnAboutRecomputedSelection(policy, entry, decision);
   }
-  mode.pending_keep = decision.keep;
-  mode.pending_unit = decision.unit;
-  std::get<0>(result) = decision.keep ? kRunAndKeep : kRunAndRecord;
+  mode.pending_keep = decision.held;
+  mode.pending_decision = decision;
+  std::get<0>(result) = decision.held ? kRunAndKeep : kRunAndRecord;
   return result;
 }
 
@@ -273,7 +273,7 @@ void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& 
   const c10::FunctionSchema& schema = op.handle.schema();
   torch::jit::Stack stack = rebuild(op.returns, tensors, positions);
   const size_t num_returns = stack.size();
-  if (mode.pending_keep) mode.region->keep(entry, mode.pending_call, mode.pending_unit, stack, num_returns);
+  if (mode.pending_keep) mode.region->keep(entry, mode.pending_call, mode.pending_decision, stack, num_returns);
   mode.region->flow().recordCall(mode.pending_call, schema, stack, num_returns, mode.pending_written);
   mode.pending_written.clear();
 }

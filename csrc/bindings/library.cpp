@@ -17,6 +17,7 @@
 #include "dispatch/call_profile.h"
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
+#include "dispatch/offload.h"
 #include "dispatch/region_scopes.h"
 #include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
@@ -32,44 +33,65 @@
 namespace sac {
 namespace {
 
+// Call-index rules travel flattened: op i lists the next counts[i] values of indices
+// (torchbind has no list-of-lists argument that every supported torch takes).
+std::vector<std::pair<std::string, std::vector<int64_t>>> callRules(const char* field,
+                                                                    const std::vector<std::string>& ops,
+                                                                    const std::vector<int64_t>& counts,
+                                                                    const std::vector<int64_t>& indices) {
+  TORCH_CHECK_VALUE(ops.size() == counts.size(), "sac: ", field, " needs one count per op, got ", ops.size(),
+                    " ops and ", counts.size(), " counts");
+  std::vector<std::pair<std::string, std::vector<int64_t>>> rules;
+  size_t next = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const int64_t count = counts[i];
+    TORCH_CHECK_VALUE(count >= 0 && static_cast<size_t>(count) <= indices.size() - next, "sac: ", field,
+                      ": the counts do not add up to the ", indices.size(), " indices given");
+    rules.emplace_back(ops[i], std::vector<int64_t>(indices.begin() + static_cast<std::ptrdiff_t>(next),
+                                                    indices.begin() + static_cast<std::ptrdiff_t>(next + count)));
+    next += static_cast<size_t>(count);
+  }
+  TORCH_CHECK_VALUE(next == indices.size(), "sac: ", field, ": the counts do not add up to the ", indices.size(),
+                    " indices given");
+  return rules;
+}
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> flatCallRules(
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& rules) {
+  std::vector<std::string> ops;
+  std::vector<int64_t> counts;
+  std::vector<int64_t> indices;
+  for (const auto& [op, calls] : rules) {
+    ops.push_back(op);
+    counts.push_back(static_cast<int64_t>(calls.size()));
+    indices.insert(indices.end(), calls.begin(), calls.end());
+  }
+  return std::make_tuple(ops, counts, indices);
+}
+
 struct PolicyHandle : torch::CustomClassHolder {
-  // kept_calls travels flattened: op i keeps the next kept_call_counts[i] values of
-  // kept_call_indices (torchbind has no list-of-lists argument that every supported torch takes).
   PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
                std::vector<std::string> every_nth_ops, std::vector<int64_t> every_nth,
                std::vector<std::string> recomputed_units, std::vector<std::string> kept_call_ops,
-               std::vector<int64_t> kept_call_counts, std::vector<int64_t> kept_call_indices)
-      : policy(Policy::create(spec(std::move(kept_ops), std::move(kept_units), every_nth_ops, every_nth,
-                                   std::move(recomputed_units), kept_call_ops, kept_call_counts,
-                                   kept_call_indices))) {}
-
-  static PolicySpec spec(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
-                         const std::vector<std::string>& every_nth_ops, const std::vector<int64_t>& every_nth,
-                         std::vector<std::string> recomputed_units, const std::vector<std::string>& kept_call_ops,
-                         const std::vector<int64_t>& kept_call_counts, const std::vector<int64_t>& kept_call_indices) {
+               std::vector<int64_t> kept_call_counts, std::vector<int64_t> kept_call_indices,
+               std::vector<std::string> offloaded_ops, std::vector<std::string> offloaded_units,
+               std::vector<std::string> offloaded_call_ops, std::vector<int64_t> offloaded_call_counts,
+               std::vector<int64_t> offloaded_call_indices, int64_t offload_min_bytes, int64_t host_memory_limit) {
     TORCH_CHECK_VALUE(every_nth_ops.size() == every_nth.size(), "sac: every_nth_op needs one n per op, got ",
                       every_nth_ops.size(), " ops and ", every_nth.size(), " values");
-    TORCH_CHECK_VALUE(kept_call_ops.size() == kept_call_counts.size(), "sac: kept_calls needs one count per op, got ",
-                      kept_call_ops.size(), " ops and ", kept_call_counts.size(), " counts");
     PolicySpec spec;
     spec.kept_ops = std::move(kept_ops);
     spec.kept_units = std::move(kept_units);
     for (size_t i = 0; i < every_nth_ops.size(); ++i) spec.every_nth_ops.emplace_back(every_nth_ops[i], every_nth[i]);
     spec.recomputed_units = std::move(recomputed_units);
-    size_t next = 0;
-    for (size_t i = 0; i < kept_call_ops.size(); ++i) {
-      const int64_t count = kept_call_counts[i];
-      TORCH_CHECK_VALUE(count >= 0 && static_cast<size_t>(count) <= kept_call_indices.size() - next,
-                        "sac: kept_calls: the counts do not add up to the ", kept_call_indices.size(), " indices given");
-      spec.kept_calls.emplace_back(kept_call_ops[i],
-                                   std::vector<int64_t>(kept_call_indices.begin() + static_cast<std::ptrdiff_t>(next),
-                                                        kept_call_indices.begin() +
-                                                            static_cast<std::ptrdiff_t>(next + count)));
-      next += static_cast<size_t>(count);
-    }
-    TORCH_CHECK_VALUE(next == kept_call_indices.size(), "sac: kept_calls: the counts do not add up to the ",
-                      kept_call_indices.size(), " indices given");
-    return spec;
+    spec.kept_calls = callRules("kept_calls", kept_call_ops, kept_call_counts, kept_call_indices);
+    spec.offloaded_ops = std::move(offloaded_ops);
+    spec.offloaded_units = std::move(offloaded_units);
+    spec.offloaded_calls = callRules("offloaded_calls", offloaded_call_ops, offloaded_call_counts,
+                                     offloaded_call_indices);
+    spec.offload_min_bytes = offload_min_bytes;
+    spec.host_memory_limit = host_memory_limit;
+    policy = Policy::create(spec);
   }
 
   std::shared_ptr<const Policy> policy;
@@ -186,12 +208,18 @@ TORCH_LIBRARY(sac, m) {
       .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptBytes(); })
       .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptCalls(); })
       .def("kept_tensors",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptTensors(); });
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptTensors(); })
+      .def("offloaded_bytes",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedBytes(); })
+      .def("offloaded_calls",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedCalls(); });
 
   m.class_<PolicyHandle>("Policy")
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
                        std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
-                       std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<std::string>,
+                       std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
+                       std::vector<int64_t>, int64_t, int64_t>())
       // For the C ABI (bindings/c_api.cpp): the address of this handle's policy pointer, valid
       // while the handle lives (the Python Policy holds it for its whole life).
       .def("policy_address",
@@ -211,17 +239,15 @@ TORCH_LIBRARY(sac, m) {
              return std::make_tuple(ops, every);
            })
       .def("kept_calls",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) {
-             std::vector<std::string> ops;
-             std::vector<int64_t> counts;
-             std::vector<int64_t> indices;
-             for (const auto& [op, calls] : self->policy->keptCalls()) {
-               ops.push_back(op);
-               counts.push_back(static_cast<int64_t>(calls.size()));
-               indices.insert(indices.end(), calls.begin(), calls.end());
-             }
-             return std::make_tuple(ops, counts, indices);
-           })
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return flatCallRules(self->policy->keptCalls()); })
+      .def("offloaded_ops",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->offloadedOpNames(); })
+      .def("offloaded_units",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->offloadedUnitNames(); })
+      .def("offloaded_calls",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return flatCallRules(self->policy->offloadedCalls()); })
+      .def("host_bytes_held",
+           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->hostBytesHeld(); })
       .def("keeps_nothing",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
 
@@ -257,6 +283,15 @@ TORCH_LIBRARY(sac, m) {
   m.def("resolvable_op_names(str[] names) -> str[]", &resolvableOpNames);
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
   m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
+  // NOTE: [Offloading kept outputs] (dispatch/offload.cpp): copies each way with their bytes,
+  // and the pinned pool's bytes, bytes in use and allocations.
+  m.def("offload_stats() -> int[]", []() {
+    OffloadStats stats = offloadStats();
+    return std::vector<int64_t>{stats.copies_to_host, stats.bytes_to_host, stats.copies_to_device,
+                                stats.bytes_to_device, stats.pool_bytes, stats.pool_bytes_in_use,
+                                stats.pool_allocations};
+  });
+  m.def("empty_offload_pool() -> int", []() { return emptyOffloadPool(); });
 }
 
 }  // namespace sac

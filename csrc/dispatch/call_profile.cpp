@@ -64,7 +64,7 @@ double timeOnCuda(c10::Device device, c10::function_ref<void()> run_kernel) {
 
 const char* whyNotKeepable(const OpEntry& op, const CallFacts& call) {
   Decision named = Policy::decideNamed(op, call);
-  if (!named.keep) return reasonText(named.reason);
+  if (!named.held) return reasonText(named.reason);
   // A plan keeps calls for the storage they create. A view creates none and would pin its base;
   // an out= op writes storage its caller allocated. Neither is offered, though a policy naming
   // one keeps it.

@@ -8,7 +8,8 @@
 //   - ops outside a region (audits only): counted, then run;
 //   - calls the region's policy recomputes (Policy::decide, NOTE: [The keep rule] in policy.cpp):
 //     counted, then run;
-//   - kept ops in the forward: counted, run, outputs stored in the region;
+//   - kept (offloaded) ops in the forward: counted, run, outputs stored in the region (copied to
+//     pinned host memory: NOTE: [Offloading kept outputs] in offload.cpp);
 //   - kept ops in the recompute: outputs served from the region, kernel skipped, hit counted.
 // Redispatch always goes to the keys below ours, with the key set the dispatcher gave us.
 
@@ -137,10 +138,10 @@ class InterceptedCall {
     }
     region->advancePosition();
     countAndRun(state.phase());
-    if (decision.keep) {
+    if (decision.held) {
       // NOTE: [Kept outputs the recompute never reaches] (region.cpp)
       const uint32_t ordinal = region->nextKeptOrdinal(entry_);
-      if (!policy.neverReached(entry_, ordinal)) region->keep(entry_, call, decision.unit, *stack_, num_returns, ordinal);
+      if (!policy.neverReached(entry_, ordinal)) region->keep(entry_, call, decision, *stack_, num_returns, ordinal);
     }
     flow.recordCall(call, schema, *stack_, num_returns, written);
   }

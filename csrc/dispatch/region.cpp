@@ -12,6 +12,7 @@
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
 #include "ops/hash_containers.h"
+#include "ops/user_warning.h"
 
 // Declared here rather than through torch/csrc/autograd/graph_task.h, whose include tree
 // would triple this file's build time; both are exported from libtorch_cpu.
@@ -56,9 +57,17 @@ int64_t versionOf(const at::Tensor& tensor) {
   return (tensor.defined() && !tensor.is_inference()) ? static_cast<int64_t>(tensor._version()) : -1;
 }
 
-std::string unitSuffix(UnitId unit) {
-  return unit == kNoUnit ? std::string(" (kept by the op list)") : " (kept in unit '" + unitName(unit) + "')";
+std::string unitSuffix(UnitId unit, bool offloaded) {
+  const char* how = offloaded ? "offloaded" : "kept";
+  return unit == kNoUnit ? std::string(" (") + how + " by the op list)"
+                         : std::string(" (") + how + " in unit '" + unitName(unit) + "')";
 }
+
+// Regions of every policy whose forward offloaded something and whose recompute has not begun,
+// in the order their forwards ended: the backward usually reaches them in reverse, so the region
+// before one in this list is the one whose offloaded outputs to fetch next.
+std::mutex offloading_regions_mutex;
+auto* offloading_regions = new std::vector<c10::weak_intrusive_ptr<Region>>();
 
 }  // namespace
 
@@ -75,7 +84,12 @@ Region::Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile
   live_regions.fetch_add(1, std::memory_order_relaxed);
 }
 
-Region::~Region() { live_regions.fetch_sub(1, std::memory_order_relaxed); }
+Region::~Region() {
+  if (any_offloaded_) {
+    for (auto& [call, kept] : kept_) drop(kept);
+  }
+  live_regions.fetch_sub(1, std::memory_order_relaxed);
+}
 
 int64_t Region::liveCount() { return live_regions.load(std::memory_order_relaxed); }
 
@@ -90,8 +104,9 @@ int64_t pendingVersionBumps(const OpEntry& op) {
   return op.traits.writes_out_arguments && in_place_kernel_above ? 1 : 0;
 }
 
-void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack,
+void Region::keep(const OpEntry& op, uint64_t call, const Decision& decision, const torch::jit::Stack& stack,
                   size_t num_returns, uint32_t ordinal) {
+  const UnitId unit = decision.unit;
   auto [it, inserted] = kept_.try_emplace(call);
   // Identities are unique within a pass; a repeat would be a 64-bit hash collision: keep the
   // first and let the second run again in the recompute.
@@ -113,6 +128,107 @@ void Region::keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::ji
       }
     });
   }
+  if (decision.outcome == Outcome::kOffload) offload(kept);
+}
+
+void Region::offload(KeptOutputs& kept) {
+  const std::string& name = kept.op->traits.qualified_name;
+  int64_t bytes = 0;
+  bool on_accelerator = false;
+  bool copyable = true;
+  HashSet<const c10::StorageImpl*> storages;
+  for (const c10::IValue& value : kept.outputs) {
+    if (value.isTensorList()) {
+      copyable = false;
+      continue;
+    }
+    if (!value.isTensor() || !value.toTensor().defined()) continue;
+    const at::Tensor& tensor = value.toTensor();
+    if (tensor.device().is_cpu()) continue;
+    on_accelerator = true;
+    if (!offloadable(tensor) || !storages.insert(tensor.storage().unsafeGetStorageImpl()).second) {
+      copyable = false;
+      continue;
+    }
+    bytes += static_cast<int64_t>(tensor.storage().nbytes());
+  }
+  if (!on_accelerator) {
+    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kRunsOnCpu)) {
+      SAC_WARN_USER("sac: ", name, " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
+                    "they are, in host memory already; offloading moves outputs off an accelerator (said once per "
+                    "policy)");
+    }
+    return;
+  }
+  if (!copyable) {
+    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kCannotCopy)) {
+      SAC_WARN_USER("sac: the outputs of ", name, " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
+                    "that overlap or share storage), so they are kept on the device (said once per policy)");
+    }
+    return;
+  }
+  if (bytes < policy_->offloadMinBytes()) return;
+  if (!policy_->reserveHostBytes(bytes)) {
+    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kHostLimitReached)) {
+      SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy_->hostMemoryLimit(), " bytes is reached: ",
+                    name, " and later offloaded calls whose outputs do not fit are kept on the device (said once "
+                    "per policy)");
+    }
+    return;
+  }
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  std::vector<int64_t> versions;
+  size_t version = 0;
+  for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
+    c10::IValue& value = kept.outputs[slot];
+    if (!value.isTensor()) continue;  // a list was ruled out above; other values carry no version
+    const at::Tensor tensor = value.toTensor();
+    const int64_t saved_version = kept.versions[version++];
+    if (!tensor.defined() || tensor.device().is_cpu()) {
+      versions.push_back(saved_version);
+      continue;
+    }
+    kept.offloaded_storages.push_back(tensor.storage().getWeakStorageImpl());
+    OffloadedTensor offloaded = OffloadedTensor::start(tensor);
+    offloaded.setSavedVersion(saved_version);
+    kept.offloaded.emplace_back(slot, std::move(offloaded));
+    value = c10::IValue();
+  }
+  kept.versions = std::move(versions);
+  offloaded_bytes_ += bytes;
+  any_offloaded_ = true;
+}
+
+void Region::drop(KeptOutputs& kept) {
+  kept.outputs.clear();
+  if (kept.offloaded.empty()) return;
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  int64_t bytes = 0;
+  for (auto& [slot, offloaded] : kept.offloaded) bytes += offloaded.bytes();
+  kept.offloaded.clear();  // each returns its host buffer to the pool
+  kept.offloaded_storages.clear();
+  offloaded_bytes_ -= bytes;
+  policy_->releaseHostBytes(bytes);
+}
+
+void Region::fetchOffloaded() {
+  if (!any_offloaded_) return;
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  for (auto& [call, kept] : kept_) {
+    for (auto& [slot, offloaded] : kept.offloaded) offloaded.fetch();
+  }
+}
+
+int64_t Region::offloadedBytes() const {
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  return offloaded_bytes_;
+}
+
+int64_t Region::offloadedCalls() const {
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  int64_t calls = 0;
+  for (const auto& [key, kept] : kept_) calls += kept.offloaded.empty() ? 0 : 1;
+  return calls;
 }
 
 // NOTE: [Kept outputs written in the forward]
@@ -129,7 +245,7 @@ void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
     if (found == kept_storages_.end()) continue;
     for (uint64_t call : found->second) {
       KeptOutputs& kept = kept_.at(call);
-      kept.outputs.clear();
+      drop(kept);
       kept.demoted = true;
     }
     kept_storages_.erase(found);
@@ -142,22 +258,33 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
   KeptOutputs& kept = it->second;
   const std::string& name = op.traits.qualified_name;
-  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit), ", call ", kept.ordinal,
+  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit, !kept.offloaded.empty()), ", call ", kept.ordinal,
               " of this region, was already used by an earlier backward and freed. Trying to backward an "
               "extra time: a selectively checkpointed region supports a second backward only when the "
               "first runs with retain_graph=True");
 
+  auto check_version = [&](int64_t saved, int64_t now) {
+    TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ",
+                name, unitSuffix(kept.unit, !kept.offloaded.empty()), ", call ", kept.ordinal,
+                " of this region, changed version from ", saved, " to ", now,
+                ". The recompute would read the mutated value; clone it before mutating in place, or do not "
+                "keep ", name);
+  };
   size_t position = 0;
   for (const c10::IValue& value : kept.outputs) {
-    forEachTensor(value, [&](const at::Tensor& tensor) {
-      int64_t saved = kept.versions[position++];
-      int64_t now = versionOf(tensor);
-      TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ",
-                  name, unitSuffix(kept.unit), ", call ", kept.ordinal,
-                  " of this region, changed version from ", saved, " to ", now,
-                  ". The recompute would read the mutated value; clone it before mutating in place, or do not "
-                  "keep ", name);
-    });
+    forEachTensor(value, [&](const at::Tensor& tensor) { check_version(kept.versions[position++], versionOf(tensor)); });
+  }
+  // NOTE: [Offloading kept outputs] (offload.cpp): checked before the host copy is used.
+  const std::vector<c10::IValue>* outputs = &kept.outputs;
+  std::vector<c10::IValue> with_offloaded;
+  if (!kept.offloaded.empty()) {
+    std::lock_guard<std::mutex> lock(offload_mutex_);
+    for (const auto& [slot, offloaded] : kept.offloaded) {
+      check_version(offloaded.savedVersion(), offloaded.currentVersion());
+    }
+    with_offloaded = kept.outputs;
+    for (auto& [slot, offloaded] : kept.offloaded) with_offloaded[slot] = offloaded.take(!consume_served_);
+    outputs = &with_offloaded;
   }
 
   const c10::FunctionSchema& schema = handle.schema();
@@ -173,7 +300,7 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
     for (size_t i = 0; i < num_arguments; ++i) {
       if (!schema.arguments()[i].is_out()) continue;
       const c10::IValue& out = (*stack)[first_argument + i];
-      const c10::IValue& value = kept.outputs.at(out_index++);
+      const c10::IValue& value = outputs->at(out_index++);
       if (out.isTensor()) {
         out.toTensor().copy_(value.toTensor());
       } else if (out.isTensorList()) {
@@ -184,13 +311,13 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
       results.push_back(out);
     }
   } else {
-    for (const c10::IValue& value : kept.outputs) results.push_back(detachedValue(value));
+    for (const c10::IValue& value : *outputs) results.push_back(detachedValue(value));
   }
   torch::jit::drop(*stack, num_arguments);
   for (c10::IValue& value : results) stack->push_back(std::move(value));
 
   if (consume_served_) {
-    kept.outputs.clear();
+    drop(kept);
     kept.consumed = true;
   }
   --left_to_serve_;
@@ -222,7 +349,7 @@ int64_t Region::releaseUnreached(int64_t last_saved_position) {
       continue;
     }
     policy_->noteNeverReached(*kept.op, kept.ordinal);
-    kept.outputs.clear();
+    drop(kept);
     kept.demoted = true;
     ++released;
   }
@@ -233,6 +360,15 @@ void Region::endForward() {
   calls_per_pass_ = flow_.callsRecorded();
   policy_->noteCallsPerPass(calls_per_pass_);
   flow_.reset(++passes_, 0);
+  if (any_offloaded_) {
+    std::lock_guard<std::mutex> lock(offloading_regions_mutex);
+    offloading_regions->erase(std::remove_if(offloading_regions->begin(), offloading_regions->end(),
+                                             [](const c10::weak_intrusive_ptr<Region>& region) {
+                                               return region.expired();
+                                             }),
+                              offloading_regions->end());
+    offloading_regions->emplace_back(c10::intrusive_ptr<Region>::reclaim_copy(this));
+  }
 }
 
 // NOTE: [The recompute after the last kept call]
@@ -251,13 +387,34 @@ void Region::beginRecompute() {
     any_consumed = any_consumed || (kept.consumed && !kept.demoted);
   }
   if (any_consumed) left_to_serve_ = SIZE_MAX;
+  if (!any_offloaded_) return;
+  // NOTE: [Offloading kept outputs] (offload.cpp): fetch this region's outputs, then the next's.
+  fetchOffloaded();
+  c10::intrusive_ptr<Region> next;
+  {
+    std::lock_guard<std::mutex> lock(offloading_regions_mutex);
+    auto self = std::find_if(offloading_regions->begin(), offloading_regions->end(),
+                             [this](const c10::weak_intrusive_ptr<Region>& region) { return region._unsafe_get_target() == this; });
+    if (self != offloading_regions->end()) {
+      for (auto before = self; before != offloading_regions->begin();) {
+        --before;
+        c10::intrusive_ptr<Region> candidate = before->lock();
+        if (candidate && candidate->policy_ == policy_) {
+          next = std::move(candidate);
+          break;
+        }
+      }
+      offloading_regions->erase(self);
+    }
+  }
+  if (next) next->fetchOffloaded();
 }
 
 void Region::endRecompute(bool keep_entries) {
   flow_.reset(++passes_, 0);
   if (keep_entries) return;
   for (auto& [key, kept] : kept_) {
-    kept.outputs.clear();
+    drop(kept);
     kept.consumed = true;
   }
   kept_storages_.clear();

@@ -14,10 +14,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "dispatch/data_flow.h"
+#include "dispatch/offload.h"
 #include "ops/hash_containers.h"
 #include "policy/policy.h"
 
@@ -55,11 +57,13 @@ class Region : public c10::intrusive_ptr_target {
   // The data flow of the pass under way (forward or recompute).
   DataFlow& flow() { return flow_; }
 
-  // Forward: the kept call's outputs are the last `num_returns` values on the stack; `call` is
-  // its data-flow identity; `ordinal` its 1-based number among the op's kept calls in this
-  // forward (nextKeptOrdinal), or 0 to take the next one here.
-  void keep(const OpEntry& op, uint64_t call, UnitId unit, const torch::jit::Stack& stack, size_t num_returns,
-            uint32_t ordinal = 0);
+  // Forward: the held call's outputs are the last `num_returns` values on the stack; `call` is
+  // its data-flow identity; `decision` what the rule decided (kKeep or kOffload, and the unit
+  // that selected it); `ordinal` its 1-based number among the op's held calls in this forward
+  // (nextKeptOrdinal), or 0 to take the next one here. An offloaded call whose outputs cannot be
+  // offloaded is kept on its device (NOTE: [Offloading kept outputs] in offload.cpp).
+  void keep(const OpEntry& op, uint64_t call, const Decision& decision, const torch::jit::Stack& stack,
+            size_t num_returns, uint32_t ordinal = 0);
   // Forward: the number of the op's next kept call (1-based), taken whether or not it is held.
   uint32_t nextKeptOrdinal(const OpEntry& op) { return ++kept_per_op_[&op]; }
 
@@ -102,24 +106,39 @@ class Region : public c10::intrusive_ptr_target {
   void beginForward();
   // Drops the forward's data-flow records; the kept outputs stay for the recompute.
   void endForward();
+  // Also starts copying back this region's offloaded outputs, and those of the region of the
+  // same policy that the backward reaches next (the one whose forward ran just before).
   void beginRecompute();
+  // Starts copying back every offloaded output still on the host (a prefetch).
+  void fetchOffloaded();
   // Frees every kept output unless the backward keeps its graph (retain_graph=True).
   void endRecompute(bool keep_entries);
 
   void setUnitsAroundForward(const std::vector<UnitId>& units) { units_around_forward_ = units; }
   const std::vector<UnitId>& unitsAroundForward() const { return units_around_forward_; }
 
-  // Bytes of the unique storages this region holds, and how many op calls it kept.
+  // Bytes of the unique device (or CPU) storages this region holds, and how many op calls it
+  // holds outputs of (kept or offloaded).
   int64_t keptBytes() const;
   int64_t keptCalls() const;
-  // The kept tensors themselves (shallow copies), for memory accounting across regions.
+  // The kept tensors themselves (shallow copies), for memory accounting across regions; not the
+  // offloaded ones, which hold no device memory.
   std::vector<at::Tensor> keptTensors() const;
+  // Pinned host bytes this region's offloaded outputs hold, and how many calls they belong to.
+  int64_t offloadedBytes() const;
+  int64_t offloadedCalls() const;
 
  private:
   struct KeptOutputs {
     const OpEntry* op = nullptr;
-    std::vector<c10::IValue> outputs;  // tensors stored detached (shallow copies)
+    // Tensors stored detached (shallow copies); an offloaded output's slot holds None.
+    std::vector<c10::IValue> outputs;
     std::vector<int64_t> versions;     // version of each stored tensor, in output order
+    // Offloaded outputs, by their slot in `outputs`.
+    std::vector<std::pair<size_t, OffloadedTensor>> offloaded;
+    // The storages the offloaded outputs lived in on the device, held weakly: while a write to
+    // one can still demote the call, its address cannot be reused by another storage.
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> offloaded_storages;
     UnitId unit = kNoUnit;
     uint32_t ordinal = 0;  // 1-based, among the calls of this op the forward kept (for messages)
     uint64_t position = 0;  // the forward's calls decided up to and including this one
@@ -127,8 +146,19 @@ class Region : public c10::intrusive_ptr_target {
     bool demoted = false;
   };
 
+  // Frees what an entry holds: its kept outputs, and its offloaded outputs' host buffers.
+  void drop(KeptOutputs& kept);
+  // Offloads the outputs of `kept` (stored in keep()) that can be, after the checks of NOTE:
+  // [Offloading kept outputs]; the rest stay kept.
+  void offload(KeptOutputs& kept);
+
   std::shared_ptr<const Policy> policy_;
   std::shared_ptr<CallProfile> profile_;
+  // Guards the offloaded outputs' copies, which the recompute of another region may start
+  // (fetchOffloaded) while this region is idle.
+  mutable std::mutex offload_mutex_;
+  int64_t offloaded_bytes_ = 0;
+  bool any_offloaded_ = false;
   bool intercepts_ = false;
   DataFlow flow_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity

@@ -17,7 +17,7 @@ const char* whyNeverKept(const OpEntry& entry) {
   CallFacts every_call;
   every_call.draws_random = entry.traits.is_random && !randomOnlyPerCall(entry.traits);
   Decision named = Policy::decideNamed(entry, every_call);
-  return named.keep ? nullptr : whyNeverKeptText(named.reason);
+  return named.held ? nullptr : whyNeverKeptText(named.reason);
 }
 
 std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::string& spelling) {
@@ -87,7 +87,65 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
       policy->kept_calls_.emplace(entry, sorted);
     }
   }
+  for (const std::string& spelling : spec.offloaded_ops) {
+    for (const OpEntry* entry : resolveKeptSpelling("offloaded_ops", spelling)) {
+      // NOTE: [Offloading kept outputs] (dispatch/offload.cpp): a view holds no memory of its own.
+      TORCH_CHECK_VALUE(!entry->traits.is_view, "sac: offloaded_ops: '", spelling, "' names ",
+                        entry->traits.qualified_name,
+                        ", which is a view; a view holds no memory of its own, so offloading it frees nothing "
+                        "(name it in kept_ops, or offload the op that makes its base)");
+      const char* other = policy->kept_ops_.count(entry) > 0      ? "kept_ops"
+                          : policy->every_nth_.count(entry) > 0   ? "every_nth_op"
+                          : policy->kept_calls_.count(entry) > 0 ? "kept_calls"
+                                                                 : nullptr;
+      TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_ops: '", spelling, "' names ", entry->traits.qualified_name,
+                        ", which ", other, " already names; give each op one rule");
+      policy->offloaded_ops_.insert(entry);
+    }
+  }
+  for (const auto& [spelling, indices] : spec.offloaded_calls) {
+    for (int64_t index : indices) {
+      TORCH_CHECK_VALUE(index >= 0, "sac: offloaded_calls: '", spelling, "' lists call index ", index,
+                        "; indices count the op's calls in a region from 0");
+    }
+    std::vector<uint64_t> sorted(indices.begin(), indices.end());
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    for (const OpEntry* entry : resolveKeptSpelling("offloaded_calls", spelling)) {
+      TORCH_CHECK_VALUE(!entry->traits.is_view, "sac: offloaded_calls: '", spelling, "' names ",
+                        entry->traits.qualified_name,
+                        ", which is a view; a view holds no memory of its own, so offloading it frees nothing");
+      // Kept and offloaded calls of one op share its call count, so the two lists may share an
+      // op as long as no index is in both.
+      const char* other = policy->kept_ops_.count(entry) > 0          ? "kept_ops"
+                          : policy->every_nth_.count(entry) > 0       ? "every_nth_op"
+                          : policy->offloaded_ops_.count(entry) > 0   ? "offloaded_ops"
+                          : policy->offloaded_calls_.count(entry) > 0 ? "offloaded_calls (another spelling)"
+                                                                      : nullptr;
+      TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_calls: '", spelling, "' names ",
+                        entry->traits.qualified_name, ", which ", other,
+                        " already names; give each op one rule (kept_calls and offloaded_calls may share an op)");
+      for (uint64_t index : sorted) {
+        TORCH_CHECK_VALUE(!policy->keptCallIndex(*entry, index), "sac: offloaded_calls: '", spelling, "' lists call ",
+                          index, " of ", entry->traits.qualified_name,
+                          ", which kept_calls lists too; a call is kept or offloaded, not both");
+      }
+      policy->offloaded_calls_.emplace(entry, sorted);
+    }
+  }
+  TORCH_CHECK_VALUE(spec.offload_min_bytes >= 0, "sac: offload_min_bytes must be >= 0 bytes, got ",
+                    spec.offload_min_bytes);
+  TORCH_CHECK_VALUE(spec.host_memory_limit >= -1, "sac: host_memory_limit must be >= 0 bytes (or none), got ",
+                    spec.host_memory_limit);
+  policy->offload_min_bytes_ = spec.offload_min_bytes;
+  policy->host_memory_limit_ = spec.host_memory_limit;
   for (const std::string& unit : spec.kept_units) policy->kept_units_.insert(internUnitOf("kept_units", unit));
+  for (const std::string& unit : spec.offloaded_units) {
+    UnitId id = internUnitOf("offloaded_units", unit);
+    TORCH_CHECK_VALUE(policy->kept_units_.count(id) == 0, "sac: offloaded_units: '", unit,
+                      "' is in kept_units too; a unit is kept or offloaded, not both");
+    policy->offloaded_units_.insert(id);
+  }
   for (const std::string& unit : spec.recomputed_units) {
     policy->recomputed_units_.insert(internUnitOf("recomputed_units", unit));
   }
@@ -122,16 +180,20 @@ Decision recomputed(Reason reason) {
 //        which would demote the kept output anyway);
 //      - a call that casts a parameter (NOTE: [Autocast's weight casts] in op_traits.h).
 //   2. Recomputed inside a recomputed unit: any open recomputed unit wins over every selection.
-//   3. Selected, by the first that holds: the op is in the kept-op set; the call's index is a
-//      multiple of the op's every-nth n; the call's index is in the op's kept-call list (indices
-//      count the region's forward calls of the op outside recomputed units: countsCalls); the
-//      call runs inside a kept unit (the innermost one open). Anything else is not selected and
-//      recomputed.
+//   3. Selected, by the first that holds: the op is in the kept-op (offloaded-op) set; the call's
+//      index is a multiple of the op's every-nth n; the call's index is in the op's kept-call
+//      (offloaded-call) list (indices count the region's forward calls of the op outside
+//      recomputed units: countsCalls); the call runs inside a kept (offloaded) unit, the
+//      innermost such unit open deciding. Anything else is not selected and recomputed. A call
+//      selected by an offload rule is offloaded, by a keep rule kept.
 //   4. A selected call is still recomputed when it draws random numbers (the recompute must draw
 //      the same numbers in the same order), when it mutates an input (the recompute must apply
 //      the mutation again), and, when a kept unit selected it, when it is a view (free to
 //      recompute, and keeping one would pin its base). A named view is kept: the user asked.
-//   Otherwise the call is kept.
+//   Otherwise the call is kept (offloaded). Offloading is how an output is held, not whether:
+//   the vetoes of 1, 2 and 4 are the same for both, and where an output cannot be offloaded (it
+//   is on the CPU, smaller than offload_min_bytes, past host_memory_limit) the region keeps it
+//   on its device (NOTE: [Offloading kept outputs] in dispatch/offload.cpp).
 // Declarations ask the same rule: naming an op whose every call the rule recomputes is refused
 // (whyNeverKept, through decideNamed), so collectives, random ops other than attention,
 // mutating ops, never-counted ops and uninitialised allocations cannot be named. Call profiles
@@ -154,9 +216,17 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     selected = Reason::kEveryNthCall;
   } else if (keptCallIndex(op, call.call_index)) {
     selected = Reason::kKeptCallIndex;
-  } else if ((unit = innermostKeptUnit(open_units)) == kNoUnit) {
+  } else if (!offloadsNothing() && offloaded_ops_.count(&op) > 0) {
+    selected = Reason::kOffloadedOp;
+  } else if (offloadedCallIndex(op, call.call_index)) {
+    selected = Reason::kOffloadedCallIndex;
+  } else if ((unit = innermostSelectingUnit(open_units)) == kNoUnit) {
     return recomputed(Reason::kNotSelected);
+  } else if (offloaded_units_.count(unit) > 0) {
+    selected = Reason::kOffloadedUnit;
   }
+  const bool offload = selected == Reason::kOffloadedOp || selected == Reason::kOffloadedCallIndex ||
+                       selected == Reason::kOffloadedUnit;
   // 4.
   Decision decision;
   decision.unit = unit;
@@ -169,9 +239,9 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   } else if (traits.is_view && unit != kNoUnit) {
     decision.reason = Reason::kViewInKeptUnit;
   } else {
-    decision.outcome = Outcome::kKeep;
+    decision.outcome = offload ? Outcome::kOffload : Outcome::kKeep;
     decision.reason = selected;
-    decision.keep = true;
+    decision.held = true;
   }
   return decision;
 }
@@ -186,6 +256,20 @@ bool Policy::keptCallIndex(const OpEntry& op, uint64_t call_index) const {
   if (kept_calls_.empty()) return false;
   auto rule = kept_calls_.find(&op);
   return rule != kept_calls_.end() && std::binary_search(rule->second.begin(), rule->second.end(), call_index);
+}
+
+bool Policy::offloadedCallIndex(const OpEntry& op, uint64_t call_index) const {
+  if (offloaded_calls_.empty()) return false;
+  auto rule = offloaded_calls_.find(&op);
+  return rule != offloaded_calls_.end() && std::binary_search(rule->second.begin(), rule->second.end(), call_index);
+}
+
+bool Policy::reserveHostBytes(int64_t bytes) const {
+  int64_t held = host_bytes_held_.load(std::memory_order_relaxed);
+  do {
+    if (host_memory_limit_ >= 0 && held + bytes > host_memory_limit_) return false;
+  } while (!host_bytes_held_.compare_exchange_weak(held, held + bytes, std::memory_order_relaxed));
+  return true;
 }
 
 const char* reasonText(Reason reason) {
@@ -216,6 +300,12 @@ const char* reasonText(Reason reason) {
       return "inside a recomputed unit";
     case Reason::kNotSelected:
       return "not selected";
+    case Reason::kOffloadedOp:
+      return "offloaded op";
+    case Reason::kOffloadedCallIndex:
+      return "offloaded call index";
+    case Reason::kOffloadedUnit:
+      return "offloaded unit";
   }
   return "unknown reason";
 }
@@ -245,12 +335,6 @@ Decision CallDecider::decide(const OpEntry& op, Pass pass, const std::vector<Uni
   return policy_->decide(op, open_units, call);
 }
 
-std::vector<std::string> Policy::keptOpNames() const {
-  std::vector<std::string> names;
-  for (const OpEntry* entry : kept_ops_) names.push_back(entry->traits.qualified_name);
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 std::vector<std::string> Policy::keptUnitNames() const {
   std::vector<std::string> names;
@@ -273,13 +357,43 @@ std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
   return rules;
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::keptCalls() const {
+
+namespace {
+
+std::vector<std::string> sortedOpNames(const HashSet<const OpEntry*>& ops) {
+  std::vector<std::string> names;
+  for (const OpEntry* entry : ops) names.push_back(entry->traits.qualified_name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> sortedCallRules(
+    const HashMap<const OpEntry*, std::vector<uint64_t>>& calls) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> rules;
-  for (const auto& [entry, indices] : kept_calls_) {
+  for (const auto& [entry, indices] : calls) {
     rules.emplace_back(entry->traits.qualified_name, std::vector<int64_t>(indices.begin(), indices.end()));
   }
   std::sort(rules.begin(), rules.end());
   return rules;
+}
+
+}  // namespace
+
+std::vector<std::string> Policy::keptOpNames() const { return sortedOpNames(kept_ops_); }
+std::vector<std::string> Policy::offloadedOpNames() const { return sortedOpNames(offloaded_ops_); }
+std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::keptCalls() const {
+  return sortedCallRules(kept_calls_);
+}
+
+std::vector<std::string> Policy::offloadedUnitNames() const {
+  std::vector<std::string> names;
+  for (UnitId unit : offloaded_units_) names.push_back(unitName(unit));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::offloadedCalls() const {
+  return sortedCallRules(offloaded_calls_);
 }
 
 void Policy::noteNeverReached(const OpEntry& op, uint32_t ordinal) const {

@@ -21,9 +21,11 @@ namespace sac {
 
 inline constexpr UnitId kNoUnit = UINT32_MAX;
 
-// What happens to a call's outputs. Values cross the C ABI (bindings/c_api.h); a third outcome
-// (offload) would be added after these.
-enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1 };
+// What happens to a call's outputs. Values cross the C ABI (bindings/c_api.h) and Python mirrors
+// them (sac_plugin/_rule.py). An offloaded output is served in the recompute like a kept one, but
+// lives in pinned host memory between the forward and the backward (NOTE: [Offloading kept
+// outputs] in dispatch/offload.cpp).
+enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1, kOffload = 2 };
 
 // Why decide reached its outcome. Values cross the C ABI and Python mirrors them
 // (sac_plugin/_rule.py): append new reasons, never renumber.
@@ -43,8 +45,12 @@ enum class Reason : uint8_t {
   kUninitialisedAllocation = 10,   // OpTraits::is_uninitialised_allocation
   kInsideRecomputedUnit = 11,
   kNotSelected = 12,
+  // Offloaded: selected by an offload rule, and nothing vetoes it.
+  kOffloadedOp = 13,         // its overload is in the offloaded-op set
+  kOffloadedCallIndex = 14,  // its index is in its op's offloaded-call list
+  kOffloadedUnit = 15,       // it runs inside an offloaded unit
 };
-inline constexpr int kNumReasons = 13;
+inline constexpr int kNumReasons = 16;
 
 // A short label ("mutates an input", "kept unit"), as call profiles and Python report it;
 // "unknown reason" for a value that is no Reason.
@@ -57,8 +63,10 @@ const char* whyNeverKeptText(Reason reason);
 struct Decision {
   Outcome outcome = Outcome::kRecompute;
   Reason reason = Reason::kNotSelected;
-  bool keep = false;  // outcome == Outcome::kKeep
-  // The kept unit that selected the call (kNoUnit when selected by op or not selected).
+  // The outputs are held for the recompute: outcome is kKeep or kOffload.
+  bool held = false;
+  // The kept or offloaded unit that selected the call (kNoUnit when selected by op or not
+  // selected).
   UnitId unit = kNoUnit;
   // Worth a warning, once per policy and op: a mutating op selected by a kept unit, and a call
   // of a selected op that draws random numbers only in some calls (attention with dropout_p > 0).
@@ -79,6 +87,18 @@ struct PolicySpec {
   // Units whose ops are always recomputed, whatever else would keep them: how a config forces
   // an op back to recompute by the module it runs in.
   std::vector<std::string> recomputed_units;
+  // The offload counterparts of kept_ops, kept_units and kept_calls: the same selection, with
+  // the outputs held in pinned host memory between forward and backward. An op has one rule of
+  // kept_ops, every_nth_ops, kept_calls, offloaded_ops, offloaded_calls, except that kept_calls
+  // and offloaded_calls may share an op with disjoint indices; a unit is kept or offloaded.
+  std::vector<std::string> offloaded_ops;
+  std::vector<std::string> offloaded_units;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> offloaded_calls;
+  // A call whose outputs take fewer bytes is kept on the device rather than offloaded.
+  int64_t offload_min_bytes = int64_t{1} << 20;
+  // Host bytes the policy's offloaded outputs may hold at once (-1: no limit); past it, offloaded
+  // calls are kept on the device.
+  int64_t host_memory_limit = -1;
 };
 
 // What the caller knows about one call beyond the op itself.
@@ -97,8 +117,9 @@ class Policy {
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
   // registered names), an op the keep rule never keeps (a collective, a random, mutating or
   // never-counted op, an uninitialised allocation), an empty unit name, n < 1, two
-  // every-nth rules that give one overload different n, a negative kept-call index, an overload
-  // named by more than one of kept_ops, every_nth_ops and kept_calls.
+  // every-nth rules that give one overload different n, a negative call index, an overload
+  // named by more than one rule (kept_calls and offloaded_calls may share one, with disjoint
+  // indices), a view named for offload, a unit both kept and offloaded, a negative byte count.
   static std::shared_ptr<const Policy> create(const PolicySpec& spec);
   static std::shared_ptr<const Policy> create(const std::vector<std::string>& kept_ops,
                                               const std::vector<std::string>& kept_units);
@@ -112,7 +133,11 @@ class Policy {
   static Decision decideNamed(const OpEntry& op, const CallFacts& call);
 
   bool keepsNothing() const {
-    return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty();
+    return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty() &&
+           offloadsNothing();
+  }
+  bool offloadsNothing() const {
+    return offloaded_ops_.empty() && offloaded_units_.empty() && offloaded_calls_.empty();
   }
   // Whether this call takes the next CallFacts::call_index of its op: it has an every-nth or
   // kept-calls rule and runs inside no recomputed unit. A call that a recomputed unit forces back
@@ -121,16 +146,17 @@ class Policy {
   // there (torchtitan's selective AC counts its matmuls the same way; so does CallDecider, which
   // the Python front doors decide through).
   bool countsCalls(const OpEntry& op, const std::vector<UnitId>& open_units) const {
-    if ((every_nth_.empty() || every_nth_.count(&op) == 0) && (kept_calls_.empty() || kept_calls_.count(&op) == 0)) {
+    if ((every_nth_.empty() || every_nth_.count(&op) == 0) && (kept_calls_.empty() || kept_calls_.count(&op) == 0) &&
+        (offloaded_calls_.empty() || offloaded_calls_.count(&op) == 0)) {
       return false;
     }
     return !insideRecomputedUnit(open_units);
   }
-  // The innermost open unit that is a kept unit, or kNoUnit.
-  UnitId innermostKeptUnit(const std::vector<UnitId>& open_units) const {
-    if (kept_units_.empty()) return kNoUnit;
+  // The innermost open unit that is a kept or an offloaded unit, or kNoUnit.
+  UnitId innermostSelectingUnit(const std::vector<UnitId>& open_units) const {
+    if (kept_units_.empty() && offloaded_units_.empty()) return kNoUnit;
     for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
-      if (kept_units_.count(*it) > 0) return *it;
+      if (kept_units_.count(*it) > 0 || offloaded_units_.count(*it) > 0) return *it;
     }
     return kNoUnit;
   }
@@ -151,7 +177,8 @@ class Policy {
   }
   // Whether the op's overload is named by the kept-op set or an every-nth rule (not by a unit).
   bool namesOp(const OpEntry& op) const {
-    return kept_ops_.count(&op) > 0 || everyNth(op) > 0 || (!kept_calls_.empty() && kept_calls_.count(&op) > 0);
+    return kept_ops_.count(&op) > 0 || everyNth(op) > 0 || (!kept_calls_.empty() && kept_calls_.count(&op) > 0) ||
+           (!offloadsNothing() && (offloaded_ops_.count(&op) > 0 || offloaded_calls_.count(&op) > 0));
   }
   std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
   std::vector<std::string> keptUnitNames() const;  // sorted
@@ -159,9 +186,28 @@ class Policy {
   std::vector<std::pair<std::string, int64_t>> everyNthOps() const;  // sorted by op
   // Sorted by op; each op's indices ascending, without repeats.
   std::vector<std::pair<std::string, std::vector<int64_t>>> keptCalls() const;
+  std::vector<std::string> offloadedOpNames() const;    // sorted qualified overload names
+  std::vector<std::string> offloadedUnitNames() const;  // sorted
+  std::vector<std::pair<std::string, std::vector<int64_t>>> offloadedCalls() const;  // as keptCalls
 
   // Whether the op has a kept-calls rule that lists this index.
   bool keptCallIndex(const OpEntry& op, uint64_t call_index) const;
+  bool offloadedCallIndex(const OpEntry& op, uint64_t call_index) const;
+
+  int64_t offloadMinBytes() const { return offload_min_bytes_; }
+  int64_t hostMemoryLimit() const { return host_memory_limit_; }  // -1: none
+  // Host bytes this policy's offloaded outputs hold now. reserveHostBytes takes `bytes` and
+  // returns true unless that would pass host_memory_limit; releaseHostBytes gives them back.
+  int64_t hostBytesHeld() const { return host_bytes_held_.load(std::memory_order_relaxed); }
+  bool reserveHostBytes(int64_t bytes) const;
+  void releaseHostBytes(int64_t bytes) const { host_bytes_held_.fetch_sub(bytes, std::memory_order_relaxed); }
+  // True once per policy and reason: the caller says then why an offloaded call stays on the
+  // device (it runs on the CPU; the host-memory limit is reached).
+  enum class OffloadNotice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2 };
+  bool claimOffloadNotice(OffloadNotice notice) const {
+    return (offload_notices_.fetch_or(uint8_t{1} << static_cast<int>(notice)) &
+            (uint8_t{1} << static_cast<int>(notice))) == 0;
+  }
 
   // True once per policy and op: the caller warns then.
   bool claimWarning(const OpEntry& op) const;
@@ -190,6 +236,13 @@ class Policy {
   // Each op's kept call indices, ascending and unique (binary search per counted call).
   HashMap<const OpEntry*, std::vector<uint64_t>> kept_calls_;
   HashSet<UnitId> recomputed_units_;
+  HashSet<const OpEntry*> offloaded_ops_;
+  HashSet<UnitId> offloaded_units_;
+  HashMap<const OpEntry*, std::vector<uint64_t>> offloaded_calls_;
+  int64_t offload_min_bytes_ = int64_t{1} << 20;
+  int64_t host_memory_limit_ = -1;
+  mutable std::atomic<int64_t> host_bytes_held_{0};
+  mutable std::atomic<uint8_t> offload_notices_{0};
   mutable std::atomic<size_t> calls_per_pass_hint_{0};
   mutable std::mutex warned_mutex_;  // guards warned_ and never_reached_
   mutable HashSet<const OpEntry*> warned_;

@@ -67,7 +67,7 @@ def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: Recomp
         if checkpointed:
             check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
         in_units = []
-        for unit in config.units:
+        for unit in config.selected_units:
             target = target_map[unit]
             if isinstance(target, KeptCallables):
                 in_units.extend((owner, name, unit.value) for owner, name in target.find(site))
@@ -98,7 +98,7 @@ def describe_application(model_name: str, selected, count: int, policy: Policy, 
     else:
         rule = f"every_nth_layer={config.every_nth_layer}, first_layer={config.first_layer}"
     units = []
-    for unit in config.units:
+    for unit in config.selected_units:
         target = target_map[unit] if target_map is not None else None
         if isinstance(target, KeptOps):
             units.append(f"{unit.value} -> {len(target.resolve())} ops")

@@ -34,7 +34,7 @@ import weakref
 import torch
 import torch.utils._python_dispatch
 
-from . import _compat, _engine, _observers
+from . import _compat, _engine, _observers, memory
 from ._audit import Audit, AuditRow, PHASES
 from .policy import describe_value
 
@@ -66,8 +66,10 @@ class Breakdown:
 
     name: str
     calls: int = 0  # forwards (for a unit: openings in the forward)
-    kept_calls: int = 0
-    kept_bytes: int = 0
+    kept_calls: int = 0  # calls whose outputs were held, kept or offloaded
+    kept_bytes: int = 0  # held on the device
+    offloaded_calls: int = 0
+    offloaded_bytes: int = 0  # held in pinned host memory
     ops: dict[str, OpCounts] = dataclasses.field(default_factory=dict)
 
     def add_rows(self, rows) -> None:
@@ -80,7 +82,9 @@ class Breakdown:
     def to_dict(self) -> dict:
         return {"name": self.name, "calls": self.calls, "forward_ops": self.total("forward"),
                 "recomputed_ops": self.total("recompute"), "hits": self.total("hits"), "kept_calls": self.kept_calls,
-                "kept_bytes": self.kept_bytes, "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())}}
+                "kept_bytes": self.kept_bytes, "offloaded_calls": self.offloaded_calls,
+                "offloaded_bytes": self.offloaded_bytes,
+                "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())}}
 
 
 @dataclasses.dataclass
@@ -255,6 +259,10 @@ class Report:
         self._audit = Audit()
         self._exit = contextlib.ExitStack()
         self.totals: list[AuditRow] = []
+        # Offload copies while the report ran (NOTE: [Offloading kept outputs]): each direction's
+        # copies and bytes, process-wide counters read at entry and exit.
+        self.offload_copies: dict[str, int] = dict.fromkeys(_OFFLOAD_COUNTERS, 0)
+        self._offload_at_entry: dict[str, int] = {}
 
     # --- running -------------------------------------------------------------------------------
 
@@ -275,11 +283,14 @@ class Report:
             stack.enter_context(_TraceMode(self))
         _active.append(self)
         stack.callback(_active.remove, self)
+        self._offload_at_entry = memory.offload_stats()
         return self
 
     def __exit__(self, *exc_info):
         self._exit.close()
         self.totals = self._audit.rows()
+        now = memory.offload_stats()
+        self.offload_copies = {name: now[name] - self._offload_at_entry[name] for name in _OFFLOAD_COUNTERS}
         return False
 
     def _name(self, module) -> str:
@@ -327,6 +338,8 @@ class Report:
             kept = list(region.handle.kept_tensors()) if region.handle.kept_calls() else []
             # This region's own unique storages: exact per call whatever the allocator reuses.
             layer.kept_bytes += region.kept_bytes
+            layer.offloaded_calls += region.offloaded_calls
+            layer.offloaded_bytes += region.offloaded_bytes
             self._note_storages(scope._layer, kept)
 
     # --- units (called through _ReportObserver while a report runs) -----------------------------
@@ -434,6 +447,7 @@ class Report:
             "saved_for_backward": {"bytes_by_place": self.saved_bytes_by_place(),
                                    "storages": [s.to_dict() for s in self.saved_tensors()]},
             "steps": self.steps,
+            "offload_copies": dict(self.offload_copies),
             "totals": {phase: sum(getattr(row, phase) for row in self.totals) for phase in (*PHASES, "hits")},
             **({"trace": [dataclasses.asdict(entry) for entry in self.trace]} if self._trace else {}),
         }
@@ -474,6 +488,14 @@ class Report:
                      f"{sum(l.kept_calls for l in self.layers.values()):>12}"
                      f"{_bytes(sum(l.kept_bytes for l in self.layers.values())):>14}")
         steps = f" over {self.steps} steps" if self.steps > 1 else ""
+        offloaded = sum(l.offloaded_calls for l in self.layers.values())
+        if offloaded or self.offload_copies["copies_to_host"]:
+            copies = self.offload_copies
+            lines += ["", f"offloaded{steps}: {offloaded} calls holding "
+                      f"{_bytes(sum(l.offloaded_bytes for l in self.layers.values()))} of pinned host memory "
+                      f"(not in kept bytes); {copies['copies_to_host']} copies to the host "
+                      f"({_bytes(copies['bytes_to_host'])}), {copies['copies_to_device']} back "
+                      f"({_bytes(copies['bytes_to_device'])})"]
         lines += ["", f"saved for backward{steps}, by place (each storage once per life):"]
         for place, nbytes in self.saved_bytes_by_place().items():
             lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
@@ -488,6 +510,9 @@ class Report:
                 lines.append(f"  {_bytes(storage.nbytes):>12}{count:<6} {storage.device:<6} {storage.where:<40} "
                              f"{views}{more}")
         return "\n".join(lines)
+
+
+_OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device")
 
 
 def _line(label: str, row: Breakdown) -> str:

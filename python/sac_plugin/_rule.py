@@ -28,6 +28,8 @@ class Outcome(enum.IntEnum):
 
     RECOMPUTE = 0
     KEEP = 1
+    # Held like a kept output, in pinned host memory between forward and backward.
+    OFFLOAD = 2
 
 
 class Reason(enum.IntEnum):
@@ -46,6 +48,9 @@ class Reason(enum.IntEnum):
     UNINITIALISED_ALLOCATION = 10
     INSIDE_RECOMPUTED_UNIT = 11
     NOT_SELECTED = 12
+    OFFLOADED_OP = 13
+    OFFLOADED_CALL_INDEX = 14
+    OFFLOADED_UNIT = 15
 
     @property
     def text(self) -> str:
@@ -55,7 +60,7 @@ class Reason(enum.IntEnum):
 class Decision(NamedTuple):
     outcome: Outcome
     reason: Reason
-    # The kept unit the call runs in (among the names passed), or None.
+    # The kept or offloaded unit that selected the call (among the names passed), or None.
     unit: str | None
     # Worth a warning (once per policy and op): a mutating op inside a kept unit; a call of a kept
     # op that draws random numbers (attention with dropout_p > 0).
@@ -65,6 +70,11 @@ class Decision(NamedTuple):
     @property
     def keep(self) -> bool:
         return self.outcome == Outcome.KEEP
+
+    @property
+    def held(self) -> bool:
+        """Whether the outputs are held for the recompute: kept or offloaded."""
+        return self.outcome != Outcome.RECOMPUTE
 
 
 _lib = _scopes._lib

@@ -12,7 +12,7 @@ import torch
 from . import _library
 
 _ERRORS = {1: RuntimeError, 2: ValueError}
-_EXPECTED_VERSION = 3
+_EXPECTED_VERSION = 4
 
 
 def declare(lib, signatures: dict) -> None:

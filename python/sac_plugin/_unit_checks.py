@@ -122,18 +122,19 @@ def check(policy, opened: dict[str, int]) -> None:
     _declared.update(opened)
     policy._watched_forwards += 1
     for unit in sorted(policy._unchecked_units):
-        kind = "kept" if unit in policy.kept_units else "recomputed"
+        kind = ("kept" if unit in policy.kept_units else "offloaded" if unit in policy.offloaded_units
+                else "recomputed")
         if unit in opened:
             policy._unchecked_units.discard(unit)
-            if kind == "kept" and opened[unit] == 0:
-                _warn(f"sac_plugin: kept unit '{unit}' was opened in the forward of a checkpointed region with {policy} "
+            if kind != "recomputed" and opened[unit] == 0:
+                _warn(f"sac_plugin: {kind} unit '{unit}' was opened in the forward of a checkpointed region with {policy} "
                       "but kept nothing: everything run inside it was a view, an in-place write, a random call, a "
                       "collective or inside a recomputed unit, which are always recomputed (warned once per policy)")
             else:
                 logger.debug("unit '%s' of %s: opened, %d calls kept in it", unit, policy, opened[unit])
         elif unit not in _declared:
             policy._unchecked_units.discard(unit)
-            effect = "keeps nothing" if kind == "kept" else "recomputes nothing"
+            effect = {"kept": "keeps nothing", "offloaded": "offloads nothing"}.get(kind, "recomputes nothing")
             _warn(f"sac_plugin: {kind} unit '{unit}' is declared by no model and was not opened in the forward of a "
                   f"checkpointed region with {policy}, so it {effect}. Units opened there: "
                   f"{', '.join(sorted(opened)) or 'none'}; {_closest(unit, opened)} (warned once per policy)")

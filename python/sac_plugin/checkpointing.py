@@ -36,12 +36,22 @@ class Region:
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of the unique storages the region holds for backward."""
+        """Bytes of the unique device (or CPU) storages the region holds for backward."""
         return self.handle.kept_bytes()
 
     @property
     def kept_calls(self) -> int:
+        """Calls whose outputs the region holds, kept or offloaded."""
         return self.handle.kept_calls()
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Pinned host bytes the region's offloaded outputs hold (not in kept_bytes)."""
+        return self.handle.offloaded_bytes()
+
+    @property
+    def offloaded_calls(self) -> int:
+        return self.handle.offloaded_calls()
 
 
 def torch_policy_fn(policy: Policy):
@@ -59,7 +69,7 @@ def torch_policy_fn(policy: Policy):
     from torch.utils.checkpoint import CheckpointPolicy
 
     decider = _rule.CallDecider(policy)
-    watches_units = bool(policy.kept_units or policy.recomputed_units)
+    watches_units = bool(policy.kept_units or policy.recomputed_units or policy.offloaded_units)
     forced = (_rule.Reason.COLLECTIVE, _rule.Reason.INSIDE_RECOMPUTED_UNIT)
 
     def decide(ctx, op, *args, **kwargs):
@@ -72,9 +82,36 @@ def torch_policy_fn(policy: Policy):
                                   casts_a_parameter(op, args))
         if decision.outcome == _rule.Outcome.KEEP:
             return CheckpointPolicy.MUST_SAVE
+        if decision.outcome == _rule.Outcome.OFFLOAD:
+            return _offload_tag()
         return CheckpointPolicy.MUST_RECOMPUTE if decision.reason in forced else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
+
+
+# NOTE: [Offloaded calls under torch.compile]
+# torch's partitioner offloads a MUST_CPU_OFFLOAD output (copy to the host after the forward,
+# back before the backward) only when torch._functorch.config.enable_activation_offloading is on,
+# and torch's eager SAC recomputes such a call. So an offloaded call is tagged MUST_CPU_OFFLOAD
+# where the compiler offloads, and MUST_SAVE (kept on the device, said once) everywhere else.
+_told_offload_is_keep = False
+
+
+def _offload_tag():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    global _told_offload_is_keep
+    compiling = torch.compiler.is_compiling()
+    import torch._functorch.config as functorch_config
+
+    if compiling and getattr(functorch_config, "enable_activation_offloading", False):
+        return CheckpointPolicy.MUST_CPU_OFFLOAD
+    if not _told_offload_is_keep:
+        _told_offload_is_keep = True
+        where = ("torch.compile offloads only with torch._functorch.config.enable_activation_offloading = True"
+                 if compiling else "torch's eager checkpoint does not offload")
+        logger.warning("sac_plugin: offloaded calls are kept on the device here (MUST_SAVE): %s", where)
+    return CheckpointPolicy.MUST_SAVE
 
 
 def _compiled_contexts(policy: Policy):

@@ -7,7 +7,11 @@ every layer, so it can never raise peak memory.
 
     {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
      "first_layer": 0, "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true,
-     "budget": null}
+     "budget": null, "offloaded_units": [], "offloaded_ops": [], "offload_min_bytes": 1048576,
+     "host_memory_limit": null}
+
+offloaded_units and offloaded_ops select as units and ops do, for outputs held in pinned host
+memory between forward and backward instead of on the device (sac_plugin.Policy's offloaded_*).
 
 Which wrap sites (layers, counted from 0) are checkpointed: every_nth_layer=n with first_layer=f
 takes f, f+n, f+2n, ... (the default f=0 takes 0, n, 2n, ...: n=2 of 4 layers is 0 and 2);
@@ -57,21 +61,39 @@ class RecomputeConfig:
     force_recompute_modules: tuple[str, ...] = ()
     preserve_rng_state: bool = True
     budget: float | int | None = None
+    offloaded_units: tuple[RecomputeUnit, ...] = ()
+    offloaded_ops: tuple[str, ...] = ()
+    offload_min_bytes: int = 1 << 20
+    host_memory_limit: int | None = None
 
     def __post_init__(self):
-        _check_strings("units", self.units)
-        units = []
-        for i, unit in enumerate(self.units):
-            try:
-                units.append(RecomputeUnit(unit))
-            except ValueError:
-                known = ", ".join(u.value for u in RecomputeUnit)
-                raise ConfigError(f"recompute config: units[{i}]: unknown unit {bounded_repr(unit)}; known units: {known}") from None
-        if len(set(units)) != len(units):
-            raise ConfigError(f"recompute config: units: a unit is listed twice: {[u.value for u in units]}")
-        object.__setattr__(self, "units", tuple(units))
-        _check_strings("ops", self.ops)
-        object.__setattr__(self, "ops", tuple(self.ops))
+        for field in ("units", "offloaded_units"):
+            _check_strings(field, getattr(self, field))
+            units = []
+            for i, unit in enumerate(getattr(self, field)):
+                try:
+                    units.append(RecomputeUnit(unit))
+                except ValueError:
+                    known = ", ".join(u.value for u in RecomputeUnit)
+                    raise ConfigError(f"recompute config: {field}[{i}]: unknown unit {bounded_repr(unit)}; known "
+                                      f"units: {known}") from None
+            if len(set(units)) != len(units):
+                raise ConfigError(f"recompute config: {field}: a unit is listed twice: {[u.value for u in units]}")
+            object.__setattr__(self, field, tuple(units))
+        both = [unit.value for unit in self.units if unit in self.offloaded_units]
+        if both:
+            raise ConfigError(f"recompute config: units and offloaded_units both list {both}; a unit is kept or "
+                              "offloaded, not both")
+        for field in ("ops", "offloaded_ops"):
+            _check_strings(field, getattr(self, field))
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        if not _is_int(self.offload_min_bytes) or not 0 <= self.offload_min_bytes <= MAX_EVERY_NTH:
+            raise ConfigError("recompute config: offload_min_bytes must be a byte count, an int from 0 to 2**63 - 1, "
+                              f"got {bounded_repr(self.offload_min_bytes)}")
+        if self.host_memory_limit is not None and (not _is_int(self.host_memory_limit)
+                                                   or not 0 <= self.host_memory_limit <= MAX_EVERY_NTH):
+            raise ConfigError("recompute config: host_memory_limit must be a byte count, an int from 0 to 2**63 - 1, "
+                              f"or null for no limit, got {bounded_repr(self.host_memory_limit)}")
         if not isinstance(self.every_nth_op, Mapping):
             raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {bounded_repr(self.every_nth_op)}")
         if len(self.every_nth_op) > MAX_LIST_ENTRIES:
@@ -114,10 +136,16 @@ class RecomputeConfig:
                 check_budget(self.budget)
             except (TypeError, ValueError) as error:
                 raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
-            chosen = [name for name in ("units", "ops", "every_nth_op", "force_recompute_modules") if getattr(self, name)]
+            chosen = [name for name in ("units", "ops", "every_nth_op", "force_recompute_modules", "offloaded_units",
+                                        "offloaded_ops") if getattr(self, name)]
             if chosen:
                 raise ConfigError(f"recompute config: budget chooses what to keep by measurement; leave {', '.join(chosen)} "
                                   "unset (or drop budget to choose by hand)")
+
+    @property
+    def selected_units(self) -> tuple[RecomputeUnit, ...]:
+        """The units the config keeps or offloads: the ones the model's layers must open."""
+        return self.units + self.offloaded_units
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -132,6 +160,10 @@ class RecomputeConfig:
             "force_recompute_modules": list(self.force_recompute_modules),
             "preserve_rng_state": self.preserve_rng_state,
             "budget": self.budget,
+            "offloaded_units": [unit.value for unit in self.offloaded_units],
+            "offloaded_ops": list(self.offloaded_ops),
+            "offload_min_bytes": self.offload_min_bytes,
+            "host_memory_limit": self.host_memory_limit,
         }
 
     @classmethod
@@ -146,7 +178,7 @@ class RecomputeConfig:
             if key not in known:
                 raise ConfigError(f"recompute config: unknown key {bounded_repr(key)}; known keys: {', '.join(known)}")
         values = dict(data)
-        for key in ("units", "ops", "force_recompute_modules"):
+        for key in ("units", "ops", "force_recompute_modules", "offloaded_units", "offloaded_ops"):
             if key in values:
                 _check_list(key, values[key])
                 values[key] = tuple(values[key])
@@ -300,26 +332,38 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
             raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
 
 
-def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Policy:
-    """The policy a config means for a model with this target map."""
-    kept_ops = set(config.ops)
-    kept_units = []
-    for i, unit in enumerate(config.units):
+def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[set[str], list[str]]:
+    """The ops (KeptOps units) and unit names (KeptCallables units) that `units` mean for the model."""
+    ops, names = set(), []
+    for i, unit in enumerate(units):
         if unit not in target_map:
             declared = ", ".join(u.value for u in target_map)
             raise ConfigError(
-                f"recompute config: units[{i}]: {target_map.model_name} declares no unit '{unit.value}' "
+                f"recompute config: {field}[{i}]: {target_map.model_name} declares no unit '{unit.value}' "
                 f"(it declares {declared})"
             )
         target = target_map[unit]
         if isinstance(target, KeptOps):
-            kept_ops |= target.resolve()
+            ops |= target.resolve()
         else:
-            kept_units.append(unit.value)
+            names.append(unit.value)
+    return ops, names
+
+
+def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Policy:
+    """The policy a config means for a model with this target map."""
+    unit_ops, kept_units = _ops_and_units("units", config.units, target_map)
+    offloaded_unit_ops, offloaded_units = _ops_and_units("offloaded_units", config.offloaded_units, target_map)
+    kept_ops = set(config.ops) | unit_ops
+    offloaded_ops = set(config.offloaded_ops) | offloaded_unit_ops
     recomputed = [RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
     try:
         return Policy(kept_ops=sorted(kept_ops), kept_units=kept_units, every_nth_op=config.every_nth_op,
-                      recomputed_units=recomputed)
+                      recomputed_units=recomputed, offloaded_ops=sorted(offloaded_ops),
+                      offloaded_units=offloaded_units, offload_min_bytes=config.offload_min_bytes,
+                      host_memory_limit=config.host_memory_limit)
     except ValueError as error:
-        field = "ops" if any(op in str(error) for op in config.ops) else "every_nth_op"
+        text = str(error)
+        field = ("offloaded_ops" if "offloaded_ops" in text else
+                 "ops" if any(op in text for op in config.ops) else "every_nth_op")
         raise ConfigError(f"recompute config: {field}: {error}") from None

@@ -15,7 +15,10 @@ import torch
 
 from . import _observers
 
-__all__ = ["ActivationMemory", "track_activation_memory"]
+__all__ = ["ActivationMemory", "empty_offload_pool", "offload_stats", "track_activation_memory"]
+
+OFFLOAD_STATS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "pool_bytes",
+                 "pool_bytes_in_use", "pool_allocations")
 
 
 class ActivationMemory(_observers.Observer):
@@ -55,6 +58,10 @@ class ActivationMemory(_observers.Observer):
     def kept_by_plugin(self) -> int:
         return sum(region.kept_bytes for region in self._regions)
 
+    def offloaded_by_plugin(self) -> int:
+        """Pinned host bytes the plugin's offloaded outputs hold (not counted by bytes())."""
+        return sum(region.offloaded_bytes for region in self._regions)
+
 
 @contextlib.contextmanager
 def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
@@ -67,3 +74,15 @@ def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
 
     with _observers.observe(memory), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield memory
+
+
+def offload_stats() -> dict[str, int]:
+    """What offloading has done in this process (NOTE: [Offloading kept outputs]): copies to the
+    host and back with their bytes (counters that only grow), and the pinned pool: bytes it holds,
+    bytes in use by offloaded outputs, buffers it has allocated."""
+    return dict(zip(OFFLOAD_STATS, torch.ops.sac.offload_stats()))
+
+
+def empty_offload_pool() -> int:
+    """Frees the pinned pool's idle buffers; returns the bytes freed."""
+    return torch.ops.sac.empty_offload_pool()

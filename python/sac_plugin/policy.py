@@ -113,39 +113,59 @@ def _every_nth_rules(every_nth_op) -> dict[str, int]:
     return rules
 
 
-def _kept_call_rules(kept_calls) -> dict[str, tuple[int, ...]]:
+def _call_rules(calls, field: str = "kept_calls") -> dict[str, tuple[int, ...]]:
     """{op: call indices} as the C++ side takes it: indices sorted, repeats merged, empty lists dropped."""
-    if kept_calls is None:
+    if calls is None:
         return {}
-    if not isinstance(kept_calls, Mapping):
+    if not isinstance(calls, Mapping):
         raise TypeError(
-            "sac_plugin: kept_calls must be a mapping from op to call indices such as {'aten::mm.default': [0, 2]}, "
-            f"got {describe_value(kept_calls)}"
+            f"sac_plugin: {field} must be a mapping from op to call indices such as {{'aten::mm.default': [0, 2]}}, "
+            f"got {describe_value(calls)}"
         )
     rules: dict[str, tuple[int, ...]] = {}
-    for op, indices in kept_calls.items():
-        spelling = op_spelling(op, "kept_calls key")
+    for op, indices in calls.items():
+        spelling = op_spelling(op, f"{field} key")
         if isinstance(indices, (str, bytes, Mapping)) or not isinstance(indices, Iterable):
             raise TypeError(
-                f"sac_plugin: kept_calls[{spelling!r}] must be a collection of 0-based call indices such as [0, 2], "
+                f"sac_plugin: {field}[{spelling!r}] must be a collection of 0-based call indices such as [0, 2], "
                 f"got {describe_value(indices)}"
             )
         indices = list(indices)
         for index in indices:
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_EVERY_NTH:
                 raise (TypeError if not isinstance(index, int) or isinstance(index, bool) else ValueError)(
-                    f"sac_plugin: kept_calls[{spelling!r}]: a call index is an int from 0 to 2**63 - 1 (0 is the "
+                    f"sac_plugin: {field}[{spelling!r}]: a call index is an int from 0 to 2**63 - 1 (0 is the "
                     f"op's first call in the region), got {describe_value(index)}"
                 )
         if spelling in rules:
-            raise ValueError(f"sac_plugin: kept_calls names {spelling!r} twice; give each op one list of calls")
+            raise ValueError(f"sac_plugin: {field} names {spelling!r} twice; give each op one list of calls")
         if indices:
             rules[spelling] = tuple(sorted(set(indices)))
     return rules
 
 
+def _byte_count(value, field: str, *, allow_none: bool) -> int:
+    """A byte count as C++ takes it (int64; -1 for none where None is allowed)."""
+    if value is None and allow_none:
+        return -1
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EVERY_NTH:
+        accepted = "an int from 0 to 2**63 - 1" + (", or None for no limit" if allow_none else "")
+        raise (TypeError if not isinstance(value, int) or isinstance(value, bool) else ValueError)(
+            f"sac_plugin: {field} is a byte count, {accepted}; got {describe_value(value)}")
+    return value
+
+
+def _unflatten(flat) -> dict[str, tuple[int, ...]]:
+    ops, counts, indices = flat
+    rules, start = {}, 0
+    for op, count in zip(ops, counts):
+        rules[op] = tuple(indices[start:start + count])
+        start += count
+    return rules
+
+
 class Policy:
-    """Which ops a checkpointed region keeps.
+    """Which calls a checkpointed region keeps, offloads or recomputes.
 
     kept_ops: op overloads whose outputs are kept ("aten::mm" for every overload,
         "aten::mm.default", or torch.ops.aten.mm.default).
@@ -157,34 +177,58 @@ class Policy:
         index among the region's forward calls of it, counted as every_nth_op counts them (what a
         memory-budget plan produces: sac_plugin.plan). An op has one rule: kept_ops, every_nth_op
         or kept_calls.
+    offloaded_ops, offloaded_units, offloaded_calls: the same selections as kept_ops, kept_units
+        and kept_calls, for outputs that are held in pinned host memory between the forward and the
+        backward instead of on the device: copied out on a side stream after the call, copied
+        back when the region's recompute begins, served like kept outputs. The invariants are the
+        kept ones. kept_calls and offloaded_calls may name one op with disjoint indices.
+    offload_min_bytes: a call whose outputs take fewer bytes is kept on the device (a copy would
+        cost more than it frees); 1 MiB by default.
+    host_memory_limit: the most pinned host bytes this policy's offloaded outputs hold at once
+        (None: no limit); past it, offloaded calls are kept on the device.
 
+    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per policy.
     Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
     """
 
     __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth",
                  "_recomputed_units", "_kept_call_spellings", "_kept_calls", "_unchecked_units", "_watched_forwards",
-                 "_reach_unknown")
+                 "_reach_unknown", "_offloaded_spellings", "_offloaded_ops", "_offloaded_units",
+                 "_offloaded_call_spellings", "_offloaded_calls", "_offload_min_bytes", "_host_memory_limit")
 
     def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
                  every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = (),
-                 kept_calls: Mapping | None = None):
+                 kept_calls: Mapping | None = None, offloaded_ops: Iterable = (), offloaded_units: Iterable[str] = (),
+                 offloaded_calls: Mapping | None = None, offload_min_bytes: int = 1 << 20,
+                 host_memory_limit: int | None = None):
         # Every argument is checked here, before C++ sees it, so that a bad one is reported by
         # name with what was given (C++ would report a torchbind conversion failure).
         spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
         units = _unit_names(kept_units, "kept_units")
         recomputed = _unit_names(recomputed_units, "recomputed_units")
         every_nth = _every_nth_rules(every_nth_op)
-        calls = _kept_call_rules(kept_calls)
-        self._handle = torch.classes.sac.Policy(spellings, units, list(every_nth), list(every_nth.values()), recomputed,
-                                                list(calls), [len(v) for v in calls.values()],
-                                                [i for v in calls.values() for i in v])
+        calls = _call_rules(kept_calls)
+        offloaded = [op_spelling(op, f"offloaded_ops[{i}]")
+                     for i, op in enumerate(_names(offloaded_ops, "offloaded_ops"))]
+        offloaded_unit_names = _unit_names(offloaded_units, "offloaded_units")
+        offloaded_call_rules = _call_rules(offloaded_calls, "offloaded_calls")
+        min_bytes = _byte_count(offload_min_bytes, "offload_min_bytes", allow_none=False)
+        host_limit = _byte_count(host_memory_limit, "host_memory_limit", allow_none=True)
+        self._handle = torch.classes.sac.Policy(
+            spellings, units, list(every_nth), list(every_nth.values()), recomputed,
+            list(calls), [len(v) for v in calls.values()], [i for v in calls.values() for i in v],
+            offloaded, offloaded_unit_names, list(offloaded_call_rules),
+            [len(v) for v in offloaded_call_rules.values()], [i for v in offloaded_call_rules.values() for i in v],
+            min_bytes, host_limit)
         self._kept_call_spellings = calls
-        ops, counts, indices = self._handle.kept_calls()
-        self._kept_calls = {}
-        start = 0
-        for op, count in zip(ops, counts):
-            self._kept_calls[op] = tuple(indices[start:start + count])
-            start += count
+        self._kept_calls = _unflatten(self._handle.kept_calls())
+        self._offloaded_spellings = tuple(offloaded)
+        self._offloaded_call_spellings = offloaded_call_rules
+        self._offloaded_calls = _unflatten(self._handle.offloaded_calls())
+        self._offloaded_ops = frozenset(self._handle.offloaded_ops())
+        self._offloaded_units = frozenset(self._handle.offloaded_units())
+        self._offload_min_bytes = min_bytes
+        self._host_memory_limit = host_memory_limit
         # What the scope C ABI creates regions from (checkpointing.Region); valid while _handle lives.
         self._policy_address = self._handle.policy_address()
         self._spellings = tuple(spellings)
@@ -193,7 +237,7 @@ class Policy:
         self._kept_units = frozenset(self._handle.kept_units())
         self._recomputed_units = frozenset(self._handle.recomputed_units())
         # Units not yet seen to mean something in a region's forward (see unit_checks.py).
-        self._unchecked_units = set(self._kept_units | self._recomputed_units)
+        self._unchecked_units = set(self._kept_units | self._recomputed_units | self._offloaded_units)
         self._watched_forwards = 0
         # Whether no forward of a region with this policy has been watched yet for the kept calls
         # its recompute never reaches (NOTE: [Kept outputs the recompute never reaches]).
@@ -224,8 +268,36 @@ class Policy:
         return dict(self._kept_calls)
 
     @property
+    def offloaded_ops(self) -> frozenset[str]:
+        """Every offloaded overload, named as kept_ops names them."""
+        return self._offloaded_ops
+
+    @property
+    def offloaded_units(self) -> frozenset[str]:
+        return self._offloaded_units
+
+    @property
+    def offloaded_calls(self) -> dict[str, tuple[int, ...]]:
+        """Offloaded-call rules by overload name, as kept_calls."""
+        return dict(self._offloaded_calls)
+
+    @property
+    def offload_min_bytes(self) -> int:
+        return self._offload_min_bytes
+
+    @property
+    def host_memory_limit(self) -> int | None:
+        return self._host_memory_limit
+
+    @property
+    def offloads_nothing(self) -> bool:
+        return not self._offloaded_ops and not self._offloaded_units and not self._offloaded_calls
+
+    @property
     def keeps_nothing(self) -> bool:
-        return not self._kept_ops and not self._kept_units and not self._every_nth and not self._kept_calls
+        """Whether the policy holds no call's outputs, on the device or offloaded: full recompute."""
+        return (not self._kept_ops and not self._kept_units and not self._every_nth and not self._kept_calls
+                and self.offloads_nothing)
 
     def kept_overloads(self) -> list[torch._ops.OpOverload]:
         """The kept ops as OpOverload objects (what torch.compile's policy functions see)."""
@@ -233,7 +305,8 @@ class Policy:
 
     def _identity(self):
         return (self._kept_ops, self._kept_units, tuple(sorted(self.every_nth_op.items())), self._recomputed_units,
-                tuple(sorted(self._kept_calls.items())))
+                tuple(sorted(self._kept_calls.items())), self._offloaded_ops, self._offloaded_units,
+                tuple(sorted(self._offloaded_calls.items())), self._offload_min_bytes, self._host_memory_limit)
 
     def __repr__(self) -> str:
         parts = [f"kept_ops={sorted(self._spellings)!r}", f"kept_units={sorted(self._kept_units)!r}"]
@@ -243,6 +316,16 @@ class Policy:
             parts.append(f"recomputed_units={sorted(self._recomputed_units)!r}")
         if self._kept_call_spellings:
             parts.append(f"kept_calls={ {op: list(v) for op, v in self._kept_call_spellings.items()}!r}")
+        if self._offloaded_spellings:
+            parts.append(f"offloaded_ops={sorted(self._offloaded_spellings)!r}")
+        if self._offloaded_units:
+            parts.append(f"offloaded_units={sorted(self._offloaded_units)!r}")
+        if self._offloaded_call_spellings:
+            parts.append(f"offloaded_calls={ {op: list(v) for op, v in self._offloaded_call_spellings.items()}!r}")
+        if not self.offloads_nothing and self._offload_min_bytes != 1 << 20:
+            parts.append(f"offload_min_bytes={self._offload_min_bytes}")
+        if self._host_memory_limit is not None:
+            parts.append(f"host_memory_limit={self._host_memory_limit}")
         return f"Policy({', '.join(parts)})"
 
     def __eq__(self, other) -> bool:
@@ -260,12 +343,17 @@ class Policy:
 
     def __reduce__(self):
         return (_rebuild_policy, (self._spellings, tuple(sorted(self._kept_units)), self._every_nth,
-                                  tuple(sorted(self._recomputed_units)), self._kept_call_spellings))
+                                  tuple(sorted(self._recomputed_units)), self._kept_call_spellings,
+                                  {"offloaded_ops": self._offloaded_spellings,
+                                   "offloaded_units": tuple(sorted(self._offloaded_units)),
+                                   "offloaded_calls": self._offloaded_call_spellings,
+                                   "offload_min_bytes": self._offload_min_bytes,
+                                   "host_memory_limit": self._host_memory_limit}))
 
 
-def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_calls=None):
+def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_calls=None, offload=None):
     return Policy(kept_ops, kept_units, every_nth_op=every_nth_op, recomputed_units=recomputed_units,
-                  kept_calls=kept_calls)
+                  kept_calls=kept_calls, **(offload or {}))
 
 
 def overload_of(name: str) -> torch._ops.OpOverload:

@@ -32,7 +32,7 @@ Decoded decode(int64_t result) {
           ((result >> 17) & 1) != 0, result >> 32};
 }
 
-TEST(KeepRuleCApi, VersionIsThree) { EXPECT_EQ(sac_scope_c_api_version(), 3); }
+TEST(KeepRuleCApi, VersionIsFour) { EXPECT_EQ(sac_scope_c_api_version(), 4); }
 
 TEST(KeepRuleCApi, OpEntryNamesExactlyOneOverload) {
   const void* mm = entry("aten::mm.default");
@@ -80,6 +80,24 @@ TEST(KeepRuleCApi, PolicyDecideEncodesOutcomeReasonAndUnit) {
   EXPECT_FALSE(random_mm.random_call_of_kept_op);  // mm draws nothing per call: no warning
   EXPECT_EQ(decode(sac_policy_decide(&policy, entry("aten::mm"), nullptr, 0, 2, 0)).reason,
             static_cast<int>(Reason::kNotSelected));
+}
+
+TEST(KeepRuleCApi, PolicyDecideEncodesTheOffloadOutcome) {
+  PolicySpec spec;
+  spec.offloaded_units = {"attn"};
+  spec.offloaded_calls = {{"aten::mm.default", {0}}};
+  std::shared_ptr<const Policy> policy = Policy::create(spec);
+  const int64_t attn = unitIdPlusOne("attn");
+  const int64_t units[] = {attn};
+  Decoded in_unit = decode(sac_policy_decide(&policy, entry("aten::tanh"), units, 1, 0, 0));
+  EXPECT_EQ(in_unit.outcome, static_cast<int>(Outcome::kOffload));
+  EXPECT_EQ(in_unit.reason, static_cast<int>(Reason::kOffloadedUnit));
+  EXPECT_EQ(in_unit.unit_plus_one, attn);
+  Decoded first_mm = decode(sac_policy_decide(&policy, entry("aten::mm"), nullptr, 0, 0, 0));
+  EXPECT_EQ(first_mm.outcome, static_cast<int>(Outcome::kOffload));
+  EXPECT_EQ(first_mm.reason, static_cast<int>(Reason::kOffloadedCallIndex));
+  EXPECT_EQ(decode(sac_policy_decide(&policy, entry("aten::mm"), nullptr, 0, 1, 0)).outcome,
+            static_cast<int>(Outcome::kRecompute));
 }
 
 TEST(KeepRuleCApi, DeciderCountsEachPassFromZero) {

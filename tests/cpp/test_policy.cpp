@@ -63,10 +63,10 @@ TEST(PolicyDeclaration, EveryOverloadSpellingKeepsAllKeepableOverloads) {
 TEST(PolicyDecision, KeptOpIsKeptAnywhere) {
   auto policy = Policy::create({"aten::mm.default"}, {});
   Decision decision = policy->decide(entryOf("aten::mm"), {}, CallFacts{});
-  EXPECT_TRUE(decision.keep);
+  EXPECT_TRUE(decision.held);
   EXPECT_EQ(decision.unit, kNoUnit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::mm", "out"), {}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).held);
 }
 
 TEST(PolicyDecision, OpsInsideAKeptUnitAreKept) {
@@ -74,32 +74,32 @@ TEST(PolicyDecision, OpsInsideAKeptUnitAreKept) {
   UnitId attn = internUnit("attn");
   UnitId mlp = internUnit("mlp");
   Decision inside = policy->decide(entryOf("aten::tanh"), {attn}, CallFacts{});
-  EXPECT_TRUE(inside.keep);
+  EXPECT_TRUE(inside.held);
   EXPECT_EQ(inside.unit, attn);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {mlp}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {}, CallFacts{}).held);
 }
 
 TEST(PolicyDecision, NestedUnitsKeepWhenAnyEnclosingUnitIsKept) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   UnitId rope = internUnit("rope");
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}, CallFacts{}).keep);
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}, CallFacts{}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn, rope}, CallFacts{}).held);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {rope, attn}, CallFacts{}).held);
 }
 
 TEST(PolicyDecision, InvariantsWinInsideAKeptUnit) {
   auto policy = Policy::create({}, {"attn"});
   UnitId attn = internUnit("attn");
   Decision mutating = policy->decide(entryOf("aten::add_", "Tensor"), {attn}, CallFacts{});
-  EXPECT_FALSE(mutating.keep);
+  EXPECT_FALSE(mutating.held);
   EXPECT_TRUE(mutating.mutating_in_kept_unit);
-  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}, CallFacts{true, 0}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, CallFacts{}).keep);
+  EXPECT_FALSE(policy->decide(entryOf("aten::native_dropout"), {attn}, CallFacts{true, 0}).held);
+  EXPECT_FALSE(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::view"), {attn}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, CallFacts{}).held);
   // An out= op behaves like its functional twin.
-  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, CallFacts{}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, CallFacts{}).held);
 }
 
 TEST(PolicyDecision, MutationWarningIsClaimedOncePerPolicy) {
@@ -140,9 +140,9 @@ TEST(PolicyDecision, AttentionIsKeptOnlyInCallsWithoutDropout) {
   const OpEntry& attention = entryOf("aten::_scaled_dot_product_flash_attention_for_cpu");
   EXPECT_TRUE(attention.traits.is_random);
   EXPECT_TRUE(randomOnlyPerCall(attention.traits));
-  EXPECT_TRUE(policy->decide(attention, {}, CallFacts{}).keep);
+  EXPECT_TRUE(policy->decide(attention, {}, CallFacts{}).held);
   Decision with_dropout = policy->decide(attention, {}, CallFacts{true, 0});
-  EXPECT_FALSE(with_dropout.keep);
+  EXPECT_FALSE(with_dropout.held);
   EXPECT_TRUE(with_dropout.random_call_of_kept_op);
 }
 
@@ -166,7 +166,7 @@ TEST(PolicyDecision, EveryNthKeepsCallsOneThreeFive) {
   EXPECT_EQ(policy->everyNth(mm), 2u);
   EXPECT_EQ(policy->everyNth(entryOf("aten::tanh")), 0u);
   std::vector<bool> kept;
-  for (uint32_t i = 0; i < 5; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+  for (uint32_t i = 0; i < 5; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).held);
   EXPECT_EQ(kept, (std::vector<bool>{true, false, true, false, true}));
   EXPECT_FALSE(policy->keepsNothing());
 }
@@ -179,9 +179,9 @@ TEST(PolicyDecision, RecomputedUnitWinsOverKeptOpsAndUnits) {
   auto policy = Policy::create(spec);
   UnitId attn = internUnit("attn");
   UnitId router = internUnit("router");
-  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {attn, router}, CallFacts{}).keep);
-  EXPECT_FALSE(policy->decide(entryOf("aten::sin"), {router, attn}, CallFacts{}).keep);
+  EXPECT_TRUE(policy->decide(entryOf("aten::tanh"), {attn}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::tanh"), {attn, router}, CallFacts{}).held);
+  EXPECT_FALSE(policy->decide(entryOf("aten::sin"), {router, attn}, CallFacts{}).held);
   EXPECT_EQ(policy->recomputedUnitNames(), std::vector<std::string>{"router"});
 }
 
@@ -226,7 +226,7 @@ TEST(PolicyDecision, EveryNthIsStoredExactlyBeyond32Bits) {
     EXPECT_EQ(policy->everyNth(mm), static_cast<uint64_t>(n));
     EXPECT_EQ(policy->everyNthOps(), (std::vector<std::pair<std::string, int64_t>>{{"aten::mm", n}}));
     std::vector<bool> kept;
-    for (uint32_t i : {0u, 1u, 2u, UINT32_MAX}) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+    for (uint32_t i : {0u, 1u, 2u, UINT32_MAX}) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).held);
     EXPECT_EQ(kept, (std::vector<bool>{true, false, false, false})) << n;
   }
 }
@@ -259,13 +259,13 @@ TEST(PolicyDecision, KeptCallsKeepExactlyTheListedIndices) {
   EXPECT_TRUE(policy->namesOp(mm));
   EXPECT_FALSE(policy->keepsNothing());
   std::vector<bool> kept;
-  for (uint64_t i = 0; i < 7; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).keep);
+  for (uint64_t i = 0; i < 7; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).held);
   EXPECT_EQ(kept, (std::vector<bool>{true, false, true, false, false, true, false}));
   EXPECT_EQ(policy->keptCalls(),
             (std::vector<std::pair<std::string, std::vector<int64_t>>>{{"aten::mm", {0, 2, 5}}}));
   // A call that draws random numbers is never kept, even when listed.
   Decision random = policy->decide(mm, {}, CallFacts{true, 0});
-  EXPECT_FALSE(random.keep);
+  EXPECT_FALSE(random.held);
   EXPECT_EQ(random.reason, Reason::kRandomDraw);
 }
 

@@ -102,8 +102,8 @@ TEST(KeepRule, UnitsPolicyOverTheOpCatalog) {
           ASSERT_EQ(decision.reason, expected)
               << op.spelling << " draws=" << draws << " casts=" << casts << " units=" << units.size() << ": got '"
               << reasonText(decision.reason) << "', expected '" << reasonText(expected) << "'";
-          EXPECT_EQ(decision.keep, expected == Reason::kKeptUnit) << op.spelling;
-          EXPECT_EQ(decision.outcome == Outcome::kKeep, decision.keep) << op.spelling;
+          EXPECT_EQ(decision.held, expected == Reason::kKeptUnit) << op.spelling;
+          EXPECT_EQ(decision.outcome == Outcome::kKeep, decision.held) << op.spelling;
           const bool selected_by_unit = in_attn && !in_gate && !casts && !traits.is_collective &&
                                         !traits.never_counts && !traits.is_uninitialised_allocation;
           EXPECT_EQ(decision.unit, selected_by_unit ? attn : kNoUnit) << op.spelling;
@@ -191,7 +191,7 @@ TEST(KeepRule, RefusingANamedOpAgreesWithDecide) {
     } catch (const c10::ValueError& e) {
       error = e.what_without_backtrace();
     }
-    if (named.keep) {
+    if (named.held) {
       EXPECT_EQ(error, "") << op.spelling;
       continue;
     }
@@ -212,7 +212,7 @@ TEST(KeepRule, CallProfileKeepabilityAgreesWithDecide) {
       for (bool casts : {false, true}) {
         Decision named = Policy::decideNamed(*op.entry, facts(draws, casts));
         std::string label = whyNotKeepable(*op.entry, facts(draws, casts));
-        if (!named.keep) {
+        if (!named.held) {
           EXPECT_EQ(label, reasonText(named.reason)) << op.spelling;
         } else if (traits.is_view) {
           EXPECT_EQ(label, "view") << op.spelling;

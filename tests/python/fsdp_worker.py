@@ -60,6 +60,10 @@ def main(rank, world_size, init_file, result_file):
                 MoEModel, RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch"]), True),
             "moe, nested fully_shard: ops FSDP2 calls in one pass kept": (
                 MoEModel, RecomputeConfig(units=["attn", "moe_gate"], ops=fsdp_ops), True),
+            # On the CPU offloading is keeping: the same served calls through the offload rules.
+            "moe, nested fully_shard: units offloaded": (
+                MoEModel, RecomputeConfig(units=["attn"], offloaded_units=["moe_gate", "moe_dispatch"],
+                                          offload_min_bytes=0), True),
         }
         results = {name: run_case(*case) for name, case in cases.items()}
         if rank == 0:

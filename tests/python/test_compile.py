@@ -106,6 +106,43 @@ def test_kept_selection_is_saved_in_the_partitioned_graph(layer_class, policy):
     assert "aten.sin.default" not in seen["fw"] or "aten.cos.default" in seen["bw"]
 
 
+@pytest.mark.parametrize("policy", [Policy(offloaded_ops=["aten::tanh"]), Policy(offloaded_units=["attn"])],
+                         ids=["offloaded_ops", "offloaded_units"])
+def test_offloaded_calls_are_saved_where_the_compiler_does_not_offload(policy):
+    # NOTE: [Offloaded calls under torch.compile]: without torch's activation offloading, an
+    # offloaded call is tagged MUST_SAVE, as kept.
+    seen = compiled_graphs(Layer, policy)
+    assert seen["tags"]["aten.tanh.default"] == {CheckpointPolicy.MUST_SAVE}
+    assert "aten.tanh.default" not in seen["bw"]
+
+
+def test_offloaded_calls_are_tagged_for_offload_where_the_compiler_offloads():
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    layer = sac_plugin.apply_selective_checkpointing(Layer(), Policy(offloaded_ops=["aten::tanh"]))
+    tags = {}
+
+    def backend(gm, inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def partition(joint, joint_inputs, **kwargs):
+            for node in joint.graph.nodes:
+                if node.op == "call_function" and "recompute" in node.meta:
+                    tags.setdefault(str(node.target), set()).add(node.meta["recompute"])
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        return aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                     bw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=partition)
+
+    torch._dynamo.reset()
+    with functorch_config.patch(enable_activation_offloading=True):
+        torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert tags["aten.tanh.default"] == {CheckpointPolicy.MUST_CPU_OFFLOAD}
+
+
 def test_recomputed_unit_wins_under_compile():
     seen = compiled_graphs(Layer, Policy(kept_ops=["aten::tanh"], recomputed_units=["attn"]))
     assert seen["tags"]["aten.tanh.default"] == {CheckpointPolicy.MUST_RECOMPUTE}

@@ -61,7 +61,8 @@ def test_json_and_yaml_say_the_same():
     "data,message",
     [
         ({"unit": ["attn"]}, "recompute config: unknown key 'unit'; known keys: units, ops, every_nth_op, "
-                             "every_nth_layer, first_layer, layer_ratio, force_recompute_modules, preserve_rng_state, budget"),
+                             "every_nth_layer, first_layer, layer_ratio, force_recompute_modules, preserve_rng_state, budget, "
+                             "offloaded_units, offloaded_ops, offload_min_bytes, host_memory_limit"),
         ({"units": ["attn", "atn"]}, "recompute config: units[1]: unknown unit 'atn'; known units: attn, mlp, "
                                      "moe_gate, moe_dispatch, norm"),
         ({"units": "attn"}, "recompute config: units must be a list, got 'attn'"),

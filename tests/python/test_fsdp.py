@@ -38,6 +38,7 @@ CASES = [
     "dense: every other mm",
     "moe, nested fully_shard: routing units",
     "moe, nested fully_shard: ops FSDP2 calls in one pass kept",
+    "moe, nested fully_shard: units offloaded",
 ]
 
 

@@ -200,3 +200,22 @@ def test_a_budget_is_refused_by_gradient_checkpointing_kwargs():
     assert str(error.value).startswith("recompute config: gradient_checkpointing_kwargs hands every layer one policy, "
                                        "and a budget plans one per layer")
     assert not any("_sac_policy" in vars(module) for module in model.modules())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+def test_offloaded_units_pass_through_and_serve_what_kept_units_serve(model_type):
+    # On the CPU offloading is keeping (one warning), so an offloaded selection serves exactly the
+    # calls the kept one does, bitwise.
+    units = [unit.value for unit in huggingface.HF_TARGET_MAPS[model_type] if unit.value != "norm"][:2]
+    served = {}
+    for field in ("units", "offloaded_units"):
+        model = build(model_type, "sdpa", dropout=False)
+        reference = reference_for(model_type, model)
+        huggingface.apply_recompute_config(model, RecomputeConfig(**{field: units}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            audit = assert_bitwise_equal(model, reference)
+        policy = huggingface.decoder_layers(model)[0]._sac_policy
+        assert (policy.offloaded_units or policy.offloaded_ops) if field == "offloaded_units" else policy.offloads_nothing
+        served[field] = {row.op: row.hits for row in audit.rows() if row.hits}
+    assert served["units"] and served["offloaded_units"] == served["units"]

@@ -283,13 +283,13 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
     stack: DeepSeek-V3's dense first layer has no router); one absent from every selected layer
     is an error naming it."""
     present = {index: [] for index in selected}
-    for i, unit in enumerate(config.units):
+    for i, unit in enumerate(config.selected_units):
         target = target_map[unit]
         found_in = [index for index in selected if isinstance(target, KeptOps) or target.find(layers[index])]
         if not found_in:
             kinds = sorted({type(layers[index]).__name__ for index in selected})
             raise ConfigError(
-                f"recompute config: units[{i}]: unit '{unit.value}' of {target_map.model_name} "
+                f"recompute config: {_unit_field(config, i)}: unit '{unit.value}' of {target_map.model_name} "
                 f"({', '.join(target.paths)}) matches nothing in any of the {len(selected)} selected layers "
                 f"({', '.join(kinds)})"
             )
@@ -306,6 +306,11 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
     return present
 
 
+def _unit_field(config: RecomputeConfig, i: int) -> str:
+    """Where the i-th of config.selected_units is written: units[i] or offloaded_units[j]."""
+    return f"units[{i}]" if i < len(config.units) else f"offloaded_units[{i - len(config.units)}]"
+
+
 def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, selected):
     """Checks the config against the selected layers, then installs each layer's units; returns
     the policy. Nothing is changed unless every check passes."""
@@ -316,7 +321,9 @@ def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTar
         # Each layer is prepared with the units it has (all checked above, so none raises).
         units = present[index]
         layer_map = RecomputeTargetMap(target_map.model_name, {unit: target_map[unit] for unit in units})
-        _layers.prepare_layers(model, dataclasses.replace(config, units=units), layer_map, [layers[index]], [0])
+        layer_config = dataclasses.replace(config, units=[u for u in units if u in config.units],
+                                           offloaded_units=[u for u in units if u in config.offloaded_units])
+        _layers.prepare_layers(model, layer_config, layer_map, [layers[index]], [0])
     return policy
 
 
@@ -325,7 +332,7 @@ def _map_for(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTar
     """The target map the config needs: none for a config without units (full recompute, ops)."""
     if target_map is not None:
         return target_map
-    if not config.units:
+    if not config.selected_units:
         return RecomputeTargetMap(f"{type(model).__name__} (no units)", {})
     if _model_type(model) in HF_TARGET_MAPS:
         return HF_TARGET_MAPS[_model_type(model)]

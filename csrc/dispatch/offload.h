@@ -1,0 +1,78 @@
+#pragma once
+// Offloaded outputs: a kept output held in pinned host memory between the forward and the
+// backward, copied out on a side stream after the call and back ahead of its use (NOTE:
+// [Offloading kept outputs] in offload.cpp). Device-generic: streams, events and the pinned
+// allocator come from the device's registered guard and hooks (CUDA, the test accelerator, any
+// PrivateUse1 backend).
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace sac {
+
+// Whether `tensor` can be offloaded: defined, on an accelerator (not the CPU, not meta), with
+// storage, non-overlapping and dense, and not an inference tensor (which has no version to check).
+bool offloadable(const at::Tensor& tensor);
+
+// One offloaded tensor. Movable, not copyable; its host buffer returns to the pinned pool when it
+// is taken for good, released, or destroyed, after the copies that use it.
+class OffloadedTensor {
+ public:
+  // Starts copying `tensor` into a pinned host buffer on the device's copy-out stream, after the
+  // work queued so far on the device's current stream; the device memory is freed by its owner
+  // when the copy completes (recorded on the copy stream), with no host sync.
+  static OffloadedTensor start(const at::Tensor& tensor);
+
+  OffloadedTensor() = default;
+  OffloadedTensor(OffloadedTensor&& other) noexcept = default;
+  OffloadedTensor& operator=(OffloadedTensor&& other) noexcept;
+  OffloadedTensor(const OffloadedTensor&) = delete;
+  OffloadedTensor& operator=(const OffloadedTensor&) = delete;
+  ~OffloadedTensor() { release(); }
+
+  // Starts the copy back to the device on its copy-in stream, unless started (a prefetch).
+  void fetch();
+  // The tensor on its device, ready for the current stream (which waits only on this copy).
+  // `keep_host`: the host copy stays for another backward (retain_graph=True); otherwise it
+  // returns to the pool.
+  at::Tensor take(bool keep_host);
+  // Returns the host buffer to the pool and drops any device copy.
+  void release();
+
+  bool holdsHost() const { return host_.defined(); }
+  int64_t bytes() const { return bytes_; }
+  // The version of the offloaded tensor's version counter now, as the forward's tensor sees it.
+  int64_t currentVersion() const { return static_cast<int64_t>(version_counter_.current_version()); }
+  int64_t savedVersion() const { return saved_version_; }
+  void setSavedVersion(int64_t version) { saved_version_ = version; }
+
+ private:
+  at::Tensor host_;         // pinned, the tensor's sizes and strides
+  at::Tensor device_copy_;  // after fetch()
+  std::shared_ptr<c10::Event> copied_out_;
+  std::shared_ptr<c10::Event> copied_in_;
+  c10::Device device_{c10::kCPU};
+  c10::VariableVersion version_counter_;
+  int64_t saved_version_ = 0;
+  int64_t bytes_ = 0;
+};
+
+// What offloading has done in this process: copies each way and their bytes, and the pinned
+// pool (bytes it holds, bytes in use, buffers it allocated). Counters only grow, except the pool's.
+struct OffloadStats {
+  int64_t copies_to_host = 0;
+  int64_t bytes_to_host = 0;
+  int64_t copies_to_device = 0;
+  int64_t bytes_to_device = 0;
+  int64_t pool_bytes = 0;
+  int64_t pool_bytes_in_use = 0;
+  int64_t pool_allocations = 0;
+};
+OffloadStats offloadStats();
+// Frees the pool's buffers that no copy uses any more; returns the bytes freed.
+int64_t emptyOffloadPool();
+
+}  // namespace sac
