@@ -5,7 +5,7 @@ three-way plan predicts a step no slower than the two-way plan, and the fastest 
 plans with offloads survive a file round trip; bad offload arguments are refused by name; on CPU
 without bandwidths the plan is two-way and says why once."""
 
-import inspect
+import copy
 import itertools
 import logging
 import math
@@ -27,9 +27,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
 MiB = 1 << 20
 AFTER = AFTER_THE_RECOMPUTE_STOPS  # a call that gives the calls before it a window, at no recompute cost
 LINK = 16 * 2**30  # bytes per second: 8 MiB copies in 2**-11 s each way
-# The runtime half of offload (Policy(offloaded_calls=...)) is what turns a plan into a policy.
-needs_offload_policy = pytest.mark.skipif("offloaded_calls" not in inspect.signature(Policy.__init__).parameters,
-                                          reason="this sac_plugin's Policy has no offloaded_calls")
 
 
 def profile_of(*calls, floor=0):
@@ -149,7 +146,6 @@ def test_the_plot_draws_the_three_way_curve_beside_the_two_way_one(tmp_path, mon
     assert (tmp_path / "plan.png").stat().st_size > 0
 
 
-@needs_offload_policy
 def test_the_policy_offloads_exactly_the_planned_calls():
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::addmm", 2 * MiB, 5.0),
                          floor=MiB)
@@ -158,10 +154,27 @@ def test_the_policy_offloads_exactly_the_planned_calls():
     assert plan.policy == Policy(kept_calls={},
                                  offloaded_calls={"aten::mm.default": [0, 1], "aten::addmm.default": [0]},
                                  offload_min_bytes=MiB // 2, host_memory_limit=64 * MiB)
-    assert plan.policy.offloaded_calls == {"aten::addmm.default": (0,), "aten::mm.default": (0, 1)}
+    assert plan.policy.offloaded_calls == {"aten::addmm": (0,), "aten::mm": (0, 1)}
 
 
-@needs_offload_policy
+def test_a_plan_predicts_its_own_policy_and_hand_written_offloading_ones():
+    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::addmm", MiB // 2, 5.0),
+                         ("aten::sum", 0, 20.0, AFTER), floor=MiB)
+    plan = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK, host_memory_limit=32 * MiB))
+    assert (plan.calls_kept_by(plan.policy), plan.calls_offloaded_by(plan.policy)) == (plan.kept, plan.offloaded)
+    assert plan.evaluate(plan.policy) == {"held_bytes": plan.held_bytes, "kept_bytes": plan.kept_bytes,
+                                          "offloaded_bytes": plan.offloaded_bytes,
+                                          "recompute_seconds": plan.recompute_seconds,
+                                          "overhead_seconds": plan.overhead_seconds}
+    # As the runtime does: an output under offload_min_bytes stays on the device, and so does one
+    # that would take the host past host_memory_limit.
+    policy = Policy(offloaded_ops=["aten::mm", "aten::addmm"], host_memory_limit=8 * MiB)
+    assert plan.calls_offloaded_by(policy) == {("aten::mm", 0)}
+    assert plan.calls_kept_by(policy) == {("aten::mm", 1), ("aten::addmm", 0)}
+    assert plan.evaluate(policy) == {"held_bytes": MiB + 8 * MiB + MiB // 2, "kept_bytes": 8 * MiB + MiB // 2,
+                                     "offloaded_bytes": 8 * MiB, "recompute_seconds": 0.0, "overhead_seconds": 0.0}
+
+
 def test_save_and_load_keep_the_offloads(tmp_path):
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), floor=MiB)
     plan = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK / 2, MiB, 32 * MiB))
@@ -315,6 +328,22 @@ def test_offload_with_given_bandwidths_plans_three_way_on_cpu():
     assert plan.offload == OffloadModel(2e9, 3e9, 0, 1 << 30)
     assert plan.offloaded and plan.overhead_seconds <= plan.without_offload().overhead_seconds
     assert plan.held_bytes <= plan.budget_bytes
+
+
+def test_a_three_way_plans_policy_serves_every_planned_call_and_gives_bitwise_gradients():
+    block, (x, cos, sin) = llama()
+    plan = sac_plugin.plan(block, x, cos, sin, budget=0.2, runs=1, offload=True, offload_bandwidth=(2e9, 3e9),
+                           offload_min_bytes=0)
+    assert plan.offloaded and plan.kept
+    reference = copy.deepcopy(block)
+    sac_plugin.apply_selective_checkpointing(block, plan.policy)
+    xa, xb = (x.detach().clone().requires_grad_() for _ in range(2))
+    with sac_plugin.audit() as audit:
+        block(xa, cos, sin).pow(2).sum().backward()  # on the CPU an offloaded output is kept
+    reference(xb, cos, sin).pow(2).sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(block.parameters(), reference.parameters()))
+    assert sum(row.hits for row in audit.rows()) == len(plan.kept) + len(plan.offloaded)
 
 
 def test_offload_times_the_copies_on_the_layers_accelerator(monkeypatch):

@@ -42,6 +42,7 @@ cheaper copies, so a three-way plan never predicts a slower step than the two-wa
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -60,7 +61,7 @@ FORMAT = "sac_plugin.plan"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PARETO_BUDGETS = tuple(i / 20 for i in range(21))
-OFFLOAD_MIN_BYTES = 1 << 20  # Policy's default offload_min_bytes
+OFFLOAD_MIN_BYTES = inspect.signature(Policy).parameters["offload_min_bytes"].default
 
 log = logging.getLogger("sac_plugin")
 _warned_offload_unavailable: set[str] = set()
@@ -482,22 +483,38 @@ class Plan:
         return self._solver_cache
 
     def evaluate(self, policy: Policy) -> dict:
-        """What a hand-written policy is predicted to hold and recompute on this profile: kept ops,
-        every-nth rules, kept calls, and kept units (by each call's innermost unit)."""
+        """What a hand-written policy is predicted to hold and recompute on this profile: kept and
+        offloaded ops, every-nth rules, calls and units (by each call's innermost unit). With an
+        offload model, also its overhead: recompute plus the copies no window hides."""
         if not isinstance(policy, Policy):
             raise TypeError(f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
-        kept = [c for c in self.profile.calls if (c.op, c.index) in self.calls_kept_by(policy)]
-        kept_bytes = sum(c.bytes for c in kept)
-        return {"held_bytes": self.profile.full_recompute_bytes + kept_bytes, "kept_bytes": kept_bytes,
-                "recompute_seconds": self.full_recompute_seconds - sum(c.seconds for c in kept if c.recomputed)}
+        kept, offloaded = _held_by(policy, self.profile)
+        kept_bytes = sum(c.bytes for c in self.profile.calls if _key(c) in kept)
+        result = {"held_bytes": self.profile.full_recompute_bytes + kept_bytes, "kept_bytes": kept_bytes,
+                  "offloaded_bytes": sum(c.bytes for c in self.profile.calls if _key(c) in offloaded),
+                  "recompute_seconds": _overhead(self.profile, kept | offloaded, frozenset(), {})}
+        if self.offload is not None:
+            # A policy may offload a call under the plan's size floor: price every call's copies.
+            copies = copy_costs(self.profile, dataclasses.replace(self.offload, min_bytes=0))
+            result["overhead_seconds"] = _overhead(self.profile, kept, offloaded, copies)
+        return result
 
     def calls_kept_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
-        """The profiled calls, as (op, index among the op's calls), that `policy` keeps: each
-        asked of the one keep rule (docs/semantics.md) with its op, index and innermost unit."""
+        """The profiled calls, as (op, index among the op's calls), that `policy` keeps on the
+        device: each asked of the one rule (docs/semantics.md) with its op, index and innermost
+        unit; an offloaded call under the policy's offload_min_bytes, or past its host_memory_limit,
+        stays on the device as the runtime keeps it (docs/offload.md)."""
         if not isinstance(policy, Policy):
             raise TypeError(f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got "
                             f"{describe_value(policy)}")
-        return _kept_by(policy, self.profile)
+        return _held_by(policy, self.profile)[0]
+
+    def calls_offloaded_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
+        """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them."""
+        if not isinstance(policy, Policy):
+            raise TypeError(f"sac_plugin: Plan.calls_offloaded_by: policy must be a sac_plugin.Policy, got "
+                            f"{describe_value(policy)}")
+        return _held_by(policy, self.profile)[1]
 
     # --- plot ------------------------------------------------------------------------------------
 
@@ -536,7 +553,7 @@ class Plan:
         count = len(policies)
         for i, (name, policy) in enumerate(policies.items()):
             e = self.evaluate(policy)
-            ax.scatter([e["held_bytes"] / base], [e["recompute_seconds"] * 1e3], marker=markers[i % len(markers)],
+            ax.scatter([e["held_bytes"] / base], [e.get("overhead_seconds", e["recompute_seconds"]) * 1e3], marker=markers[i % len(markers)],
                        s=40 + 45 * (count - i), facecolors="none", edgecolors=f"C{i + 1}", linewidths=1.6,
                        zorder=3 + count - i, label=name)
         ax.scatter([self.held_bytes / base], [self.overhead_seconds * 1e3], marker="x", s=70, color="black",
@@ -716,21 +733,30 @@ def budget_in_bytes(budget, profile: LayerProfile) -> int:
     return int(budget)
 
 
-def _kept_by(policy: Policy, profile: LayerProfile) -> frozenset[tuple[str, int]]:
-    """The profiled calls `policy` keeps: the one C++ rule (docs/semantics.md), asked call by call
-    in the order the forward made them, through the call decider that also numbers the calls for
-    every-nth and kept-call rules exactly as the engines do (a call in a recomputed unit takes no
-    number). Each call is asked with the innermost unit it ran in."""
+def _held_by(policy: Policy, profile: LayerProfile) -> tuple[frozenset, frozenset]:
+    """The profiled calls `policy` keeps on the device and offloads: the one C++ rule
+    (docs/semantics.md), asked call by call in the order the forward made them, through the call
+    decider that also numbers the calls for every-nth and kept-call rules exactly as the engines do
+    (a call in a recomputed unit takes no number). Each call is asked with the innermost unit it
+    ran in. An offloaded call under offload_min_bytes, or one that would take the host past
+    host_memory_limit, stays on the device, as the runtime keeps it."""
     decider = _rule.CallDecider(policy)
-    kept = set()
+    kept, offloaded, host_bytes = set(), set(), 0
+    limit = policy.host_memory_limit
     for call in profile.calls:
         units = (call.unit,) if call.unit else ()
         decision = decider.decide(_overload(call.op), False, units)
-        # A call after the recompute stops is decided as kept but not held (NOTE: [Kept outputs
+        # A call after the recompute stops is decided as held but not held (NOTE: [Kept outputs
         # the recompute never reaches]): it holds no bytes and saves no time.
-        if decision.keep and call.keepable:
-            kept.add((call.op, call.index))
-    return frozenset(kept)
+        if not (decision.held and call.keepable):
+            continue
+        if decision.outcome == _rule.Outcome.OFFLOAD and call.bytes >= policy.offload_min_bytes \
+                and (limit is None or host_bytes + call.bytes <= limit):
+            offloaded.add(_key(call))
+            host_bytes += call.bytes
+        else:
+            kept.add(_key(call))
+    return frozenset(kept), frozenset(offloaded)
 
 
 def _path_of(path, method: str) -> Path:
