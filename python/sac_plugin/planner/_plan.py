@@ -553,7 +553,8 @@ class Plan:
         count = len(policies)
         for i, (name, policy) in enumerate(policies.items()):
             e = self.evaluate(policy)
-            ax.scatter([e["held_bytes"] / base], [e.get("overhead_seconds", e["recompute_seconds"]) * 1e3], marker=markers[i % len(markers)],
+            seconds = e.get("overhead_seconds", e["recompute_seconds"])
+            ax.scatter([e["held_bytes"] / base], [seconds * 1e3], marker=markers[i % len(markers)],
                        s=40 + 45 * (count - i), facecolors="none", edgecolors=f"C{i + 1}", linewidths=1.6,
                        zorder=3 + count - i, label=name)
         ax.scatter([self.held_bytes / base], [self.overhead_seconds * 1e3], marker="x", s=70, color="black",
