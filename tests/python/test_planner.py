@@ -249,27 +249,27 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
         ("[]", "expected a JSON object, got list"),
         ("{", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
         (json.dumps(_edit(good, format="other")), "'format' must be 'sac_plugin.plan', got 'other': not a sac_plugin plan"),
-        (json.dumps(_edit(good, version=2)), "version 2 is not supported; this sac_plugin reads version 1"),
+        (json.dumps(_edit(good, version=3)), "version 3 is not supported; this sac_plugin reads versions 1, 2"),
+        (json.dumps(_edit(good, version=True)), "version True is not supported; this sac_plugin reads versions 1, 2"),
         (json.dumps(_edit(good, budget=2.0)), "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int for a "
                                               "byte count"),
         (json.dumps(_edit(good, kept=[["aten::mm", 999]])), "kept[0] = ['aten::mm', 999] is not a profiled call"),
         (json.dumps(_edit(good, kept=[[not_keepable["op"], not_keepable["index"]]])),
          f"kept[0] = {[not_keepable['op'], not_keepable['index']]!r} cannot be kept: {not_keepable['not_keepable']}"),
-        (json.dumps(_edit(good, extra=1)), "unknown key 'extra'; known keys: budget, calls, full_recompute_bytes, "
-                                           "kept, no_checkpoint_bytes, runs, torch, version, format".replace(
-                                               "torch, version, format", "format, kept").replace(
-                                               "kept, no_checkpoint_bytes, runs, format, kept",
-                                               "format, full_recompute_bytes")),
+        (json.dumps(_edit(good, extra=1)), "unknown key 'extra'; known keys in version 2: budget, calls, format, "
+                                           "full_recompute_bytes, kept, no_checkpoint_bytes, offload, offloaded, runs, "
+                                           "torch, version"),
+        (json.dumps(_edit(good, version=1)), "unknown key 'offload'; known keys in version 1: budget, calls, format, "
+                                             "full_recompute_bytes, kept, no_checkpoint_bytes, runs, torch, version"),
+        (json.dumps(_edit(good, offloaded=[good["kept"][0]])),
+         "'offloaded' lists calls but 'offload' is null: an offloaded call needs the offload model"),
     ]
     path = tmp_path / "plan.json"
-    for text, message in cases[:7]:
+    for text, message in cases:
         path.write_text(text)
         with pytest.raises(PlanError) as raised:
             Plan.load(path)
         assert str(raised.value) == f"sac_plugin: plan file {path}: {message}"
-    path.write_text(json.dumps(_edit(good, extra=1)))
-    with pytest.raises(PlanError, match="unknown key 'extra'; known keys: budget, calls, format, full_recompute_bytes"):
-        Plan.load(path)
     over = _edit(good, budget=0, kept=good["kept"])
     path.write_text(json.dumps(over))
     with pytest.raises(PlanError, match=r"so it holds \d+, over its budget of 0 bytes"):

@@ -7,6 +7,9 @@ capacity down, so the answer can only be under the budget, never over. Every ans
 against the true bytes before it is returned (torch's Hirschberg knapsack has overshot its
 budget, pytorch#197871), then topped up greedily with whatever still fits in true bytes.
 One table answers every capacity up to the largest, which is how a Pareto curve is drawn.
+
+PairKnapsack is the same over two capacities at once, device and host bytes: each item is kept,
+offloaded or neither (the planner's three outcomes where its host-memory cap binds).
 """
 
 from __future__ import annotations
@@ -85,3 +88,96 @@ class Knapsack:
 
 def solve(weights: Sequence[int], values: Sequence[float], capacity: int) -> list[int]:
     return Knapsack(weights, values, capacity).solve(capacity)
+
+
+MAX_PAIR_CELLS = 1 << 16
+MAX_PAIR_CHOICES = 1 << 24  # items x cells: the int8 choices kept for the walk back
+
+
+def _grid(weights: Sequence[int], capacity: int) -> int:
+    fitting = [w for w in weights if w <= capacity]
+    return math.gcd(*fitting) if fitting else 1
+
+
+class PairKnapsack:
+    """Each item goes to the device (its weight against the device capacity, value keep_values[i]),
+    to the host (its weight against the host capacity, value host_values[i], None where the host
+    may not take it) or to neither (value 0): the most value within both capacities.
+
+    Exact dynamic programming over a grid of device cells x host cells (each axis on the gcd of its
+    weights) while the table has at most MAX_PAIR_CELLS cells and the walk-back choices at most
+    MAX_PAIR_CHOICES bytes; beyond that the axis with more cells is made coarser, weights rounded up
+    and capacities down, so an answer can only be under a capacity, never over. One table answers
+    every device capacity up to max_capacity (at the one host capacity)."""
+
+    def __init__(self, weights: Sequence[int], keep_values: Sequence[float], host_values: Sequence[float | None],
+                 max_capacity: int, host_capacity: int):
+        if not len(weights) == len(keep_values) == len(host_values):
+            raise ValueError(f"knapsack: {len(weights)} weights, {len(keep_values)} keep values and "
+                             f"{len(host_values)} host values")
+        for i, w in enumerate(weights):
+            if not isinstance(w, int) or w <= 0:
+                raise ValueError(f"knapsack: weight {i} must be a positive int (bytes), got {w!r}")
+        self.weights = [int(w) for w in weights]
+        self.max_capacity = max(0, int(max_capacity))
+        self.host_capacity = max(0, int(host_capacity))
+        offered = [i for i, v in enumerate(host_values) if v is not None and v > 0]
+        self.device_grid = _grid(self.weights, self.max_capacity)
+        self.host_grid = _grid([self.weights[i] for i in offered], self.host_capacity)
+        limit = min(MAX_PAIR_CELLS, max(1, MAX_PAIR_CHOICES // max(1, len(self.weights))))
+        while (self.max_capacity // self.device_grid + 1) * (self.host_capacity // self.host_grid + 1) > limit:
+            if self.max_capacity // self.device_grid >= self.host_capacity // self.host_grid:
+                self.device_grid *= 2
+            else:
+                self.host_grid *= 2
+        rows, cols = self.max_capacity // self.device_grid + 1, self.host_capacity // self.host_grid + 1
+        # Rounded up: a set that fits in cells fits in true bytes.
+        self._device_cells = [-(-w // self.device_grid) for w in self.weights]
+        self._host_cells = [-(-w // self.host_grid) for w in self.weights]
+        self._host_offered = [v is not None and v > 0 for v in host_values]
+        self._choice = torch.zeros(len(self.weights), rows, cols, dtype=torch.int8)
+        best = torch.zeros(rows, cols, dtype=torch.float64)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in Knapsack: small tensors, many ops
+        try:
+            for i in range(len(self.weights)):
+                d, h = self._device_cells[i], self._host_cells[i]
+                if d < rows and keep_values[i] > 0:
+                    candidate = best[: rows - d] + float(keep_values[i])
+                    better = candidate > best[d:]
+                    self._choice[i, d:][better] = 1
+                    keep = best.clone()
+                    keep[d:] = torch.where(better, candidate, best[d:])
+                else:
+                    keep = best
+                if self._host_offered[i] and h < cols:
+                    candidate = best[:, : cols - h] + float(host_values[i])
+                    better = candidate > keep[:, h:]
+                    self._choice[i, :, h:][better] = 2
+                    keep = keep.clone() if keep is best else keep
+                    keep[:, h:] = torch.where(better, candidate, keep[:, h:])
+                best = keep
+        finally:
+            torch.set_num_threads(threads)
+        self._rows, self._cols = rows, cols
+
+    def solve(self, capacity: int) -> tuple[list[int], list[int]]:
+        """(device items, host items): the most value within `capacity` device bytes and the host
+        capacity, in true bytes."""
+        capacity = int(capacity)
+        if capacity > self.max_capacity:
+            raise ValueError(f"knapsack: capacity {capacity} exceeds the table's {self.max_capacity}")
+        row, col = max(0, capacity) // self.device_grid, self._cols - 1
+        device, host = [], []
+        for i in range(len(self.weights) - 1, -1, -1):
+            choice = int(self._choice[i, row, col])
+            if choice == 1:
+                device.append(i)
+                row -= self._device_cells[i]
+            elif choice == 2:
+                host.append(i)
+                col -= self._host_cells[i]
+        if sum(self.weights[i] for i in device) > max(0, capacity) or \
+                sum(self.weights[i] for i in host) > self.host_capacity:
+            raise RuntimeError("knapsack: the solution is over a capacity: rounded-up weights make this impossible")
+        return sorted(device), sorted(host)

@@ -1,12 +1,14 @@
 """Profiling a layer: every call of its forward as the plugin's fallback sees it, with bytes,
 kernel time and whether it may be kept (csrc/dispatch/call_profile.h), plus the activation
 bytes the layer holds without checkpointing and with full recompute, counted as
-sac_plugin.memory (and benchmarks/bench_memory.py) counts them."""
+sac_plugin.memory (and benchmarks/bench_memory.py) counts them; and the copy bandwidth each way
+between the layer's accelerator and pinned host memory, which prices offloading."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import statistics
 
 import torch
@@ -144,3 +146,47 @@ def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: i
                      i < recomputed_prefix)
         for i, (op, index, unit, size, reason) in enumerate(zip(ops, indices, units, sizes, why)))
     return LayerProfile(calls, no_checkpoint, floor, count)
+
+
+BANDWIDTH_PROBE_BYTES = 8 << 20   # large enough that a copy's fixed launch cost is a small part of it
+BANDWIDTH_PROBE_COPIES = 5
+
+
+def accelerator_device(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
+    """The accelerator device the layer's parameters or inputs are on, or None when there is no
+    accelerator or the layer runs elsewhere (on CPU): then nothing can be offloaded from it."""
+    if not torch.accelerator.is_available():
+        return None
+    kind = torch.accelerator.current_accelerator().type
+    for tensor in itertools.chain(module.parameters(), _leaves((args, kwargs))):
+        if tensor.device.type == kind:
+            return tensor.device
+    return None
+
+
+def measure_offload_bandwidth(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTES,
+                              copies: int = BANDWIDTH_PROBE_COPIES) -> tuple[float, float]:
+    """(device-to-host, host-to-device) bytes per second between `device` and pinned host memory:
+    the median of `copies` non_blocking copies of `nbytes` each way, timed by events on the current
+    stream after one untimed copy each way. The two directions are timed apart: they differ."""
+    with torch.accelerator.device_index(device.index):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def bytes_per_second(copy) -> float:
+            copy()
+            torch.accelerator.synchronize(device)
+            seconds = []
+            for _ in range(copies):
+                start = torch.Event(device=device, enable_timing=True)
+                end = torch.Event(device=device, enable_timing=True)
+                start.record()
+                copy()
+                end.record()
+                end.synchronize()
+                seconds.append(start.elapsed_time(end) / 1e3)
+            return nbytes / max(statistics.median(seconds), 1e-9)
+
+        device_to_host = bytes_per_second(lambda: host.copy_(on_device, non_blocking=True))
+        host_to_device = bytes_per_second(lambda: on_device.copy_(host, non_blocking=True))
+    return device_to_host, host_to_device

@@ -1,7 +1,7 @@
 """A model's budget split over its layers: each distinct layer is profiled once, each wrap site
 picks one point of its layer's Pareto curve, and the points are chosen together (a
-multiple-choice knapsack over bytes) to save the most recompute time in total, not by an even
-split. The answer is checked against the true bytes before it is used."""
+multiple-choice knapsack over bytes) to save the most step time in total (recompute, and exposed
+copies where a plan offloads), not by an even split. The answer is checked against the true bytes before it is used."""
 
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ MAX_CELLS = 1 << 14
 
 
 def candidates(plan: Plan, extra_budgets=()) -> list[Plan]:
-    """Plans of one layer at budgets across its curve, without repeats of the same kept set."""
+    """Plans of one layer at budgets across its curve, without repeats of the same choice."""
     seen, points = set(), []
     for budget in list(CANDIDATE_FRACTIONS) + list(extra_budgets):
         candidate = plan.with_budget(budget)
-        if candidate.kept not in seen:
-            seen.add(candidate.kept)
+        choice = (candidate.kept, candidate.offloaded)
+        if choice not in seen:
+            seen.add(choice)
             points.append(candidate)
     return points
 
 
 def split(site_plans: list[Plan], total_bytes: int) -> list[Plan]:
     """One plan per site (sites sharing a Plan object are the same layer, solved once), holding
-    at most `total_bytes` together where possible, maximising the recompute time saved."""
+    at most `total_bytes` together where possible, maximising the step time saved."""
     if not site_plans:
         return []
     even_share = total_bytes // len(site_plans)
@@ -48,7 +49,7 @@ def split(site_plans: list[Plan], total_bytes: int) -> list[Plan]:
             w = -(-option.held_bytes // grid)  # rounded up: fits in cells => fits in bytes
             if w > cells:
                 continue
-            saved = option.full_recompute_seconds - option.recompute_seconds
+            saved = option.full_recompute_seconds - option.overhead_seconds
             candidate = torch.full_like(best, neg)
             candidate[w:] = best[: cells + 1 - w] + saved
             better = candidate > new
