@@ -82,7 +82,8 @@ def _modes(block, inputs, args):
     plan = sac_plugin.plan(copy.deepcopy(block), *inputs, budget=args.budget)
     modes[f"budget {args.budget} plan"] = (_checkpointed(block, plan.policy), contextlib.nullcontext)
     try:
-        offload_plan = sac_plugin.plan(copy.deepcopy(block), *inputs, budget=args.budget, offload=True)
+        offload_plan = sac_plugin.plan(copy.deepcopy(block), *inputs, budget=args.budget, offload=True,
+                                       offload_min_bytes=args.min_bytes)
         modes[f"budget {args.budget} plan, offload"] = (_checkpointed(block, offload_plan.policy),
                                                         contextlib.nullcontext)
     except TypeError as error:  # a planner without the offload outcome

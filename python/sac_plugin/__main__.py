@@ -1,7 +1,8 @@
-"""python -m sac_plugin plan --model llama|moe --budget 0.3 [--plot plan.png] [--save plan.json]
+"""python -m sac_plugin plan --model llama|moe --budget 0.3 [--offload] [--plot plan.png] [--save plan.json]
 
 Profiles one reference decoder layer (sac_plugin.models) on CPU or --device, plans it within the
-budget and prints the plan's table and its Pareto curve."""
+budget (keep or recompute per call; keep, offload or recompute with --offload) and prints the
+plan's table and its Pareto curve."""
 
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ def _budget(text: str):
         return int(text) if text.isdigit() else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a fraction from 0.0 to 1.0 or a byte count, got {bounded_repr(text)}") from None
+
+
+def _bytes_per_second(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bytes per second, a number > 0, got {bounded_repr(text)}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"bytes per second, a number > 0, got {bounded_repr(text)}")
+    return value
+
+
+def _byte_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a byte count, an int >= 0, got {bounded_repr(text)}")
+    return int(text)
 
 
 def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, device: str):
@@ -83,14 +100,27 @@ def main(argv=None) -> int:
     plan_parser.add_argument("--device", default="cpu")
     plan_parser.add_argument("--plot", help="write the Pareto curve as a PNG here (needs matplotlib)")
     plan_parser.add_argument("--save", help="write the plan as JSON here (Plan.load reads it)")
+    plan_parser.add_argument("--offload", action="store_true",
+                             help="choose keep, offload or recompute per call (docs/offload.md)")
+    plan_parser.add_argument("--offload-bandwidth", nargs=2, type=_bytes_per_second, metavar=("D2H", "H2D"),
+                             help="copy bandwidths in bytes/s (default: timed on the accelerator)")
+    plan_parser.add_argument("--host-memory-limit", type=_byte_count, metavar="BYTES",
+                             help="pinned host bytes the offloaded calls may hold")
     args = parser.parse_args(argv)
     _check_arguments(parser, args)
+    if not args.offload and (args.offload_bandwidth is not None or args.host_memory_limit is not None):
+        parser.error("--offload-bandwidth and --host-memory-limit need --offload")
+    offload = {}
+    if args.offload:
+        offload = {"offload": True, "host_memory_limit": args.host_memory_limit}
+        if args.offload_bandwidth is not None:
+            offload["offload_bandwidth"] = tuple(args.offload_bandwidth)
 
     from . import plan as make_plan
 
     block, inputs = reference_layer(args.model, args.dim, args.heads, args.seq, args.batch, args.device)
     try:
-        plan = make_plan(block, *inputs, budget=args.budget, runs=args.runs)
+        plan = make_plan(block, *inputs, budget=args.budget, runs=args.runs, **offload)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     print(f"{args.model} layer: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.device}")

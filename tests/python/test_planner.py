@@ -428,6 +428,27 @@ def test_cli_prints_the_table_and_the_curve(capsys, tmp_path):
     assert sac_plugin.Plan.load(tmp_path / "plan.json").budget == 0.3
 
 
+def test_cli_plans_three_ways_with_given_bandwidths(capsys, tmp_path):
+    assert main(["plan", "--model", "llama", "--budget", "0.1", "--dim", "32", "--seq", "16", "--runs", "1",
+                 "--offload", "--offload-bandwidth", "1e12", "2e12", "--save", str(tmp_path / "plan.json")]) == 0
+    plan = sac_plugin.Plan.load(tmp_path / "plan.json")
+    assert plan.offload is not None
+    assert "policy: Policy(" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--offload-bandwidth", "1e9", "1e9"], "--offload-bandwidth and --host-memory-limit need --offload"),
+    (["--offload", "--offload-bandwidth", "0", "1e9"], "argument --offload-bandwidth: bytes per second, a number > 0, "
+                                                        "got '0'"),
+    (["--offload", "--host-memory-limit", "-5"], "argument --host-memory-limit: a byte count, an int >= 0, got '-5'"),
+])
+def test_cli_offload_arguments_are_checked(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "llama", *arguments])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_plot(tmp_path):
     pytest.importorskip("matplotlib")
     assert main(["plan", "--model", "llama", "--dim", "32", "--seq", "16", "--runs", "1",

@@ -65,6 +65,9 @@ POLICIES = {
                                                     every_nth_op={"aten::mm": 2}),
     "a cast and attention named": Policy(kept_ops=["aten::_to_copy", ATTENTION, "aten::clone"]),
     "the recomputed unit kept": Policy(kept_units=["gate"], kept_ops=["aten::add.Tensor"]),
+    # On the CPU an offloaded call is held as a kept one (compile: MUST_SAVE), so it is "kept" here.
+    "offloaded unit, kept and offloaded calls": Policy(offloaded_units=["attn"], kept_calls={"aten::mm.default": [0]},
+                                                       offloaded_calls={"aten::mm.default": [3]}, offload_min_bytes=0),
 }
 
 
@@ -121,9 +124,8 @@ def compile_policy_fn_decisions(policy):
 def planner_decisions(policy):
     layer, x = _layer_and_input()
     plan = sac_plugin.plan(layer, x, budget=0.0, runs=1, warmup=0)
-    kept = {(op if "." in op.partition("::")[2] else op + ".default", index)
-            for op, index in plan.calls_kept_by(policy)}
-    return kept
+    held = plan.calls_kept_by(policy) | plan.calls_offloaded_by(policy)  # the trace shows both as kept
+    return {(op if "." in op.partition("::")[2] else op + ".default", index) for op, index in held}
 
 
 def hits_per_policy() -> dict:
