@@ -43,6 +43,18 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
   return keepable;
 }
 
+// A call-index list as a policy stores it: every index >= 0, ascending, without repeats.
+std::vector<uint64_t> callIndices(const char* field, const std::string& spelling, const std::vector<int64_t>& indices) {
+  for (int64_t index : indices) {
+    TORCH_CHECK_VALUE(index >= 0, "sac: ", field, ": '", spelling, "' lists call index ", index,
+                      "; indices count the op's calls in a region from 0");
+  }
+  std::vector<uint64_t> sorted(indices.begin(), indices.end());
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  return sorted;
+}
+
 UnitId internUnitOf(const char* field, const std::string& unit) {
   TORCH_CHECK_VALUE(!unit.empty(), "sac: ", field, ": a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
   return internUnit(unit);
@@ -67,13 +79,7 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
     }
   }
   for (const auto& [spelling, indices] : spec.kept_calls) {
-    for (int64_t index : indices) {
-      TORCH_CHECK_VALUE(index >= 0, "sac: kept_calls: '", spelling,
-                        "' lists call index ", index, "; indices count the op's calls in a region from 0");
-    }
-    std::vector<uint64_t> sorted(indices.begin(), indices.end());
-    std::sort(sorted.begin(), sorted.end());
-    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    std::vector<uint64_t> sorted = callIndices("kept_calls", spelling, indices);
     for (const OpEntry* entry : resolveKeptSpelling("kept_calls", spelling)) {
       // One rule per overload: a kept-calls list beside kept_ops or an every-nth rule for the
       // same overload would make one of them meaningless.
@@ -104,13 +110,7 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
     }
   }
   for (const auto& [spelling, indices] : spec.offloaded_calls) {
-    for (int64_t index : indices) {
-      TORCH_CHECK_VALUE(index >= 0, "sac: offloaded_calls: '", spelling, "' lists call index ", index,
-                        "; indices count the op's calls in a region from 0");
-    }
-    std::vector<uint64_t> sorted(indices.begin(), indices.end());
-    std::sort(sorted.begin(), sorted.end());
-    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    std::vector<uint64_t> sorted = callIndices("offloaded_calls", spelling, indices);
     for (const OpEntry* entry : resolveKeptSpelling("offloaded_calls", spelling)) {
       TORCH_CHECK_VALUE(!entry->traits.is_view, "sac: offloaded_calls: '", spelling, "' names ",
                         entry->traits.qualified_name,
