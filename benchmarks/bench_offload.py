@@ -171,8 +171,8 @@ def main():
         print(f"exposed copy time (offload minus keep, same calls): {(offload['step_s'] - keep['step_s']) * 1e3:.1f} ms "
               f"per step")
     print(f"offload copies in the run: {stats['copies_to_host']} to the host ({stats['bytes_to_host'] / 2**20:.1f} MiB), "
-          f"{stats['copies_to_device']} back; pinned pool {stats['pool_bytes'] / 2**20:.1f} MiB in "
-          f"{stats['pool_allocations']} buffers")
+          f"{stats['copies_to_device']} back; compute waited {stats['exposed_copy_us'] / 1e3:.1f} ms for copies back "
+          f"in all; pinned pool {stats['pool_bytes'] / 2**20:.1f} MiB in {stats['pool_allocations']} buffers")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "results": results, "offload": stats}, f,

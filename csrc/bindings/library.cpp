@@ -284,12 +284,12 @@ TORCH_LIBRARY(sac, m) {
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
   m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
   // NOTE: [Offloading kept outputs] (dispatch/offload.cpp): copies each way with their bytes,
-  // and the pinned pool's bytes, bytes in use and allocations.
+  // the pinned pool's bytes, bytes in use and allocations, and the exposed copy time (us).
   m.def("offload_stats() -> int[]", []() {
     OffloadStats stats = offloadStats();
     return std::vector<int64_t>{stats.copies_to_host, stats.bytes_to_host, stats.copies_to_device,
                                 stats.bytes_to_device, stats.pool_bytes, stats.pool_bytes_in_use,
-                                stats.pool_allocations};
+                                stats.pool_allocations, stats.exposed_copy_us};
   });
   m.def("empty_offload_pool() -> int", []() { return emptyOffloadPool(); });
 }

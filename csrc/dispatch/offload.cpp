@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -29,7 +30,9 @@ namespace sac {
 //   Backward: when a region's recompute begins, it starts copying its offloaded outputs back on
 //   the copy-in stream (and those of the region the backward reaches next), into device memory
 //   allocated on the compute stream; serving an output makes the compute stream wait on its own
-//   copy only.
+//   copy only. How long it waited (the copy's completion minus the moment the compute stream
+//   reached the serve, when positive) is the exposed copy time offloadStats reports, read from
+//   timed events once both have completed.
 //   Host memory: pinned buffers come from a pool that is reused across steps (pinned allocation
 //   costs milliseconds per buffer on CUDA); a buffer returns to it with the event of the last
 //   copy that uses it, and is handed out again only once that event has completed.
@@ -155,11 +158,61 @@ at::Tensor tensorOver(c10::Storage storage, const at::Tensor& like) {
   return tensor;
 }
 
-std::shared_ptr<c10::Event> recordedOn(const c10::Stream& stream) {
-  auto event = std::make_shared<c10::Event>(stream.device_type());
+// `timed`: an event elapsed times can be read from (CUDA's default events disable timing).
+std::shared_ptr<c10::Event> recordedOn(const c10::Stream& stream, bool timed = false) {
+  auto event = std::make_shared<c10::Event>(
+      stream.device_type(), timed ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT);
   event->record(stream);
   return event;
 }
+
+// Exposed copy time: for each served offloaded output, the time from the compute stream reaching
+// the serve to its copy back completing, when positive (the compute stream waited that long).
+// Read from the two events once both have completed, never by waiting on them; the pairs not yet
+// settled are bounded, the oldest dropped uncounted past the bound.
+class ExposedCopyTime {
+ public:
+  static ExposedCopyTime& instance() {
+    static auto* time = new ExposedCopyTime();
+    return *time;
+  }
+
+  void note(std::shared_ptr<c10::Event> compute_reached, std::shared_ptr<c10::Event> copied_in) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settle();
+    if (pending_.size() >= kMaxPending) pending_.erase(pending_.begin());
+    pending_.push_back({std::move(compute_reached), std::move(copied_in)});
+  }
+
+  int64_t microseconds() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settle();
+    return static_cast<int64_t>(exposed_ms_ * 1000.0);
+  }
+
+ private:
+  static constexpr size_t kMaxPending = 1 << 16;
+  struct Wait {
+    std::shared_ptr<c10::Event> compute_reached;
+    std::shared_ptr<c10::Event> copied_in;
+  };
+
+  void settle() {
+    size_t kept = 0;
+    for (Wait& wait : pending_) {
+      if (wait.compute_reached->query() && wait.copied_in->query()) {
+        exposed_ms_ += std::max(0.0, wait.compute_reached->elapsedTime(*wait.copied_in));
+      } else {
+        pending_[kept++] = std::move(wait);
+      }
+    }
+    pending_.resize(kept);
+  }
+
+  std::mutex mutex_;
+  std::vector<Wait> pending_;
+  double exposed_ms_ = 0;
+};
 
 }  // namespace
 
@@ -225,7 +278,7 @@ void OffloadedTensor::fetch() {
     c10::StreamGuard on_copy_stream(streams.to_device);
     device_copy_.copy_(host_, /*non_blocking=*/true);
   }
-  copied_in_ = recordedOn(streams.to_device);
+  copied_in_ = recordedOn(streams.to_device, /*timed=*/true);
   impl.recordDataPtrOnStream(device_copy_.storage().data_ptr(), streams.to_device);
   copies_to_device.fetch_add(1, std::memory_order_relaxed);
   bytes_to_device.fetch_add(bytes_, std::memory_order_relaxed);
@@ -236,7 +289,10 @@ at::Tensor OffloadedTensor::take(bool keep_host) {
   fetch();
   {
     c10::impl::VirtualGuardImpl impl(device_.type());
-    copied_in_->block(impl.getStream(device_));
+    const c10::Stream compute = impl.getStream(device_);
+    std::shared_ptr<c10::Event> compute_reached = recordedOn(compute, /*timed=*/true);
+    copied_in_->block(compute);
+    ExposedCopyTime::instance().note(std::move(compute_reached), copied_in_);
   }
   at::Tensor on_device = std::move(device_copy_);
   device_copy_ = at::Tensor();
@@ -260,6 +316,7 @@ OffloadStats offloadStats() {
   stats.bytes_to_host = bytes_to_host.load(std::memory_order_relaxed);
   stats.copies_to_device = copies_to_device.load(std::memory_order_relaxed);
   stats.bytes_to_device = bytes_to_device.load(std::memory_order_relaxed);
+  stats.exposed_copy_us = ExposedCopyTime::instance().microseconds();
   PinnedPool::instance().stats(&stats);
   return stats;
 }

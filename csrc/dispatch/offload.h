@@ -60,8 +60,9 @@ class OffloadedTensor {
   int64_t bytes_ = 0;
 };
 
-// What offloading has done in this process: copies each way and their bytes, and the pinned
-// pool (bytes it holds, bytes in use, buffers it allocated). Counters only grow, except the pool's.
+// What offloading has done in this process: copies each way and their bytes, the pinned pool
+// (bytes it holds, bytes in use, buffers it allocated), and the exposed copy time. Counters only
+// grow, except the pool's.
 struct OffloadStats {
   int64_t copies_to_host = 0;
   int64_t bytes_to_host = 0;
@@ -70,6 +71,9 @@ struct OffloadStats {
   int64_t pool_bytes = 0;
   int64_t pool_bytes_in_use = 0;
   int64_t pool_allocations = 0;
+  // Microseconds the compute streams waited for copies back, over the serves whose events have
+  // completed (NOTE: [Offloading kept outputs]).
+  int64_t exposed_copy_us = 0;
 };
 OffloadStats offloadStats();
 // Frees the pool's buffers that no copy uses any more; returns the bytes freed.

@@ -260,7 +260,7 @@ class Report:
         self._exit = contextlib.ExitStack()
         self.totals: list[AuditRow] = []
         # Offload copies while the report ran (NOTE: [Offloading kept outputs]): each direction's
-        # copies and bytes, process-wide counters read at entry and exit.
+        # copies and bytes and the exposed copy time, process-wide counters read at entry and exit.
         self.offload_copies: dict[str, int] = dict.fromkeys(_OFFLOAD_COUNTERS, 0)
         self._offload_at_entry: dict[str, int] = {}
 
@@ -495,7 +495,8 @@ class Report:
                       f"{_bytes(sum(l.offloaded_bytes for l in self.layers.values()))} of pinned host memory "
                       f"(not in kept bytes); {copies['copies_to_host']} copies to the host "
                       f"({_bytes(copies['bytes_to_host'])}), {copies['copies_to_device']} back "
-                      f"({_bytes(copies['bytes_to_device'])})"]
+                      f"({_bytes(copies['bytes_to_device'])}); compute waited {copies['exposed_copy_us'] / 1e3:.1f} ms "
+                      "for copies back"]
         lines += ["", f"saved for backward{steps}, by place (each storage once per life):"]
         for place, nbytes in self.saved_bytes_by_place().items():
             lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
@@ -512,7 +513,7 @@ class Report:
         return "\n".join(lines)
 
 
-_OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device")
+_OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "exposed_copy_us")
 
 
 def _line(label: str, row: Breakdown) -> str:

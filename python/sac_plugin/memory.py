@@ -18,7 +18,7 @@ from . import _observers
 __all__ = ["ActivationMemory", "empty_offload_pool", "offload_stats", "track_activation_memory"]
 
 OFFLOAD_STATS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "pool_bytes",
-                 "pool_bytes_in_use", "pool_allocations")
+                 "pool_bytes_in_use", "pool_allocations", "exposed_copy_us")
 
 
 class ActivationMemory(_observers.Observer):
@@ -78,8 +78,10 @@ def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
 
 def offload_stats() -> dict[str, int]:
     """What offloading has done in this process (NOTE: [Offloading kept outputs]): copies to the
-    host and back with their bytes (counters that only grow), and the pinned pool: bytes it holds,
-    bytes in use by offloaded outputs, buffers it has allocated."""
+    host and back with their bytes (counters that only grow), the pinned pool (bytes it holds,
+    bytes in use by offloaded outputs, buffers it has allocated), and exposed_copy_us: how long
+    the compute streams waited for copies back, summed over the serves whose copy events have
+    completed (on an accelerator whose events carry times: CUDA, the test accelerator)."""
     return dict(zip(OFFLOAD_STATS, torch.ops.sac.offload_stats()))
 
 
