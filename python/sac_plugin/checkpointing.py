@@ -83,7 +83,7 @@ def torch_policy_fn(policy: Policy):
         if decision.outcome == _rule.Outcome.KEEP:
             return CheckpointPolicy.MUST_SAVE
         if decision.outcome == _rule.Outcome.OFFLOAD:
-            return _offload_tag()
+            return _offload_tag(args)
         return CheckpointPolicy.MUST_RECOMPUTE if decision.reason in forced else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
@@ -97,11 +97,14 @@ def torch_policy_fn(policy: Policy):
 _told_offload_is_keep = False
 
 
-def _offload_tag():
+def _offload_tag(args):
+    from torch._guards import detect_fake_mode
     from torch.utils.checkpoint import CheckpointPolicy
 
     global _told_offload_is_keep
-    compiling = torch.compiler.is_compiling()
+    # The partitioner's policy calls trace fake tensors (torch 2.11 does not report that as
+    # compiling there); torch's eager checkpoint passes real ones.
+    compiling = torch.compiler.is_compiling() or detect_fake_mode(args) is not None
     import torch._functorch.config as functorch_config
 
     if compiling and getattr(functorch_config, "enable_activation_offloading", False):
