@@ -272,6 +272,8 @@ def test_every_kind_of_argument_names_the_call_as_the_forward_did():
 
 @pytest.mark.skipif(not MODES_BELOW_THE_PLUGIN, reason="torch >= 2.13: modes sit above the plugin's key (the tests "
                     "above check what they count)")
+@pytest.mark.native_engine("the dispatch-mode engine's region mode is pushed above an outer mode and serves before "
+                           "it, so there the outer mode counts what torch's SAC counts")
 def test_on_torch_2_11_a_mode_sees_a_full_recompute():
     reference = _llama()
     plain = _flops_of_a_step(reference)
