@@ -225,13 +225,17 @@ bool offloadable(const at::Tensor& tensor) {
   return tensor.is_non_overlapping_and_dense();
 }
 
+int64_t offloadedBytes(const at::Tensor& tensor) {
+  return static_cast<int64_t>(
+      at::detail::computeStorageNbytes(tensor.sizes(), tensor.strides(), tensor.dtype().itemsize()));
+}
+
 OffloadedTensor OffloadedTensor::start(const at::Tensor& tensor) {
   c10::impl::ExcludeDispatchKeyGuard not_ours(kSacKey);
   OffloadedTensor offloaded;
   offloaded.device_ = tensor.device();
   offloaded.version_counter_ = tensor.unsafeGetTensorImpl()->version_counter();
-  offloaded.bytes_ = static_cast<int64_t>(at::detail::computeStorageNbytes(tensor.sizes(), tensor.strides(),
-                                                                           tensor.dtype().itemsize()));
+  offloaded.bytes_ = offloadedBytes(tensor);
   c10::impl::VirtualGuardImpl impl(offloaded.device_.type());
   const c10::Stream compute = impl.getStream(offloaded.device_);
   const CopyStreams& streams = copyStreams(offloaded.device_);

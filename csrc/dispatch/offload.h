@@ -16,6 +16,9 @@ namespace sac {
 // Whether `tensor` can be offloaded: defined, on an accelerator (not the CPU, not meta), with
 // storage, non-overlapping and dense, and not an inference tensor (which has no version to check).
 bool offloadable(const at::Tensor& tensor);
+// The pinned host bytes an offloaded copy of `tensor` takes (its sizes and strides, from offset 0):
+// what a policy's host_memory_limit counts and what the copies move.
+int64_t offloadedBytes(const at::Tensor& tensor);
 
 // One offloaded tensor. Movable, not copyable; its host buffer returns to the pinned pool when it
 // is taken for good, released, or destroyed, after the copies that use it.

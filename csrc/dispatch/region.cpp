@@ -150,7 +150,8 @@ void Region::offload(KeptOutputs& kept) {
       copyable = false;
       continue;
     }
-    bytes += static_cast<int64_t>(tensor.storage().nbytes());
+    // As the copies count them, so that what is reserved here is what drop() gives back.
+    bytes += sac::offloadedBytes(tensor);
   }
   if (!on_accelerator) {
     if (policy_->claimOffloadNotice(Policy::OffloadNotice::kRunsOnCpu)) {
