@@ -22,8 +22,15 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 # --- timing ------------------------------------------------------------------------------------------
 
 
-def time_interleaved(modes: dict[str, Callable[[], None]], reps: int, steps_per_sample: int, *, warmup: int = 3,
-                     device="cpu", around: Callable[[str], ContextManager] | None = None) -> dict[str, list[float]]:
+def time_interleaved(
+    modes: dict[str, Callable[[], None]],
+    reps: int,
+    steps_per_sample: int,
+    *,
+    warmup: int = 3,
+    device="cpu",
+    around: Callable[[str], ContextManager] | None = None,
+) -> dict[str, list[float]]:
     """Seconds per step of every mode: `reps` samples of `steps_per_sample` steps each, in round
     order (sample r of every mode comes from round r, so samples can be paired by round).
     `around(name)` wraps each sample of a mode (an audit, say); it is not timed apart from it.
@@ -78,7 +85,7 @@ def cached_tensors(caches):
     2.11; outputs are _VersionWrapper trees (or a marker for recomputed calls)."""
     for cache in caches:
         for calls in cache.values():
-            for outputs in (calls.values() if isinstance(calls, dict) else calls):
+            for outputs in calls.values() if isinstance(calls, dict) else calls:
                 for leaf in tree_leaves(outputs):
                     value = getattr(leaf, "val", leaf)
                     if isinstance(value, torch.Tensor):

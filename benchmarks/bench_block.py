@@ -52,16 +52,19 @@ def main():
     # The units as a config means them for Llama: attention ops by name, the SwiGLU MLP as a
     # callable run inside the "mlp" unit; on a copy, so the other modes see a plain block.
     units_block = copy.deepcopy(block)
-    apply_recompute_config(units_block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS,
-                           wrap_sites=[units_block])
+    apply_recompute_config(
+        units_block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[units_block]
+    )
     torch_caches = []  # torch's SAC cache, counted as held memory like the plugin's store
     modes = {
         "no checkpointing": lambda: block(x, cos, sin),
         "full recompute": lambda: checkpoint(block, x, cos, sin, use_reentrant=False),
         "attention kept, torch SAC": functools.partial(
-            checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=torch_sac(attention, torch_caches)),
+            checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=torch_sac(attention, torch_caches)
+        ),
         "attention kept, sac_plugin": functools.partial(
-            checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=sac_plugin.context_fn(attention)),
+            checkpoint, block, x, cos, sin, use_reentrant=False, context_fn=sac_plugin.context_fn(attention)
+        ),
         "attn + mlp units kept, sac_plugin": functools.partial(units_block, x, cos, sin),
     }
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -94,13 +97,17 @@ def main():
             torch_caches.clear()
         results[name] = {"held_bytes": held_bytes, "peak_bytes": peak, "step_s": statistics.median(times)}
     base = results["no checkpointing"]
-    print(f"Llama block: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
-          f"{device}, torch {torch.__version__}")
+    print(
+        f"Llama block: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
+        f"{device}, torch {torch.__version__}"
+    )
     print(f"{'mode':<36}{'held MiB':>10}{'ratio':>7}{'peak MiB':>10}{'step ms':>9}{'vs none':>9}")
     for name, r in results.items():
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
-        print(f"{name:<36}{r['held_bytes'] / 2**20:>10.1f}{r['held_bytes'] / base['held_bytes']:>7.3f}{peak:>10}"
-              f"{r['step_s'] * 1e3:>9.1f}{r['step_s'] / base['step_s']:>9.3f}")
+        print(
+            f"{name:<36}{r['held_bytes'] / 2**20:>10.1f}{r['held_bytes'] / base['held_bytes']:>7.3f}{peak:>10}"
+            f"{r['step_s'] * 1e3:>9.1f}{r['step_s'] / base['step_s']:>9.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "results": results}, f, indent=2)

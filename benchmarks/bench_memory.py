@@ -35,8 +35,7 @@ def policies():
         "no checkpointing": None,
         "full recompute": sac_plugin.Policy(),
         "attention kept": sac_plugin.Policy(kept_ops=attention),
-        "attention + every other matmul": sac_plugin.Policy(kept_ops=attention,
-                                                            every_nth_op={op: 2 for op in MATMULS}),
+        "attention + every other matmul": sac_plugin.Policy(kept_ops=attention, every_nth_op={op: 2 for op in MATMULS}),
         "attention + matmuls kept": sac_plugin.Policy(kept_ops=attention | set(MATMULS)),
         "attn unit kept": sac_plugin.Policy(kept_units=["attn"]),
     }
@@ -75,21 +74,33 @@ def run(dims, seqs, heads, device):
                 else:
                     torch_bytes = measure_one(block, x, policy, "torch")[0]
                 baseline = baseline or plugin_bytes
-                rows.append({"dim": dim, "seq": seq, "policy": name, "plugin_bytes": plugin_bytes,
-                             "torch_sac_bytes": torch_bytes,
-                             "ratio_to_no_checkpointing": plugin_bytes / baseline, "ops_recomputed": recomputed})
+                rows.append(
+                    {
+                        "dim": dim,
+                        "seq": seq,
+                        "policy": name,
+                        "plugin_bytes": plugin_bytes,
+                        "torch_sac_bytes": torch_bytes,
+                        "ratio_to_no_checkpointing": plugin_bytes / baseline,
+                        "ops_recomputed": recomputed,
+                    }
+                )
     return rows
 
 
 def print_report(rows, device):
     print(f"activation memory, GPT block, batch 1, {device}, torch {torch.__version__}")
-    print(f"{'dim':>5} {'seq':>5}  {'policy':<32}{'plugin MiB':>11}{'torch SAC MiB':>15}{'<= SAC':>7}"
-          f"{'ratio':>8}{'recomputed':>12}")
+    print(
+        f"{'dim':>5} {'seq':>5}  {'policy':<32}{'plugin MiB':>11}{'torch SAC MiB':>15}{'<= SAC':>7}"
+        f"{'ratio':>8}{'recomputed':>12}"
+    )
     for r in rows:
         torch_mib = "-" if r["torch_sac_bytes"] is None else f"{r['torch_sac_bytes'] / 2**20:.2f}"
         same = "-" if r["torch_sac_bytes"] is None else ("yes" if r["plugin_bytes"] <= r["torch_sac_bytes"] else "NO")
-        print(f"{r['dim']:>5} {r['seq']:>5}  {r['policy']:<32}{r['plugin_bytes'] / 2**20:>11.2f}{torch_mib:>15}"
-              f"{same:>7}{r['ratio_to_no_checkpointing']:>8.3f}{r['ops_recomputed']:>12}")
+        print(
+            f"{r['dim']:>5} {r['seq']:>5}  {r['policy']:<32}{r['plugin_bytes'] / 2**20:>11.2f}{torch_mib:>15}"
+            f"{same:>7}{r['ratio_to_no_checkpointing']:>8.3f}{r['ops_recomputed']:>12}"
+        )
 
 
 def main():

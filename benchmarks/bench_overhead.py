@@ -115,6 +115,7 @@ def run_modes(block, x, grad, policy):
         def run():
             out = fn(x)
             out.backward(grad)
+
         return run
 
     return {
@@ -124,9 +125,12 @@ def run_modes(block, x, grad, policy):
         "sac_plugin": step(lambda v: checkpoint(block, v, use_reentrant=False, context_fn=plugin_ctx)),
         "sac_plugin + audit": step(lambda v: checkpoint(block, v, use_reentrant=False, context_fn=plugin_ctx)),
         "sac_plugin, nothing kept": step(lambda v: checkpoint(block, v, use_reentrant=False, context_fn=empty_ctx)),
-        "torch SAC, intercept only": step(lambda v: checkpoint(block, v, use_reentrant=False, context_fn=torch_intercept_ctx)),
+        "torch SAC, intercept only": step(
+            lambda v: checkpoint(block, v, use_reentrant=False, context_fn=torch_intercept_ctx)
+        ),
         "sac_plugin, intercept only": step(
-            lambda v: checkpoint(block, v, use_reentrant=False, context_fn=plugin_intercept_ctx)),
+            lambda v: checkpoint(block, v, use_reentrant=False, context_fn=plugin_intercept_ctx)
+        ),
     }
 
 
@@ -143,8 +147,13 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
     modes = run_modes(block, x, grad, policy)
     ops = intercepted_ops(modes["sac_plugin"])
-    times = time_interleaved(modes, reps, steps_per_sample, device=device,
-                             around=lambda name: sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext())
+    times = time_interleaved(
+        modes,
+        reps,
+        steps_per_sample,
+        device=device,
+        around=lambda name: sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext(),
+    )
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
     # The median of paired differences: each round times every mode once, back to back, so a
     # mode's overhead in that round is its time minus full recompute's in the same round. Load
@@ -172,9 +181,11 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         "kept_list_ratio": {s: ratio("sac_plugin", "torch SAC", s) for s in ("min", "median")},
         # Interception alone: a policy that intercepts every op and keeps none.
         "intercept_only_ratio": {
-            s: ratio("sac_plugin, intercept only", "torch SAC, intercept only", s) for s in ("min", "median")},
+            s: ratio("sac_plugin, intercept only", "torch SAC, intercept only", s) for s in ("min", "median")
+        },
         "nothing_kept_over_full": {
-            s: summary["sac_plugin, nothing kept"][s] / summary["full recompute"][s] for s in ("min", "median")},
+            s: summary["sac_plugin, nothing kept"][s] / summary["full recompute"][s] for s in ("min", "median")
+        },
     }
 
 
@@ -211,6 +222,7 @@ class Layer(nn.Module):
 
 def remat_forward(remat, layer):
     """The layer under torch_remat: the whole layer replayed, the attention core a saved region."""
+
     def run(x):
         y = remat.region(layer.attention_core, "attention", recompute=False)
 
@@ -220,6 +232,7 @@ def remat_forward(remat, layer):
             return out
 
         return layer(x, core)
+
     return remat.checkpoint(region_name="layer")(run)
 
 
@@ -245,6 +258,7 @@ def measure_layers(name: str, reps: int, steps_per_sample: int, device) -> dict:
             for layer in layers:
                 h = apply_layer(layer, h)
             h.sum().backward()
+
         return run
 
     modes = {
@@ -267,8 +281,11 @@ def measure_layers(name: str, reps: int, steps_per_sample: int, device) -> dict:
         "config": name,
         "median_ms": {mode: m * 1e3 for mode, m in median.items()},
         # Median of paired differences, round by round (see measure()).
-        "minus_full_recompute_ms": {mode: statistics.median(a - b for a, b in zip(t, full)) * 1e3
-                                    for mode, t in times.items() if mode not in ("no checkpointing", "full recompute")},
+        "minus_full_recompute_ms": {
+            mode: statistics.median(a - b for a, b in zip(t, full)) * 1e3
+            for mode, t in times.items()
+            if mode not in ("no checkpointing", "full recompute")
+        },
         "torch_remat": remat is not None,
     }
 
@@ -283,21 +300,27 @@ def current_path() -> str:
 
 def print_report(report):
     results = report["results"]
-    print(f"\n#### path: {report['path']} (interception overhead, {report['device']}, torch {report['torch']}, "
-          f"{report['threads']} threads)")
+    print(
+        f"\n#### path: {report['path']} (interception overhead, {report['device']}, torch {report['torch']}, "
+        f"{report['threads']} threads)"
+    )
     for r in results:
         print(f"\nblock of ~{r['size']} ops ({r['ops_intercepted']} intercepted per step: forward + recompute)")
         print(f"  {'mode':<28}{'min ms':>10}{'median ms':>11}{'overhead/op (min)':>19}")
         for name, m in r["modes"].items():
             per_op = f"{m['overhead_per_op_us']:>11.2f} us" if "overhead_per_op_us" in m else ""
             print(f"  {name:<28}{m['min'] * 1e3:>10.2f}{m['median'] * 1e3:>11.2f}{per_op:>19}")
-        for label, key in (("plugin overhead / torch SAC overhead, same kept list", "kept_list_ratio"),
-                           ("plugin overhead / torch SAC overhead, intercept only", "intercept_only_ratio"),
-                           ("plugin with nothing kept / full recompute", "nothing_kept_over_full")):
+        for label, key in (
+            ("plugin overhead / torch SAC overhead, same kept list", "kept_list_ratio"),
+            ("plugin overhead / torch SAC overhead, intercept only", "intercept_only_ratio"),
+            ("plugin with nothing kept / full recompute", "nothing_kept_over_full"),
+        ):
             print(f"  {label}: {r[key]['min']:.3f} (min), {r[key]['median']:.3f} (median)")
     for layers in report.get("layers", []):
-        print(f"\n{layers['config']}, attention core kept: step time minus full recompute's (median of paired "
-              "differences)")
+        print(
+            f"\n{layers['config']}, attention core kept: step time minus full recompute's (median of paired "
+            "differences)"
+        )
         for mode, ms in layers["minus_full_recompute_ms"].items():
             print(f"  {mode:<28}{ms:>+10.2f} ms")
         if not layers["torch_remat"]:
@@ -309,8 +332,9 @@ def print_summary(reports):
     sizes = [r["size"] for r in reports[0]["results"]]
     print(f"  {'path':<15}" + "".join(f"{f'{s} ops':>20}" for s in sizes) + f"{'overhead/op, largest':>24}")
     for report in reports:
-        cells = "".join(f"{r['kept_list_ratio']['median']:>11.3f} ({r['kept_list_ratio']['min']:.3f})"
-                        for r in report["results"])
+        cells = "".join(
+            f"{r['kept_list_ratio']['median']:>11.3f} ({r['kept_list_ratio']['min']:.3f})" for r in report["results"]
+        )
         largest = report["results"][-1]["modes"]["sac_plugin"]["overhead_per_op_us"]
         torch_per_op = report["results"][-1]["modes"]["torch SAC"]["overhead_per_op_us"]
         print(f"  {report['path']:<15}{cells}{largest:>10.2f} us (torch {torch_per_op:.2f})")
@@ -319,8 +343,12 @@ def print_summary(reports):
 def measure_this_process(args) -> dict:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    report = {"path": current_path(), "device": str(device), "torch": torch.__version__,
-              "threads": torch.get_num_threads()}
+    report = {
+        "path": current_path(),
+        "device": str(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     report["results"] = [measure(size, args.reps, args.dim, device, args.steps_per_sample) for size in args.sizes]
     report["layers"] = [measure_layers(name, args.reps, args.steps_per_sample, device) for name in args.layers]
     return report
@@ -328,8 +356,9 @@ def measure_this_process(args) -> dict:
 
 def foreign_owner_library() -> Path:
     version = torch.__version__.split("+")[0]
-    return Path(os.environ.get("SAC_TEST_FOREIGN_OWNER", ROOT / "build" / f"torch-{version}" /
-                               "libsac_test_foreign_owner.so"))
+    return Path(
+        os.environ.get("SAC_TEST_FOREIGN_OWNER", ROOT / "build" / f"torch-{version}" / "libsac_test_foreign_owner.so")
+    )
 
 
 def measure_in_subprocess(path: str, args) -> dict | None:
@@ -344,9 +373,27 @@ def measure_in_subprocess(path: str, args) -> dict | None:
     elif path == "dispatch_mode":
         env["SAC_PLUGIN_ENGINE"] = "dispatch_mode"
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, __file__, "--this-process", "--json", out.name, "--sizes", *map(str, args.sizes),
-                   "--reps", str(args.reps), "--steps-per-sample", str(args.steps_per_sample), "--dim", str(args.dim),
-                   "--device", args.device, "--threads", str(args.threads), "--layers", *args.layers]
+        command = [
+            sys.executable,
+            __file__,
+            "--this-process",
+            "--json",
+            out.name,
+            "--sizes",
+            *map(str, args.sizes),
+            "--reps",
+            str(args.reps),
+            "--steps-per-sample",
+            str(args.steps_per_sample),
+            "--dim",
+            str(args.dim),
+            "--device",
+            args.device,
+            "--threads",
+            str(args.threads),
+            "--layers",
+            *args.layers,
+        ]
         subprocess.run(command, env=env, check=True)
         report = json.loads(Path(out.name).read_text())
     if report["path"] != path:
@@ -362,10 +409,20 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: steadier timings)")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
-                        help="the plugin's ways of running to measure, each in its own process")
-    parser.add_argument("--layers", nargs="*", choices=list(LAYER_CONFIGS), default=list(LAYER_CONFIGS),
-                        help="stacks of layers for the attention-core table (none: skip it)")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(PATHS),
+        help="the plugin's ways of running to measure, each in its own process",
+    )
+    parser.add_argument(
+        "--layers",
+        nargs="*",
+        choices=list(LAYER_CONFIGS),
+        default=list(LAYER_CONFIGS),
+        help="stacks of layers for the attention-core table (none: skip it)",
+    )
     parser.add_argument("--this-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()

@@ -47,13 +47,17 @@ def main() -> None:
     runs = {name: (lambda model=model: step(model)) for name, model in models.items()}
     times = time_interleaved(runs, args.samples, 1, warmup=1)
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"{args.model}, {args.layers} blocks, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
-          f"{args.samples} interleaved samples; {ops} ops intercepted per step (forward + recompute)")
+    print(
+        f"{args.model}, {args.layers} blocks, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
+        f"{args.samples} interleaved samples; {ops} ops intercepted per step (forward + recompute)"
+    )
     for name, m in median.items():
         print(f"  {name:15s} median step {m * 1e3:8.2f} ms (min {min(times[name]) * 1e3:8.2f})")
     over = {name: (median[name] - median["none"]) / ops * 1e6 for name in ("torchtitan SAC", "sac_plugin")}
-    print(f"  overhead per op: torchtitan SAC {over['torchtitan SAC']:.1f} us, sac_plugin {over['sac_plugin']:.1f} us; "
-          f"step ratio sac_plugin / torchtitan SAC {median['sac_plugin'] / median['torchtitan SAC']:.3f}")
+    print(
+        f"  overhead per op: torchtitan SAC {over['torchtitan SAC']:.1f} us, sac_plugin {over['sac_plugin']:.1f} us; "
+        f"step ratio sac_plugin / torchtitan SAC {median['sac_plugin'] / median['torchtitan SAC']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def parse_args():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--report", action="store_true",
-                        help="also draw the per-layer report (printed in every run) as a PNG")
+    parser.add_argument(
+        "--report", action="store_true", help="also draw the per-layer report (printed in every run) as a PNG"
+    )
     parser.add_argument("--report-png", default="sac_report.png", help="where --report draws its chart")
     return parser.parse_args()
 
@@ -57,15 +58,21 @@ def checkpointers(args):
             def apply(model):
                 for block in model.blocks:
                     sac_plugin.apply_selective_checkpointing(block, policy)
+
             return apply
 
-        return {"no checkpointing": None, "full recompute": gpt(sac_plugin.Policy()),
-                "selective (attn kept)": gpt(sac_plugin.Policy(kept_units=["attn"]))}
+        return {
+            "no checkpointing": None,
+            "full recompute": gpt(sac_plugin.Policy()),
+            "selective (attn kept)": gpt(sac_plugin.Policy(kept_units=["attn"])),
+        }
     config = RecomputeConfig.load(args.config) if args.config else RecomputeConfig(units=["attn"])
     label = "selective (" + (", ".join(u.value for u in config.units) or "nothing") + " kept)"
-    return {"no checkpointing": None,
-            "full recompute": lambda model: apply_recompute_config(model, RecomputeConfig()),
-            label: lambda model: apply_recompute_config(model, config)}
+    return {
+        "no checkpointing": None,
+        "full recompute": lambda model: apply_recompute_config(model, RecomputeConfig()),
+        label: lambda model: apply_recompute_config(model, config),
+    }
 
 
 def draw_report(report, mode: str, path: str) -> None:
@@ -100,9 +107,11 @@ def main():
         (torch.randint(args.vocab, (args.batch, args.seq)), torch.randint(args.vocab, (args.batch, args.seq)))
         for _ in range(args.steps)
     ]
-    print(f"{type(base).__name__}: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
-          f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads" + (f", config {args.config}" if args.config else "") + "\n")
+    print(
+        f"{type(base).__name__}: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
+        f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads" + (f", config {args.config}" if args.config else "") + "\n"
+    )
     results, reports = {}, {}
     for mode, checkpoint_model in checkpointers(args).items():
         model = copy.deepcopy(base)
@@ -136,7 +145,9 @@ def main():
     print(header)
     print("-" * len(header))
     for mode, (losses, held, step, recomputed, served) in results.items():
-        print(f"{mode:<48}{losses[-1]:>12.6f}{held / 2**20:>15.1f} MiB{step * 1e3:>12.1f} ms{recomputed:>16}{served:>13}")
+        print(
+            f"{mode:<48}{losses[-1]:>12.6f}{held / 2**20:>15.1f} MiB{step * 1e3:>12.1f} ms{recomputed:>16}{served:>13}"
+        )
     reference = results["no checkpointing"][0]
     identical = all(losses == reference for losses, *_ in results.values())
     print(f"\nlosses identical across modes at every step: {identical}")

@@ -25,3 +25,12 @@ require_venv() {
   [ -x "$python" ] || fail "no virtual environment at $venv; run bash tools/setup.sh first"
   torch_version=$(venv_torch_version 2>/dev/null) || fail "torch is not importable by $python; run bash tools/setup.sh first"
 }
+
+# Where a script writes its runs' structured results (JUnit XML: ctest's and each pytest run's),
+# for .ci/run to read: SAC_TEST_RESULTS_DIR, unset outside CI. results_file NAME prints the path
+# for NAME (creating the folder), or nothing when no folder was asked for.
+results_file() {
+  [ -n "${SAC_TEST_RESULTS_DIR:-}" ] || return 0
+  mkdir -p "$SAC_TEST_RESULTS_DIR"
+  echo "$SAC_TEST_RESULTS_DIR/$1"
+}

@@ -1,7 +1,7 @@
 """Rewrites the NOTE index in docs/engines.md from the NOTE blocks in csrc/ and python/.
 
-    python tools/note_index.py          # rewrite the table in place
-    python tools/note_index.py --check  # exit 1 if the table is stale (tests/python/test_docs.py checks it too)
+python tools/note_index.py          # rewrite the table in place
+python tools/note_index.py --check  # exit 1 if the table is stale (tests/python/test_docs.py checks it too)
 """
 
 from __future__ import annotations

@@ -26,14 +26,16 @@ export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 status=0
 echo "== C++ tests under ASan+UBSan (ctest)"
-ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
+ctest_junit=$(results_file ctest.xml)
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ${ctest_junit:+--output-junit "$ctest_junit"} || status=1
 echo "== Python tests under ASan+UBSan (pytest, $build/libsac_plugin.so)"
 cd "$root"
 [ $# -gt 0 ] || set -- tests/python/test_gradients.py tests/python/test_invariants.py tests/python/test_audit.py \
   tests/python/test_data_flow.py tests/python/test_policy.py tests/python/test_units.py tests/python/test_bad_input.py
 rc=0
+junit=$(results_file pytest-1.xml)
 LD_PRELOAD="$libasan $libstdcxx" SAC_PLUGIN_LIBRARY="$build/libsac_plugin.so" \
-  "$python" -m pytest -p no:cacheprovider "$@" || rc=$?
+  "$python" -m pytest -p no:cacheprovider ${junit:+--junitxml="$junit"} "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then echo "sanitize: pytest collected no tests (exit 5)" >&2; fi
 [ "$rc" -eq 0 ] || status=1
 exit "$status"

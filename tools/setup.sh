@@ -85,5 +85,10 @@ if ! "$python" -c "import importlinter, mkdocs, material, mkdocstrings, mkdocstr
   "$venv/bin/pip" install -q "import-linter==2.17" "mkdocs-material==9.8.2" "mkdocstrings[python]==1.0.8" \
     "mkdocstrings-python==2.0.11"
 fi
+# The style checks (tools/lint.sh): ruff and clang-format, pinned so that every machine formats alike.
+if [ ! -x "$venv/bin/ruff" ] || [ ! -x "$venv/bin/clang-format" ]; then
+  echo "setup: installing ruff and clang-format into $venv"
+  "$venv/bin/pip" install -q "ruff==0.14.14" "clang-format==21.1.8"
+fi
 now_torch=$(venv_torch_version)
 [ "$now_torch" = "$want_torch" ] || fail "torch in $venv is $now_torch after installing the extras, not $want_torch"

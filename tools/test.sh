@@ -11,20 +11,24 @@ require_venv
 build="${SAC_BUILD_DIR:-$root/build/torch-$torch_version}"
 status=0
 echo "== C++ tests (ctest)"
-ctest --test-dir "$build" --output-on-failure -j "$(nproc)" || status=1
+ctest_junit=$(results_file ctest.xml)
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ${ctest_junit:+--output-junit "$ctest_junit"} || status=1
 echo "== Python tests (pytest, against $(cd / && "$python" -c 'import sac_plugin; print(sac_plugin.__file__)'))"
 cd "$root"
 # The coexistence tests load another owner of the plugin's dispatch key, built in the same tree.
 export SAC_TEST_FOREIGN_OWNER="$build/libsac_test_foreign_owner.so"
 export SAC_TEST_BUILD_DIR="$build"  # the C++ test binaries, for tests that run them
+pytest_runs=0
 run_pytest() {  # run_pytest LABEL [ENV=VALUE...] -- PYTEST ARGS...: one pytest run; exit 5 fails too
-  local label=$1 rc=0
+  local label=$1 rc=0 junit
   shift
   local env_args=()
   while [ "$1" != "--" ]; do env_args+=("$1"); shift; done
   shift
+  pytest_runs=$((pytest_runs + 1))
+  junit=$(results_file "pytest-$pytest_runs.xml")
   echo "== pytest: $label"
-  env "${env_args[@]}" "$python" -m pytest tests/python "$@" || rc=$?
+  env "${env_args[@]}" "$python" -m pytest tests/python ${junit:+--junitxml="$junit"} "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then echo "test: pytest collected no tests (exit 5)" >&2; fi
   [ "$rc" -eq 0 ] || status=1
 }

@@ -13,6 +13,7 @@
 #include "dispatch/region_scopes.h"
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
+#include "policy/offload_rule.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
 
@@ -45,15 +46,24 @@ int32_t guarded(Body&& body) noexcept {
   }
 }
 
-ActivationKind kindOf(int32_t recompute) { return recompute != 0 ? ActivationKind::kRecompute : ActivationKind::kForward; }
+ActivationKind kindOf(int32_t recompute) {
+  return recompute != 0 ? ActivationKind::kRecompute : ActivationKind::kForward;
+}
 
 // Ids cross the ABI as id + 1, so that 0 can mean "failed".
+// A region opening (NOTE: [Region openings carry their flag] in unit_stack.h) is valid when
+// the unit it opens is.
 bool validUnit(int64_t id_plus_one) {
-  return id_plus_one >= 1 && static_cast<size_t>(id_plus_one - 1) < internedUnitCount();
+  if (id_plus_one < 1 || id_plus_one - 1 > int64_t{UINT32_MAX} - 1) return false;
+  const UnitId unit = static_cast<UnitId>(id_plus_one - 1);
+  if (unit != baseUnit(unit) && !isRegionOpening(unit)) return false;
+  return static_cast<size_t>(baseUnit(unit)) < internedUnitCount();
 }
 
 constexpr int32_t kFactDrawsRandom = 1;
 constexpr int32_t kFactCastsAParameter = 2;
+constexpr int32_t kFactRoutesTokens = 4;
+constexpr int32_t kFactRoutingFromOp = 8;
 
 // The open units of a decision, as the policy reads them: ids checked, in a per-thread vector
 // that keeps its capacity, so a decision allocates nothing once warm.
@@ -70,12 +80,16 @@ const std::vector<UnitId>& openUnits(const int64_t* unit_ids_plus_one, int64_t u
   return units;
 }
 
-CallFacts callFacts(int32_t facts) {
-  TORCH_CHECK_VALUE((facts & ~(kFactDrawsRandom | kFactCastsAParameter)) == 0,
-                    "sac: call facts are bit 0 (draws random numbers) and bit 1 (casts a parameter), got ", facts);
+CallFacts callFacts(int32_t facts, const OpEntry& op) {
+  TORCH_CHECK_VALUE((facts & ~(kFactDrawsRandom | kFactCastsAParameter | kFactRoutesTokens | kFactRoutingFromOp)) == 0,
+                    "sac: call facts are bit 0 (draws random numbers), bit 1 (casts a parameter), bit 2 (routes "
+                    "tokens) and bit 3 (whether it routes tokens follows from the op), got ",
+                    facts);
   CallFacts call;
   call.draws_random = (facts & kFactDrawsRandom) != 0;
   call.casts_a_parameter = (facts & kFactCastsAParameter) != 0;
+  call.routes_tokens =
+      (facts & kFactRoutesTokens) != 0 || ((facts & kFactRoutingFromOp) != 0 && routesTokens(op.traits, nullptr));
   return call;
 }
 
@@ -114,11 +128,23 @@ using sac::guarded;
 
 SAC_C_API int32_t sac_scope_c_api_version() { return kSacCApiVersion; }
 
-SAC_C_API void* sac_region_new(const void* policy_address) {
+SAC_C_API void* sac_site_new(const void* policy_address, const char* label) {
   if (policy_address == nullptr) return nullptr;
   const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
+  void* site = nullptr;
+  guarded([&] {
+    site = new std::shared_ptr<sac::Site>(std::make_shared<sac::Site>(policy, label == nullptr ? "" : label));
+  });
+  return site;
+}
+
+SAC_C_API void sac_site_release(void* site) { delete static_cast<std::shared_ptr<sac::Site>*>(site); }
+
+SAC_C_API void* sac_region_new(const void* site_address) {
+  if (site_address == nullptr) return nullptr;
+  const auto& site = *static_cast<const std::shared_ptr<sac::Site>*>(site_address);
   void* region = nullptr;
-  guarded([&] { region = c10::make_intrusive<sac::RegionHandle>(policy).release(); });
+  guarded([&] { region = c10::make_intrusive<sac::RegionHandle>(site).release(); });
   return region;
 }
 
@@ -206,19 +232,18 @@ SAC_C_API int64_t sac_call_decider_decide(void* decider, const void* op_entry, i
     TORCH_CHECK_VALUE(pass == 0 || pass == 1, "sac: pass is 0 (forward) or 1 (recompute), got ", pass);
     result = sac::encode(static_cast<sac::CallDecider*>(decider)->decide(
         sac::entryAt(op_entry), pass == 0 ? sac::Pass::kForward : sac::Pass::kRecompute,
-        sac::openUnits(unit_ids_plus_one, unit_count), sac::callFacts(facts)));
+        sac::openUnits(unit_ids_plus_one, unit_count), sac::callFacts(facts, sac::entryAt(op_entry))));
   });
   return status == kSacScopeOk ? result : -status;
 }
 
-SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry,
-                                    const int64_t* unit_ids_plus_one, int64_t unit_count, int64_t call_index,
-                                    int32_t facts) {
+SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry, const int64_t* unit_ids_plus_one,
+                                    int64_t unit_count, int64_t call_index, int32_t facts) {
   int64_t result = 0;
   int32_t status = guarded([&] {
     TORCH_CHECK_VALUE(policy_address != nullptr, "sac: a decision needs a policy address, got null");
     TORCH_CHECK_VALUE(call_index >= 0, "sac: a call index counts from 0, got ", call_index);
-    sac::CallFacts call = sac::callFacts(facts);
+    sac::CallFacts call = sac::callFacts(facts, sac::entryAt(op_entry));
     call.call_index = static_cast<uint64_t>(call_index);
     const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
     result = sac::encode(policy->decide(sac::entryAt(op_entry), sac::openUnits(unit_ids_plus_one, unit_count), call));
@@ -229,4 +254,11 @@ SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_e
 SAC_C_API const char* sac_reason_text(int32_t reason) {
   if (reason < 0 || reason >= sac::kNumReasons) return nullptr;
   return sac::reasonText(static_cast<sac::Reason>(reason));
+}
+
+// --- Where an offloaded call's outputs live ---------------------------------------------------------
+
+SAC_C_API int32_t sac_offload_placement(int64_t bytes, int64_t reserved_host_bytes, int64_t offload_min_bytes,
+                                        int64_t host_memory_limit) {
+  return static_cast<int32_t>(sac::offloadPlacement(bytes, reserved_host_bytes, offload_min_bytes, host_memory_limit));
 }

@@ -23,7 +23,7 @@
 #define SAC_C_API extern "C" __attribute__((visibility("default")))
 
 // Bumped when a signature or a meaning changes; Python refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 4;
+inline constexpr int32_t kSacCApiVersion = 6;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -34,10 +34,16 @@ enum SacScopeStatus : int32_t {
 
 SAC_C_API int32_t sac_scope_c_api_version();
 
-// A new region for the policy at `policy_address` (PolicyHandle.policy_address(): the address of
-// a std::shared_ptr<const Policy> that outlives the call). Returns an owned RegionHandle*, or
-// null when the policy address is null.
-SAC_C_API void* sac_region_new(const void* policy_address);
+// A new checkpoint site (NOTE: [What a site learns] in dispatch/site.h) for the policy at
+// `policy_address` (PolicyHandle.policy_address(): the address of a std::shared_ptr<const Policy>
+// that outlives the call), named `label` in messages (the checkpointed layer; null or empty: none,
+// NOTE: [Unpinned routing must repeat itself] in dispatch/routing_check.cpp). Returns an owned std::shared_ptr<Site>*,
+// or null when the policy address is null; sac_site_release drops it (the site lives on in the regions made from it).
+SAC_C_API void* sac_site_new(const void* policy_address, const char* label);
+SAC_C_API void sac_site_release(void* site);
+// A new region of the site at `site_address` (sac_site_new). Returns an owned RegionHandle*, or
+// null when the site address is null.
+SAC_C_API void* sac_region_new(const void* site_address);
 // Drops the reference sac_region_new returned.
 SAC_C_API void sac_region_release(void* region);
 // `recompute`: 0 for the forward, 1 for the recompute. Enter returns the depth (> 0) to pass to
@@ -68,8 +74,11 @@ SAC_C_API const char* sac_scope_last_error();
 //   bit 17      a selected op's call that draws random numbers, e.g. attention with dropout_p > 0
 //               (worth a warning)
 //   bits 32-62  the id + 1 of the kept or offloaded unit that selected the call, 0 for none
-// Units cross as sac_unit_id returns them (id + 1). `facts`: bit 0, the call draws random
-// numbers; bit 1, it casts a parameter; other bits are refused.
+// Units cross as sac_unit_id returns them (id + 1), or as region openings of them (NOTE:
+// [Region openings carry their flag] in policy/unit_stack.h). `facts`: bit 0, the call draws
+// random numbers; bit 1, it casts a parameter; bit 2, it routes tokens or copies a value to the
+// host (ops/routing.h); bit 3, whether it does follows from the op alone (routesTokens without
+// arguments), for a caller that does not read the arguments; other bits are refused.
 
 // The catalog entry of exactly one op overload: "aten::mm.default", "aten.mm.default", or a
 // qualified name as profiles and audits write it ("aten::mm" for the default overload, which
@@ -89,9 +98,16 @@ SAC_C_API int64_t sac_call_decider_decide(void* decider, const void* op_entry, i
 
 // Stateless, for a caller that knows the call's 0-based index among the region's counted calls
 // of its op (the planner).
-SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry,
-                                    const int64_t* unit_ids_plus_one, int64_t unit_count, int64_t call_index,
-                                    int32_t facts);
+SAC_C_API int64_t sac_policy_decide(const void* policy_address, const void* op_entry, const int64_t* unit_ids_plus_one,
+                                    int64_t unit_count, int64_t call_index, int32_t facts);
 
 // The label of a Reason ("mutates an input"); null for a value that is no Reason.
 SAC_C_API const char* sac_reason_text(int32_t reason);
+
+// --- Where an offloaded call's outputs live (NOTE: [Where an offloaded call's outputs live] in
+// policy/offload_rule.cpp), for the planner -------------------------------------------------------
+
+// sac::offloadPlacement: 0 host, 1 device (under offload_min_bytes), 2 device (host_memory_limit
+// reached); host_memory_limit -1 for none. Never fails.
+SAC_C_API int32_t sac_offload_placement(int64_t bytes, int64_t reserved_host_bytes, int64_t offload_min_bytes,
+                                        int64_t host_memory_limit);

@@ -15,9 +15,10 @@
 
 #include "diagnostics/audit.h"
 #include "dispatch/call_profile.h"
+#include "dispatch/call_trace.h"
 #include "dispatch/fallback.h"
-#include "dispatch/region.h"
 #include "dispatch/offload.h"
+#include "dispatch/region.h"
 #include "dispatch/region_scopes.h"
 #include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
@@ -76,7 +77,8 @@ struct PolicyHandle : torch::CustomClassHolder {
                std::vector<int64_t> kept_call_counts, std::vector<int64_t> kept_call_indices,
                std::vector<std::string> offloaded_ops, std::vector<std::string> offloaded_units,
                std::vector<std::string> offloaded_call_ops, std::vector<int64_t> offloaded_call_counts,
-               std::vector<int64_t> offloaded_call_indices, int64_t offload_min_bytes, int64_t host_memory_limit) {
+               std::vector<int64_t> offloaded_call_indices, int64_t offload_min_bytes, int64_t host_memory_limit,
+               bool pin_routing) {
     TORCH_CHECK_VALUE(every_nth_ops.size() == every_nth.size(), "sac: every_nth_op needs one n per op, got ",
                       every_nth_ops.size(), " ops and ", every_nth.size(), " values");
     PolicySpec spec;
@@ -87,10 +89,11 @@ struct PolicyHandle : torch::CustomClassHolder {
     spec.kept_calls = callRules("kept_calls", kept_call_ops, kept_call_counts, kept_call_indices);
     spec.offloaded_ops = std::move(offloaded_ops);
     spec.offloaded_units = std::move(offloaded_units);
-    spec.offloaded_calls = callRules("offloaded_calls", offloaded_call_ops, offloaded_call_counts,
-                                     offloaded_call_indices);
+    spec.offloaded_calls =
+        callRules("offloaded_calls", offloaded_call_ops, offloaded_call_counts, offloaded_call_indices);
     spec.offload_min_bytes = offload_min_bytes;
     spec.host_memory_limit = host_memory_limit;
+    spec.pin_routing = pin_routing;
     policy = Policy::create(spec);
   }
 
@@ -129,8 +132,22 @@ struct ProfileHandle : torch::CustomClassHolder {
   std::shared_ptr<const Policy> keeps_nothing = Policy::create(PolicySpec{});
 };
 
-using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
-                             std::vector<int64_t>, std::vector<int64_t>>;
+// --- audits, counts and the per-op trace ---------------------------------------------------------
+
+using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                             std::vector<int64_t>>;
+
+AuditRows auditColumns(const std::vector<AuditRow>& rows) {
+  AuditRows columns;
+  for (const AuditRow& row : rows) {
+    std::get<0>(columns).push_back(row.op);
+    std::get<1>(columns).push_back(static_cast<int64_t>(row.counts.executions[0]));
+    std::get<2>(columns).push_back(static_cast<int64_t>(row.counts.executions[1]));
+    std::get<3>(columns).push_back(static_cast<int64_t>(row.counts.executions[2]));
+    std::get<4>(columns).push_back(static_cast<int64_t>(row.counts.hits));
+  }
+  return columns;
+}
 
 struct AuditHandle : torch::CustomClassHolder {
   ~AuditHandle() override { scope.abandon(ActivationKind::kAudit, nullptr); }
@@ -151,24 +168,41 @@ struct AuditHandle : torch::CustomClassHolder {
   bool running() const { return started && !stopped; }
   std::vector<AuditRow> rows() const { return stopped ? final_rows : baseline.changesSince(); }
 
-  AuditRows rowsAsColumns() const {
-    AuditRows columns;
-    for (const AuditRow& row : rows()) {
-      std::get<0>(columns).push_back(row.op);
-      std::get<1>(columns).push_back(static_cast<int64_t>(row.counts.executions[0]));
-      std::get<2>(columns).push_back(static_cast<int64_t>(row.counts.executions[1]));
-      std::get<3>(columns).push_back(static_cast<int64_t>(row.counts.executions[2]));
-      std::get<4>(columns).push_back(static_cast<int64_t>(row.counts.hits));
-    }
-    return columns;
-  }
-
   CounterBaseline baseline;
   OpenScope scope;
   bool started = false;
   bool stopped = false;
   std::vector<AuditRow> final_rows;
 };
+
+// This thread's counts since it was made, with no activation of its own: a report's per-pass and
+// per-unit counts, taken inside the report's audit, which open and close in whatever order the
+// passes and units of nested reports do.
+struct CountsHandle : torch::CustomClassHolder {
+  CounterBaseline baseline = CounterBaseline::capture();
+};
+
+using TraceRows =
+    std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>>;
+
+// A per-op trace (dispatch/call_trace.h); Python installs it on the thread of each region pass.
+struct TraceHandle : torch::CustomClassHolder {
+  // Columns, one row per call in the order decided: op, phase, outcome, innermost unit ("" none).
+  TraceRows rows() const {
+    TraceRows columns;
+    for (const TracedCall& call : trace->calls()) {
+      std::get<0>(columns).push_back(call.op->traits.qualified_name);
+      std::get<1>(columns).push_back(phaseName(call.phase));
+      std::get<2>(columns).push_back(callOutcomeName(call.outcome));
+      std::get<3>(columns).push_back(call.unit == kNoUnit ? std::string() : unitName(call.unit));
+    }
+    return columns;
+  }
+
+  std::shared_ptr<CallTrace> trace = std::make_shared<CallTrace>();
+};
+
+// --- end of audits, counts and the per-op trace --------------------------------------------------
 
 std::vector<std::string> openUnits() {
   std::vector<std::string> names;
@@ -194,8 +228,8 @@ OpTraitsTuple opTraits(const std::string& spelling) {
   TORCH_CHECK_VALUE(handles.size() == 1, "sac: op_traits needs one overload such as 'aten::mm.default', got '",
                     spelling, "' (", handles.size(), " overloads)");
   const OpTraits& traits = lookupOp(handles.front()).traits;
-  return {traits.is_collective, traits.never_counts, traits.is_random, traits.mutates_inputs, traits.is_view,
-          traits.dropout_p_argument};
+  return {traits.is_collective,  traits.never_counts, traits.is_random,
+          traits.mutates_inputs, traits.is_view,      traits.dropout_p_argument};
 }
 
 }  // namespace
@@ -207,19 +241,21 @@ TORCH_LIBRARY(sac, m) {
   m.class_<RegionHandle>("Region")
       .def("kept_bytes", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptBytes(); })
       .def("kept_calls", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptCalls(); })
-      .def("kept_tensors",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptTensors(); })
+      .def("kept_tensors", [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->keptTensors(); })
       .def("offloaded_bytes",
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedBytes(); })
       .def("offloaded_calls",
-           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedCalls(); });
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedCalls(); })
+      .def("offloaded_input_bytes",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedInputBytes(); })
+      .def("offloaded_inputs",
+           [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedInputs(); });
 
   m.class_<PolicyHandle>("Policy")
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+                       std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<std::string>,
-                       std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, int64_t, int64_t>())
+                       std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, bool>())
       // For the C ABI (bindings/c_api.cpp): the address of this handle's policy pointer, valid
       // while the handle lives (the Python Policy holds it for its whole life).
       .def("policy_address",
@@ -246,29 +282,41 @@ TORCH_LIBRARY(sac, m) {
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->offloadedUnitNames(); })
       .def("offloaded_calls",
            [](const c10::intrusive_ptr<PolicyHandle>& self) { return flatCallRules(self->policy->offloadedCalls()); })
-      .def("host_bytes_held",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->hostBytesHeld(); })
-      .def("keeps_nothing",
-           [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
+      .def("pin_routing", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->pinsRouting(); })
+      .def("keeps_nothing", [](const c10::intrusive_ptr<PolicyHandle>& self) { return self->policy->keepsNothing(); });
 
   m.class_<ProfileHandle>("CallProfile")
       .def(torch::init<>())
-      .def("new_region_address",
-           [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegionAddress(); })
+      .def("new_region_address", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->newRegionAddress(); })
       .def("begin_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->beginRun(); })
       .def("end_run", [](const c10::intrusive_ptr<ProfileHandle>& self) { self->profile->endRun(); })
       .def("runs", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->runs(); })
       .def("recorded_in_run",
            [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->profile->recordedInRun(); })
+      .def("note_layer_outputs",
+           [](const c10::intrusive_ptr<ProfileHandle>& self, const std::vector<at::Tensor>& outputs) {
+             self->profile->noteLayerOutputs(outputs);
+           })
       .def("rows", [](const c10::intrusive_ptr<ProfileHandle>& self) { return self->rows(); });
 
+  // Audits, counts and the per-op trace.
   m.class_<AuditHandle>("Audit")
       .def(torch::init<>())
       .def("start", [](const c10::intrusive_ptr<AuditHandle>& self) { self->start(); })
       .def("stop", [](const c10::intrusive_ptr<AuditHandle>& self) { self->stop(); })
       .def("running", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->running(); })
-      .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return self->rowsAsColumns(); })
+      .def("rows", [](const c10::intrusive_ptr<AuditHandle>& self) { return auditColumns(self->rows()); })
       .def("table", [](const c10::intrusive_ptr<AuditHandle>& self) { return formatAuditTable(self->rows()); });
+  m.class_<CountsHandle>("Counts").def(torch::init<>()).def("rows", [](const c10::intrusive_ptr<CountsHandle>& self) {
+    return auditColumns(self->baseline.changesSince());
+  });
+  m.class_<TraceHandle>("CallTrace")
+      .def(torch::init<>())
+      .def("install", [](const c10::intrusive_ptr<TraceHandle>& self) { CallTrace::install(self->trace); })
+      .def("uninstall", [](const c10::intrusive_ptr<TraceHandle>& self) { CallTrace::uninstall(self->trace.get()); })
+      .def("size",
+           [](const c10::intrusive_ptr<TraceHandle>& self) { return static_cast<int64_t>(self->trace->size()); })
+      .def("rows", [](const c10::intrusive_ptr<TraceHandle>& self) { return self->rows(); });
 
   // The torchbind face of a region the scope C ABI created (sac_region_new), for the rare
   // accessors (kept bytes, kept tensors); shares ownership with the C reference.
@@ -284,14 +332,39 @@ TORCH_LIBRARY(sac, m) {
   m.def("overloads_of(str spelling) -> str[]", &overloadNames);
   m.def("op_traits(str spelling) -> (bool, bool, bool, bool, bool, int)", &opTraits);
   // NOTE: [Offloading kept outputs] (dispatch/offload.cpp): copies each way with their bytes,
-  // the pinned pool's bytes, bytes in use and allocations, and the exposed copy time (us).
+  // the pinned pool's bytes (all, in use, cached), its allocations and trims, and the exposed
+  // copy time (us), in the order of sac_plugin.memory.OFFLOAD_STATS.
   m.def("offload_stats() -> int[]", []() {
     OffloadStats stats = offloadStats();
-    return std::vector<int64_t>{stats.copies_to_host, stats.bytes_to_host, stats.copies_to_device,
-                                stats.bytes_to_device, stats.pool_bytes, stats.pool_bytes_in_use,
-                                stats.pool_allocations, stats.exposed_copy_us};
+    return std::vector<int64_t>{stats.copies_to_host,     stats.bytes_to_host,    stats.copies_to_device,
+                                stats.bytes_to_device,    stats.pool_bytes,       stats.pool_bytes_in_use,
+                                stats.pool_bytes_cached,  stats.pool_allocations, stats.pool_trims,
+                                stats.pool_bytes_trimmed, stats.exposed_copy_us};
   });
   m.def("empty_offload_pool() -> int", []() { return emptyOffloadPool(); });
+  // NOTE: [Offloading a layer's inputs] (dispatch/offload.cpp): the function a checkpoint runs
+  // hands its inputs to the innermost region on this thread at the end of its forward, and takes
+  // them back in its recompute.
+  // Answers (whether each input was offloaded, a warning for the user or "").
+  m.def("region_hold_inputs(Tensor[] inputs, str[] names) -> (bool[], str)",
+        [](const std::vector<at::Tensor>& inputs, const std::vector<std::string>& names) {
+          ThreadState& state = ThreadState::current();
+          TORCH_CHECK(state.region() != nullptr && !state.regionInRecompute(),
+                      "sac: region_hold_inputs runs at the end of a checkpointed region's forward, and no region's "
+                      "forward is open on this thread");
+          std::string notice;
+          std::vector<bool> offloaded = state.region()->inputsOwner()->holdInputs(inputs, names, &notice);
+          c10::List<bool> answer;
+          for (bool each : offloaded) answer.push_back(each);
+          return std::make_tuple(answer, notice);
+        });
+  m.def("region_take_inputs() -> Tensor[]", []() {
+    ThreadState& state = ThreadState::current();
+    TORCH_CHECK(state.region() != nullptr && state.regionInRecompute(),
+                "sac: region_take_inputs runs in a checkpointed region's recompute, and no region's recompute is "
+                "open on this thread");
+    return state.region()->inputsOwner()->takeInputs();
+  });
 }
 
 }  // namespace sac

@@ -1,9 +1,10 @@
 #pragma once
 // Op-count audits: a baseline of every op's counters taken when an audit starts, and the
-// difference since then. Counters are process-wide, so an audit sees every thread: the
-// autograd engine's device threads, which inherit the caller's thread-local key set, included.
+// difference since then, as the thread that took it sees them: its own calls and those of
+// autograd's device threads (NOTE: [Counts are their thread's] in ops/op_counters.h). Another
+// thread's training is not in them.
 
-
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,11 +22,14 @@ struct AuditRow {
 
 class CounterBaseline {
  public:
+  // This thread's counts now. Baselines nest and overlap freely: each is a copy of counts.
   static CounterBaseline capture();
-  // Ops whose counters moved since the baseline, sorted by name.
+  // Ops whose counters moved since the baseline, sorted by name; the same counts whichever
+  // thread asks.
   std::vector<AuditRow> changesSince() const;
 
  private:
+  std::shared_ptr<ThreadCounts> table_;  // the capturing thread's (null on a device thread)
   HashMap<const OpEntry*, CounterSnapshot> baseline_;
 };
 

@@ -9,12 +9,13 @@
 #include <algorithm>
 #include <chrono>
 
+#include "dispatch/fallback.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "ops/hash_containers.h"
-#include "policy/policy.h"
 #include "ops/op_catalog.h"
 #include "ops/op_traits.h"
+#include "policy/policy.h"
 
 namespace sac {
 
@@ -31,6 +32,16 @@ namespace sac {
 // steady clock on CPU; on a CUDA tensor a timing event pair on the current stream, through
 // c10::Event and the device guard the CUDA library registers (no CUDA header or link here),
 // synchronised after the call, which is acceptable while profiling and never happens otherwise.
+//
+// A profile offers only calls the runtime would serve, at the bytes it would hold:
+//   - a call whose new output the forward later writes (in place or as an out= argument, seen
+//     through the same writtenStorages the fallback reads) is not offered: the runtime demotes
+//     it (NOTE: [Kept outputs written in the forward] in region.cpp). F.linear on a 3-D input,
+//     without a Python mode, adds its bias in place into its mm's output;
+//   - a new output the layer returns costs nothing when kept: the caller holds it anyway;
+//   - a call after the point where the recompute stops is not offered (Python notes that point,
+//     NOTE: [Where the recompute stops] in planner/_profile.py): the runtime never holds it
+//     (NOTE: [Kept outputs the recompute never reaches] in region.cpp).
 
 namespace {
 
@@ -107,6 +118,8 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   facts.draws_random = drawsRandomNumbers(op.traits, arguments);
   facts.casts_a_parameter = castsAParameter(op.traits, arguments);
   call.not_keepable = whyNotKeepable(op, facts);
+  std::vector<WrittenStorage> written;
+  if (op.traits.mutates_inputs || op.traits.writes_out_arguments) written = writtenStorages(schema, arguments);
   HashSet<const c10::StorageImpl*> seen;
   for (size_t i = 0; i < num_arguments; ++i) {
     forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
@@ -129,7 +142,9 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
     forEachTensor((*stack)[i], [&](const at::Tensor& tensor) {
       if (!tensor.defined() || !tensor.has_storage()) return;
       if (seen.insert(tensor.storage().unsafeGetStorageImpl()).second) {
-        call.output_bytes += static_cast<int64_t>(tensor.storage().nbytes());
+        const auto bytes = static_cast<int64_t>(tensor.storage().nbytes());
+        call.output_bytes += bytes;
+        call.storages.emplace_back(tensor.storage().getWeakStorageImpl(), bytes);
       } else {
         aliases_an_input = true;
       }
@@ -142,6 +157,14 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_run_ || !mismatch_.empty()) return;
   if (runs_ == 0) {
+    for (const WrittenStorage& write : written) {
+      auto found = made_by_.find(write.storage.unsafeGetStorageImpl());
+      if (found == made_by_.end()) continue;
+      for (size_t position : found->second) {
+        if (calls_[position].not_keepable[0] == '\0') calls_[position].not_keepable = kWrittenInTheForward;
+      }
+    }
+    for (const auto& storage : call.storages) made_by_[storage.first._unsafe_get_target()].push_back(calls_.size());
     call.seconds.push_back(seconds);
     calls_.push_back(std::move(call));
     return;
@@ -149,13 +172,31 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   if (position_ >= calls_.size() || calls_[position_].op != &op || calls_[position_].index != call.index) {
     mismatch_ = "call " + std::to_string(position_) + " is " + op.traits.qualified_name + " #" +
                 std::to_string(call.index) + " in run " + std::to_string(runs_ + 1) + ", but " +
-                (position_ < calls_.size() ? calls_[position_].op->traits.qualified_name + " #" +
-                                                 std::to_string(calls_[position_].index)
-                                           : std::string("nothing")) +
+                (position_ < calls_.size()
+                     ? calls_[position_].op->traits.qualified_name + " #" + std::to_string(calls_[position_].index)
+                     : std::string("nothing")) +
                 " in the first";
     return;
   }
   calls_[position_++].seconds.push_back(seconds);
+}
+
+void CallProfile::noteLayerOutputs(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(runs_ == 1 && !in_run_, "sac: the layer's outputs are noted once, after the first profile run");
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.has_storage()) continue;
+    auto found = made_by_.find(output.storage().unsafeGetStorageImpl());
+    if (found == made_by_.end()) continue;
+    for (size_t position : found->second) {
+      ProfiledCall& call = calls_[position];
+      for (auto& [storage, bytes] : call.storages) {
+        if (storage._unsafe_get_target() != found->first || bytes == 0) continue;
+        call.output_bytes -= bytes;
+        bytes = 0;
+      }
+    }
+  }
 }
 
 std::vector<ProfiledCall> CallProfile::calls() const {

@@ -6,12 +6,17 @@
 // runs. A memory-budget plan (python/sac_plugin/planner) chooses the calls to keep from it.
 // NOTE: [Profiling a region] in call_profile.cpp.
 
+#include <ATen/core/Tensor.h>
 #include <ATen/core/stack.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/FunctionRef.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "policy/policy.h"
@@ -24,15 +29,26 @@ class Region;
 
 struct ProfiledCall {
   const OpEntry* op = nullptr;
-  uint64_t index = 0;  // among the run's calls of `op`
+  uint64_t index = 0;        // among the run's calls of `op`
   UnitId unit = UINT32_MAX;  // innermost open unit, or UINT32_MAX (kNoUnit)
   // Bytes of the unique storages among the outputs that are new: an output whose storage is an
-  // input's or an earlier output's of the same call counts 0; storages count whole.
+  // input's or an earlier output's of the same call counts 0; storages count whole. A storage the
+  // layer returns counts 0 too (noteLayerOutputs): it stays alive after the region anyway, so
+  // keeping it holds nothing more.
   int64_t output_bytes = 0;
-  // Why a plan cannot keep the call (whyNotKeepable, or "aliases an input"), or empty when it can.
+  // Why a plan cannot keep the call (whyNotKeepable, "aliases an input", or
+  // kWrittenInTheForward), or empty when it can.
   const char* not_keepable = "";
   std::vector<double> seconds;  // one per run
+  // The first run's new output storages, by weak reference: a weak reference keeps the
+  // StorageImpl's address from being reused by a later storage of the same run, so storages are
+  // told apart by address for the whole run.
+  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> storages;
 };
+
+// NOTE: [Kept outputs written in the forward] (dispatch/region.cpp): the runtime demotes a kept
+// call whose output the forward later writes, so a profile does not offer it.
+inline constexpr const char* kWrittenInTheForward = "written later in the forward";
 
 // Why a plan may not keep a call of `op` with these facts, or "" when it may: the keep rule's
 // label (reasonText) when a policy naming the call would recompute it, "view" or "out= op" for
@@ -52,6 +68,10 @@ class CallProfile {
   void profileCall(Region& region, const OpEntry& op, const c10::FunctionSchema& schema, torch::jit::Stack* stack,
                    c10::function_ref<void()> run_kernel);
 
+  // After the first run's forward: the tensors the layer returned. Their storages stay alive after
+  // the region whatever a policy keeps, so the calls that made them hold no extra bytes when kept.
+  void noteLayerOutputs(const std::vector<at::Tensor>& outputs);
+
   // The calls of the first run, each with every run's time.
   std::vector<ProfiledCall> calls() const;
   int64_t runs() const;
@@ -66,6 +86,8 @@ class CallProfile {
   size_t position_ = 0;  // in calls_, during a run after the first
   bool in_run_ = false;
   std::string mismatch_;
+  // During the first run: the positions in calls_ of the calls that made each new storage.
+  std::unordered_map<const c10::StorageImpl*, std::vector<size_t>> made_by_;
 };
 
 }  // namespace sac

@@ -118,7 +118,8 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
   }
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   auto found = storages_.find(storage);
-  uint64_t seed = found != storages_.end() ? found->second.origin : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
+  uint64_t seed =
+      found != storages_.end() ? found->second.origin : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
   mix(seed, (static_cast<uint64_t>(impl->storage_offset()) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
@@ -165,7 +166,8 @@ void DataFlow::mixValue(uint64_t& seed, const c10::IValue& value) const {
     // Devices, dtypes, layouts and memory formats arrive as ints; generators, objects and other
     // rare kinds are named by kind only.
     mix(seed, 12 + static_cast<uint64_t>(value.isDevice()));
-    if (value.isDevice()) mix(seed, static_cast<uint64_t>(value.toDevice().type()) * 256 + value.toDevice().index() + 1);
+    if (value.isDevice())
+      mix(seed, static_cast<uint64_t>(value.toDevice().type()) * 256 + value.toDevice().index() + 1);
   }
 }
 
@@ -179,15 +181,16 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
 
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  auto found = storages_.find(impl);
-  if (found != storages_.end()) {
-    found->second.origin = was_written ? mixed(found->second.origin, origin) : origin;
+  // One probe: most calls originate a storage the pass has not seen (a fresh output), so the
+  // record is made up front; where one exists, the spare pin is dropped again.
+  auto [record, inserted] = storages_.try_emplace(impl, StorageRecord{storage.getWeakStorageImpl(), origin});
+  if (!inserted) {
+    record->second.origin = was_written ? mixed(record->second.origin, origin) : origin;
     return;
   }
   // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
   // the origin: that address is the same in both passes.
-  uint64_t named = was_written ? mixed(mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)), origin) : origin;
-  storages_.emplace(impl, StorageRecord{storage.getWeakStorageImpl(), named});
+  if (was_written) record->second.origin = mixed(mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)), origin);
 }
 
 void DataFlow::recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,

@@ -48,8 +48,8 @@ class DataFlow {
   // After the call ran (or was served): its fresh outputs (the last `num_returns` values on
   // `stack`, those the schema does not declare as aliases of an argument) now originate from
   // `call`, and so do the storages it wrote.
-  void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                  size_t num_returns, const std::vector<WrittenStorage>& written);
+  void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns,
+                  const std::vector<WrittenStorage>& written);
 
  private:
   uint64_t provenanceOf(const at::Tensor& tensor) const;

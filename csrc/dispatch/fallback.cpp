@@ -6,16 +6,12 @@
 //     calls on tensors that carry the key themselves (another owner's fake tensors): straight
 //     through, uncounted;
 //   - ops outside a region (audits only): counted, then run;
-//   - calls the region's policy recomputes (Policy::decide, NOTE: [The keep rule] in policy.cpp):
-//     counted, then run;
-//   - kept (offloaded) ops in the forward: counted, run, outputs stored in the region (copied to
-//     pinned host memory: NOTE: [Offloading kept outputs] in offload.cpp);
-//   - kept ops in the recompute: outputs served from the region, kernel skipped, hit counted.
+//   - every other call of a region: through the call pipeline (NOTE: [One call pipeline] in
+//     call_pipeline.cpp), which decides, holds and serves it exactly as for the dispatch-mode
+//     engine; the fallback counts what runs and redispatches it, and counts a served call as a hit.
 // Redispatch always goes to the keys below ours, with the key set the dispatcher gave us.
 
 #include "dispatch/fallback.h"
-
-#include "dispatch/interception.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -23,9 +19,11 @@
 
 #include <mutex>
 
+#include "dispatch/call_pipeline.h"
 #include "dispatch/call_profile.h"
-#include "ops/user_warning.h"
+#include "dispatch/call_trace.h"
 #include "dispatch/data_flow.h"
+#include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
@@ -33,6 +31,7 @@
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
 #include "ops/op_traits.h"
+#include "ops/user_warning.h"
 #include "policy/unit_stack.h"
 
 namespace sac {
@@ -80,7 +79,7 @@ namespace {
 class InterceptedCall {
  public:
   InterceptedCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack)
-      : op_(op), keys_(keys), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
+      : op_(op), schema_(op.schema()), keys_(keys), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
 
   void run() {
     // NOTE: [Meta tensors are not activations]
@@ -92,58 +91,31 @@ class InterceptedCall {
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
-    if (region == nullptr || !region->intercepts() || python_handles_it) return countAndRun(state.phase());
+    if (region == nullptr || !region->intercepts() || python_handles_it) {
+      traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
+      return countAndRun(state.phase());
+    }
     if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
-      return region->profile()->profileCall(*region, entry_, op_.schema(), stack_, [&] { countAndRun(state.phase()); });
+      return region->profile()->profileCall(*region, entry_, schema_, stack_, [&] { countAndRun(state.phase()); });
     }
 
-    const Policy& policy = region->policy();
-    // A view makes no storage and writes none: the data flow names its output by its base's
-    // storage and its geometry, so a view needs no record unless the policy names the op itself.
-    if (entry_.traits.is_view && !policy.namesOp(entry_)) return countAndRun(state.phase());
-
+    // NOTE: [One call pipeline] (call_pipeline.cpp)
+    const size_t num_arguments = schema_.arguments().size();
     const bool recompute = state.regionInRecompute();
-    // NOTE: [The recompute after the last kept call] (region.cpp)
-    if (recompute && !region->servesMore()) return countAndRun(state.phase());
-    const c10::FunctionSchema& schema = op_.schema();
-    const size_t num_arguments = schema.arguments().size();
-    const size_t num_returns = schema.returns().size();
-    const c10::IValue* arguments = &(*stack_)[stack_->size() - num_arguments];
-    std::vector<WrittenStorage> written;
-    if (entry_.traits.mutates_inputs || entry_.traits.writes_out_arguments) {
-      written = writtenStorages();
-      if (!recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
-    }
-    DataFlow& flow = region->flow();
-    const uint64_t call = flow.identify(entry_, arguments, num_arguments);
-
-    if (recompute) {
-      if (region->serve(entry_, call, op_, stack_)) {
+    const bool draws_random =
+        !recompute && drawsRandomNumbers(entry_.traits, &(*stack_)[stack_->size() - num_arguments]);
+    CallInFlight call;
+    switch (beginCall(*region, recompute, entry_, op_, stack_, num_arguments, std::nullopt, draws_random, &call)) {
+      case CallStep::kRunOnly:
+        return countAndRun(state.phase());
+      case CallStep::kServed:
         entry_.counters.recordHit();
-      } else {
+        return;
+      case CallStep::kRunAndFinish:
         countAndRun(state.phase());
-      }
-      flow.recordCall(call, schema, *stack_, num_returns, written);
-      return;
+        finishCall(*region, call, schema_, *stack_, schema_.returns().size());
+        return;
     }
-
-    CallFacts facts;
-    facts.draws_random = drawsRandomNumbers(entry_.traits, arguments);
-    facts.casts_a_parameter = castsAParameter(entry_.traits, arguments);
-    const std::vector<UnitId>& open_units = UnitStack::current().units();
-    if (policy.countsCalls(entry_, open_units)) facts.call_index = region->nextCallIndex(entry_);
-    Decision decision = policy.decide(entry_, open_units, facts);
-    if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
-      warnAboutRecomputedSelection(policy, entry_, decision);
-    }
-    region->advancePosition();
-    countAndRun(state.phase());
-    if (decision.held) {
-      // NOTE: [Kept outputs the recompute never reaches] (region.cpp)
-      const uint32_t ordinal = region->nextKeptOrdinal(entry_);
-      if (!policy.neverReached(entry_, ordinal)) region->keep(entry_, call, decision, *stack_, num_returns, ordinal);
-    }
-    flow.recordCall(call, schema, *stack_, num_returns, written);
   }
 
  private:
@@ -165,13 +137,9 @@ class InterceptedCall {
     runKernel();
   }
 
-  std::vector<WrittenStorage> writtenStorages() const {
-    const c10::FunctionSchema& schema = op_.schema();
-    return sac::writtenStorages(schema, &(*stack_)[stack_->size() - schema.arguments().size()]);
-  }
-
-
   const c10::OperatorHandle& op_;
+  // Read once: OperatorHandle::schema() is an out-of-line, checked call, and every step reads it.
+  const c10::FunctionSchema& schema_;
   c10::DispatchKeySet keys_;
   c10::DispatchKeySet below_;
   torch::jit::Stack* stack_;
@@ -222,18 +190,6 @@ std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, c
   return storages;
 }
 
-void warnAboutRecomputedSelection(const Policy& policy, const OpEntry& op, const Decision& decision) {
-  if (!policy.claimWarning(op)) return;
-  if (decision.mutating_in_kept_unit) {
-    SAC_WARN_USER("sac: ", op.traits.qualified_name, " mutates an input inside kept unit '", unitName(decision.unit),
-                  "'; it is recomputed rather than kept (warned once per policy)");
-  } else {
-    SAC_WARN_USER("sac: ", op.traits.qualified_name,
-                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
-                  "the recompute draws the same numbers (warned once per policy)");
-  }
-}
-
 bool pythonBelowSacKey() { return kPythonBelowSacKey; }
 
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -248,9 +204,9 @@ InterceptionPath installInterception() {
     installCoexistingKernels();
     installed_path = InterceptionPath::kCoexisting;
   } else {
-    registration = new c10::RegistrationHandleRAII(dispatcher.registerFallback(
-        kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
-        "sac_plugin: selective activation checkpointing"));
+    registration = new c10::RegistrationHandleRAII(
+        dispatcher.registerFallback(kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
+                                    "sac_plugin: selective activation checkpointing"));
     letNeverCountedOpsSkipTheKey();
     installed_path = InterceptionPath::kNative;
   }

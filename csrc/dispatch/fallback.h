@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dispatch/data_flow.h"
+#include "dispatch/site.h"
 #include "policy/policy.h"
 
 namespace c10 {
@@ -32,15 +33,13 @@ InterceptionPath installInterception();
 InterceptionPath interceptionPath();
 const char* interceptionPathName(InterceptionPath path);
 
-// Shared by the fallback and the dispatch-mode engine, which carry out the same steps per call:
-
 // The storages of the arguments a call writes (in place or as out= arguments), noted before the
 // kernel consumes them; `arguments` are the call's arguments in schema order.
 std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, const c10::IValue* arguments);
 
-// The once-per-policy warning for a call the rule recomputes although the policy selected it: a
+// The once-per-site warning for a call the rule recomputes although the policy selected it: a
 // mutating op inside a kept unit, or a kept op's call that draws random numbers.
-void warnAboutRecomputedSelection(const Policy& policy, const OpEntry& op, const Decision& decision);
+void warnAboutRecomputedSelection(Site& site, const OpEntry& op, const Decision& decision);
 
 // NOTE: [Python below our key (torch 2.11)] in fallback.cpp: whether this torch dispatches the
 // plugin's key before `Python`.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dispatch/sac_key.h"
+#include "policy/offload_rule.h"
 
 namespace sac {
 
@@ -33,20 +34,48 @@ namespace sac {
 //   copy only. How long it waited (the copy's completion minus the moment the compute stream
 //   reached the serve, when positive) is the exposed copy time offloadStats reports, read from
 //   timed events once both have completed.
-//   Host memory: pinned buffers come from a pool that is reused across steps (pinned allocation
-//   costs milliseconds per buffer on CUDA); a buffer returns to it with the event of the last
-//   copy that uses it, and is handed out again only once that event has completed.
+//   Host memory: pinned buffers come from a bounded pool reused across steps (pinned allocation
+//   costs milliseconds per buffer on CUDA; NOTE: [A bounded pinned pool]).
 //   Where an output cannot be offloaded it is kept on its device (Region::keep): the call runs on
-//   the CPU (its outputs are in host memory already; said once per policy), its outputs are
-//   smaller than the policy's offload_min_bytes (a copy would cost more than it frees), the
-//   policy's host_memory_limit is reached (said once), or an output is not a dense tensor of its
-//   own (a list, overlapping or aliased outputs).
+//   the CPU (its outputs are in host memory already; said once per checkpoint site), its outputs
+//   are smaller than the policy's offload_min_bytes (a copy would cost more than it frees), the
+//   pool cannot hold them within the policy's host_memory_limit (said once per site), or an output
+//   is not a dense tensor of its own (a list, overlapping or aliased outputs).
+//   Ownership: the region that kept the call owns its offloaded tensors, each its host buffer and
+//   its copies (NOTE: [A region owns what it holds] in region.h): whichever way the region dies,
+//   the buffers go back to the pool and the copies fetched back are freed.
 //   Writes: a write in the forward demotes the call as for kept outputs, its host buffer going
 //   back to the pool after the copy in flight; a write after the forward is found by the version
 //   counter the offloaded tensor shares with the forward's tensor, and serving raises naming the
 //   op, before the host copy, which the write may have raced, is used.
-// The copies run with sac's key excluded: they are the plugin's, not calls of the checkpointed
-// function, and are neither counted nor decided.
+//
+// NOTE: [Offloading a layer's inputs]
+// Under full recompute a checkpointed layer holds nothing of its own between the forward and the
+// backward but its inputs: torch's non-reentrant checkpoint saves the function's positional
+// arguments so that the recompute can run the function again, and in a stack of layers the input
+// of each is the activation the layer below returned, which nothing else holds once the forward
+// has moved on. That is the memory floor of recompute, one activation per layer, and a policy
+// with offload_inputs lowers it: the function torch's checkpoint runs is handed an empty
+// placeholder (same device, so torch still saves and restores that device's RNG state) in place of
+// each such input, and holds the real tensor itself for the forward only. At the end of the
+// forward the region whose scopes run the function takes the inputs (Region::holdInputs) and
+// offloads them as it offloads outputs: one pinned buffer each from the same bounded pool, within
+// the same host_memory_limit (past it the input is held on its device, as before), copied out on
+// the copy-out stream after the forward's work. The recompute asks the region for them back
+// (takeInputs), fetched with the region's offloaded outputs when its recompute begins, and with
+// them ahead of time by the recompute of the region after it. Gradients do not change: the
+// forward's graph was built on the real inputs, and the recompute only re-creates saved values,
+// from copies with the same sizes, strides, dtype and device. The version counter the offloaded
+// tensor shares with the input finds a write after the forward, which the recompute would read,
+// and taking it raises naming the input; retain_graph keeps the host copy for another backward,
+// and the region releases everything with its outputs however it dies (NOTE: [A region owns what
+// it holds] in region.h). Which inputs: tensors that require grad and are not leaves (the
+// activation flowing through the stack); parameters, tensors that do not require grad (masks,
+// rotary tables that every layer shares) and CPU tensors stay where torch's checkpoint holds them.
+//
+// The copies are the plugin's, not calls of the checkpointed function: they run under a
+// PluginCallGuard (NOTE: [The plugin's own calls] in sac_key.h), so they are neither counted nor
+// decided, and no dispatch mode sees them.
 
 namespace {
 
@@ -76,8 +105,15 @@ const CopyStreams& copyStreams(c10::Device device) {
   return found->second;
 }
 
-// Pinned host buffers, by capacity; a returned buffer is handed out again once its last copy
-// has completed.
+// NOTE: [A bounded pinned pool]
+// Pinned host memory is the one resource offloading holds outside the device, and the pool is its
+// one owner. A request is rounded up to a size class, the next power of two (at least 4 KiB), as
+// torch's host allocator rounds, so that steps whose shapes change (a growing sequence length)
+// reuse buffers of the classes they share instead of allocating a new one per output. A returned
+// buffer is handed out again only once the last copy that used it has completed (its event). The
+// policy's host_memory_limit bounds the pool's total pinned bytes, in use and cached: a request
+// that would pass it first frees idle cached buffers, and when even that cannot make room it is
+// refused, changing nothing, and the call's outputs stay on the device.
 class PinnedPool {
  public:
   static PinnedPool& instance() {
@@ -85,57 +121,74 @@ class PinnedPool {
     return *pool;
   }
 
-  c10::Storage take(size_t nbytes) {
+  static size_t sizeClass(size_t nbytes) {
+    size_t size = 4096;
+    while (size < nbytes) size <<= 1;
+    return size;
+  }
+
+  // A buffer of at least `nbytes`, or an undefined storage when the pool would pass `limit`.
+  c10::Storage take(size_t nbytes, int64_t limit) {
+    const size_t size = sizeClass(nbytes);
+    std::vector<c10::Storage> trimmed;  // freed after the lock is released
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      // A buffer up to twice the size will do: steps repeat their shapes, so exact fits are the rule.
-      for (auto it = free_.lower_bound(nbytes); it != free_.end() && it->first <= 2 * nbytes + 4096; ++it) {
+      auto [first, last] = free_.equal_range(size);
+      for (auto it = first; it != last; ++it) {
         if (it->second.last_use != nullptr && !it->second.last_use->query()) continue;
         c10::Storage storage = std::move(it->second.storage);
         free_.erase(it);
-        in_use_bytes_ += static_cast<int64_t>(storage.nbytes());
+        in_use_bytes_ += static_cast<int64_t>(size);
         return storage;
       }
+      // NOTE: [Where an offloaded call's outputs live] (policy/offload_rule.cpp), with what the
+      // pool holds as the reserved bytes.
+      auto past_limit = [&] {
+        return offloadPlacement(static_cast<int64_t>(size), bytes_, 0, limit) == OffloadPlacement::kDeviceHostLimit;
+      };
+      if (past_limit()) {
+        trimIdle(bytes_ + static_cast<int64_t>(size) - limit, &trimmed);
+        if (past_limit()) return c10::Storage();
+      }
+      // Counted before the allocation, so that concurrent requests cannot pass the limit together.
+      bytes_ += static_cast<int64_t>(size);
+      in_use_bytes_ += static_cast<int64_t>(size);
+      ++allocations_;
     }
-    at::Tensor buffer = at::empty({static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++allocations_;
-    bytes_ += static_cast<int64_t>(nbytes);
-    in_use_bytes_ += static_cast<int64_t>(nbytes);
-    return buffer.storage();
+    try {
+      at::Tensor buffer =
+          at::empty({static_cast<int64_t>(size)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      return buffer.storage();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      bytes_ -= static_cast<int64_t>(size);
+      in_use_bytes_ -= static_cast<int64_t>(size);
+      throw;
+    }
   }
 
   void give(c10::Storage storage, std::shared_ptr<c10::Event> last_use) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const size_t nbytes = storage.nbytes();
-    in_use_bytes_ -= static_cast<int64_t>(nbytes);
-    free_.emplace(nbytes, Buffer{std::move(storage), std::move(last_use)});
+    const size_t size = storage.nbytes();
+    in_use_bytes_ -= static_cast<int64_t>(size);
+    free_.emplace(size, Buffer{std::move(storage), std::move(last_use)});
   }
 
+  // Frees every idle buffer; returns the bytes freed.
   int64_t empty() {
     std::vector<c10::Storage> freed;
-    int64_t bytes = 0;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (auto it = free_.begin(); it != free_.end();) {
-        if (it->second.last_use != nullptr && !it->second.last_use->query()) {
-          ++it;
-          continue;
-        }
-        bytes += static_cast<int64_t>(it->first);
-        freed.push_back(std::move(it->second.storage));
-        it = free_.erase(it);
-      }
-      bytes_ -= bytes;
-    }
-    return bytes;  // `freed` goes out of scope without the lock held
+    std::lock_guard<std::mutex> lock(mutex_);
+    return trimIdle(INT64_MAX, &freed);  // `freed`, declared first, is destroyed after the lock is released
   }
 
   void stats(OffloadStats* stats) {
     std::lock_guard<std::mutex> lock(mutex_);
     stats->pool_bytes = bytes_;
     stats->pool_bytes_in_use = in_use_bytes_;
+    stats->pool_bytes_cached = bytes_ - in_use_bytes_;
     stats->pool_allocations = allocations_;
+    stats->pool_trims = trims_;
+    stats->pool_bytes_trimmed = bytes_trimmed_;
   }
 
  private:
@@ -143,11 +196,31 @@ class PinnedPool {
     c10::Storage storage;
     std::shared_ptr<c10::Event> last_use;
   };
+
+  // With the lock held: frees idle buffers, largest first, until `needed` bytes are freed or none
+  // is left; the storages move to `freed`, which the caller destroys without the lock.
+  int64_t trimIdle(int64_t needed, std::vector<c10::Storage>* freed) {
+    int64_t bytes = 0;
+    for (auto it = free_.end(); it != free_.begin() && bytes < needed;) {
+      --it;
+      if (it->second.last_use != nullptr && !it->second.last_use->query()) continue;
+      bytes += static_cast<int64_t>(it->first);
+      freed->push_back(std::move(it->second.storage));
+      it = free_.erase(it);
+    }
+    bytes_ -= bytes;
+    trims_ += static_cast<int64_t>(freed->size());
+    bytes_trimmed_ += bytes;
+    return bytes;
+  }
+
   std::mutex mutex_;
-  std::multimap<size_t, Buffer> free_;
-  int64_t bytes_ = 0;
+  std::multimap<size_t, Buffer> free_;  // idle buffers by size class
+  int64_t bytes_ = 0;                   // pinned bytes the pool holds, in use and cached
   int64_t in_use_bytes_ = 0;
   int64_t allocations_ = 0;
+  int64_t trims_ = 0;  // idle buffers freed to make room or by empty()
+  int64_t bytes_trimmed_ = 0;
 };
 
 // A tensor with the given geometry over the start of `storage`, without dispatching.
@@ -160,8 +233,8 @@ at::Tensor tensorOver(c10::Storage storage, const at::Tensor& like) {
 
 // `timed`: an event elapsed times can be read from (CUDA's default events disable timing).
 std::shared_ptr<c10::Event> recordedOn(const c10::Stream& stream, bool timed = false) {
-  auto event = std::make_shared<c10::Event>(
-      stream.device_type(), timed ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT);
+  auto event = std::make_shared<c10::Event>(stream.device_type(),
+                                            timed ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT);
   event->record(stream);
   return event;
 }
@@ -230,8 +303,14 @@ int64_t offloadedBytes(const at::Tensor& tensor) {
       at::detail::computeStorageNbytes(tensor.sizes(), tensor.strides(), tensor.dtype().itemsize()));
 }
 
-OffloadedTensor OffloadedTensor::start(const at::Tensor& tensor) {
-  c10::impl::ExcludeDispatchKeyGuard not_ours(kSacKey);
+c10::Storage takePinnedBuffer(int64_t nbytes, int64_t limit) {
+  return PinnedPool::instance().take(static_cast<size_t>(nbytes), limit);
+}
+
+void returnPinnedBuffer(c10::Storage buffer) { PinnedPool::instance().give(std::move(buffer), nullptr); }
+
+OffloadedTensor OffloadedTensor::start(const at::Tensor& tensor, c10::Storage buffer) {
+  PluginCallGuard not_the_models;
   OffloadedTensor offloaded;
   offloaded.device_ = tensor.device();
   offloaded.version_counter_ = tensor.unsafeGetTensorImpl()->version_counter();
@@ -240,7 +319,9 @@ OffloadedTensor OffloadedTensor::start(const at::Tensor& tensor) {
   const c10::Stream compute = impl.getStream(offloaded.device_);
   const CopyStreams& streams = copyStreams(offloaded.device_);
   recordedOn(compute)->block(streams.to_host);
-  offloaded.host_ = tensorOver(PinnedPool::instance().take(static_cast<size_t>(offloaded.bytes_)), tensor);
+  TORCH_CHECK(static_cast<int64_t>(buffer.nbytes()) >= offloaded.bytes_, "sac: a pinned buffer of ", buffer.nbytes(),
+              " bytes cannot hold an offloaded output of ", offloaded.bytes_, " bytes");
+  offloaded.host_ = tensorOver(std::move(buffer), tensor);
   {
     c10::StreamGuard on_copy_stream(streams.to_host);
     offloaded.host_.copy_(tensor, /*non_blocking=*/true);
@@ -269,13 +350,14 @@ OffloadedTensor& OffloadedTensor::operator=(OffloadedTensor&& other) noexcept {
 
 void OffloadedTensor::fetch() {
   if (device_copy_.defined() || !host_.defined()) return;
-  c10::impl::ExcludeDispatchKeyGuard not_ours(kSacKey);
+  PluginCallGuard not_the_models;
   c10::impl::VirtualGuardImpl impl(device_.type());
   const c10::Stream compute = impl.getStream(device_);
   const CopyStreams& streams = copyStreams(device_);
   // Allocated for the compute stream, which uses it; the copy-in stream waits until the compute
   // stream has reached the allocation, and until the copy out has finished.
-  device_copy_ = at::empty_strided(host_.sizes(), host_.strides(), host_.options().device(device_).pinned_memory(false));
+  device_copy_ =
+      at::empty_strided(host_.sizes(), host_.strides(), host_.options().device(device_).pinned_memory(false));
   recordedOn(compute)->block(streams.to_device);
   copied_out_->block(streams.to_device);
   {

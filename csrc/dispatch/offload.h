@@ -20,14 +20,22 @@ bool offloadable(const at::Tensor& tensor);
 // what a policy's host_memory_limit counts and what the copies move.
 int64_t offloadedBytes(const at::Tensor& tensor);
 
+// A pinned host buffer of at least `nbytes` from the pool (NOTE: [A bounded pinned pool] in
+// offload.cpp), or an undefined storage when the pool's pinned bytes, in use and cached, would
+// pass `limit` (-1: none) even after its idle buffers are freed. returnPinnedBuffer gives back a
+// buffer that was never used.
+c10::Storage takePinnedBuffer(int64_t nbytes, int64_t limit);
+void returnPinnedBuffer(c10::Storage buffer);
+
 // One offloaded tensor. Movable, not copyable; its host buffer returns to the pinned pool when it
 // is taken for good, released, or destroyed, after the copies that use it.
 class OffloadedTensor {
  public:
-  // Starts copying `tensor` into a pinned host buffer on the device's copy-out stream, after the
-  // work queued so far on the device's current stream; the device memory is freed by its owner
-  // when the copy completes (recorded on the copy stream), with no host sync.
-  static OffloadedTensor start(const at::Tensor& tensor);
+  // Starts copying `tensor` into `buffer` (takePinnedBuffer, at least offloadedBytes(tensor)) on
+  // the device's copy-out stream, after the work queued so far on the device's current stream;
+  // the device memory is freed by its owner when the copy completes (recorded on the copy
+  // stream), with no host sync. The buffer returns to the pool when this is released.
+  static OffloadedTensor start(const at::Tensor& tensor, c10::Storage buffer);
 
   OffloadedTensor() = default;
   OffloadedTensor(OffloadedTensor&& other) noexcept = default;
@@ -64,16 +72,19 @@ class OffloadedTensor {
 };
 
 // What offloading has done in this process: copies each way and their bytes, the pinned pool
-// (bytes it holds, bytes in use, buffers it allocated), and the exposed copy time. Counters only
-// grow, except the pool's.
+// (bytes it holds, in use and cached, buffers it allocated and trimmed), and the exposed copy time.
+// Counters only grow, except the pool's bytes.
 struct OffloadStats {
   int64_t copies_to_host = 0;
   int64_t bytes_to_host = 0;
   int64_t copies_to_device = 0;
   int64_t bytes_to_device = 0;
-  int64_t pool_bytes = 0;
+  int64_t pool_bytes = 0;  // pinned bytes the pool holds: in use plus cached
   int64_t pool_bytes_in_use = 0;
+  int64_t pool_bytes_cached = 0;  // idle, ready for reuse
   int64_t pool_allocations = 0;
+  int64_t pool_trims = 0;  // idle buffers freed, to stay within a limit or by emptyOffloadPool
+  int64_t pool_bytes_trimmed = 0;
   // Microseconds the compute streams waited for copies back, over the serves whose events have
   // completed (NOTE: [Offloading kept outputs]).
   int64_t exposed_copy_us = 0;

@@ -13,6 +13,7 @@
 #include "dispatch/sac_key.h"
 #include "ops/hash_containers.h"
 #include "ops/user_warning.h"
+#include "policy/offload_rule.h"
 
 // Declared here rather than through torch/csrc/autograd/graph_task.h, whose include tree
 // would triple this file's build time; both are exported from libtorch_cpu.
@@ -63,11 +64,9 @@ std::string unitSuffix(UnitId unit, bool offloaded) {
                          : std::string(" (") + how + " in unit '" + unitName(unit) + "')";
 }
 
-// Regions of every policy whose forward offloaded something and whose recompute has not begun,
-// in the order their forwards ended: the backward usually reaches them in reverse, so the region
-// before one in this list is the one whose offloaded outputs to fetch next.
-std::mutex offloading_regions_mutex;
-auto* offloading_regions = new std::vector<c10::weak_intrusive_ptr<Region>>();
+// The region on this thread whose forward offloaded something and ended last: the next region
+// to offload links to it (Region::offloaded_before_). Weak: it keeps no resource alive.
+thread_local std::optional<c10::weak_intrusive_ptr<Region>> last_offloading_region;
 
 }  // namespace
 
@@ -75,19 +74,39 @@ namespace {
 std::atomic<int64_t> live_regions{0};
 }  // namespace
 
-Region::Region(std::shared_ptr<const Policy> policy) : Region(std::move(policy), nullptr) {}
+struct Region::WeakLink {
+  c10::weak_intrusive_ptr<Region> region;
+};
 
-Region::Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile)
-    : policy_(std::move(policy)), profile_(std::move(profile)) {
-  TORCH_CHECK(policy_ != nullptr, "sac: a region needs a policy");
-  intercepts_ = !policy_->keepsNothing() || profile_ != nullptr;
+Region::Region(std::shared_ptr<Site> site) : site_(std::move(site)) {
+  TORCH_CHECK(site_ != nullptr, "sac: a region needs a checkpoint site");
+  intercepts_ = !site_->policy().keepsNothing();
   live_regions.fetch_add(1, std::memory_order_relaxed);
 }
 
-Region::~Region() {
-  if (any_offloaded_) {
-    for (auto& [call, kept] : kept_) drop(kept);
-  }
+Region::Region(std::shared_ptr<const Policy> policy) : Region(std::make_shared<Site>(std::move(policy))) {}
+
+Region::Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile)
+    : Region(std::make_shared<Site>(std::move(policy))) {
+  profile_ = std::move(profile);
+  intercepts_ = intercepts_ || profile_ != nullptr;
+}
+
+Region::~Region() { releaseHeld(); }
+
+void Region::release_resources() { releaseHeld(); }
+
+// NOTE: [A region owns what it holds]: everything goes at once, whichever way the region dies.
+void Region::releaseHeld() {
+  if (released_) return;
+  released_ = true;
+  for (auto& [call, kept] : kept_) drop(kept);
+  kept_.clear();
+  kept_storages_.clear();
+  dropInputs();
+  routing_.clear();
+  offloaded_before_.reset();
+  inputs_owner_.reset();
   live_regions.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -99,8 +118,8 @@ int64_t Region::liveCount() { return live_regions.load(std::memory_order_relaxed
 // from the thread-local set while it redispatches; InferenceMode excludes it too but runs no
 // bump), the version to expect in the recompute is one more than what we read now.
 int64_t pendingVersionBumps(const OpEntry& op) {
-  bool in_place_kernel_above = c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::ADInplaceOrView) &&
-                               !c10::InferenceMode::is_enabled();
+  bool in_place_kernel_above =
+      c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::ADInplaceOrView) && !c10::InferenceMode::is_enabled();
   return op.traits.writes_out_arguments && in_place_kernel_above ? 1 : 0;
 }
 
@@ -154,30 +173,47 @@ void Region::offload(KeptOutputs& kept) {
     bytes += sac::offloadedBytes(tensor);
   }
   if (!on_accelerator) {
-    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kRunsOnCpu)) {
-      SAC_WARN_USER("sac: ", name, " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
+    if (site_->claimOffloadNotice(Site::OffloadNotice::kRunsOnCpu)) {
+      SAC_WARN_USER("sac: ", name,
+                    " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
                     "they are, in host memory already; offloading moves outputs off an accelerator (said once per "
-                    "policy)");
+                    "checkpoint site)");
     }
     return;
   }
   if (!copyable) {
-    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kCannotCopy)) {
-      SAC_WARN_USER("sac: the outputs of ", name, " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
-                    "that overlap or share storage), so they are kept on the device (said once per policy)");
+    if (site_->claimOffloadNotice(Site::OffloadNotice::kCannotCopy)) {
+      SAC_WARN_USER("sac: the outputs of ", name,
+                    " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
+                    "that overlap or share storage), so they are kept on the device (said once per checkpoint site)");
     }
     return;
   }
-  if (bytes < policy_->offloadMinBytes()) return;
-  if (!policy_->reserveHostBytes(bytes)) {
-    if (policy_->claimOffloadNotice(Policy::OffloadNotice::kHostLimitReached)) {
-      SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy_->hostMemoryLimit(), " bytes is reached: ",
-                    name, " and later offloaded calls whose outputs do not fit are kept on the device (said once "
-                    "per policy)");
+  const Policy& policy = site_->policy();
+  // NOTE: [Where an offloaded call's outputs live] (policy/offload_rule.cpp): the floor here, the
+  // host cap in the pool, which counts what it holds.
+  if (offloadPlacement(bytes, 0, policy.offloadMinBytes(), -1) == OffloadPlacement::kDeviceBelowFloor) return;
+  // One pinned buffer per output, all or none: a refused one leaves every output on the device.
+  std::vector<c10::Storage> buffers;
+  for (const c10::IValue& value : kept.outputs) {
+    if (!value.isTensor() || !value.toTensor().defined() || value.toTensor().device().is_cpu()) continue;
+    c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(value.toTensor()), policy.hostMemoryLimit());
+    if (!buffer) {
+      for (c10::Storage& taken : buffers) returnPinnedBuffer(std::move(taken));
+      if (site_->claimOffloadNotice(Site::OffloadNotice::kHostLimitReached)) {
+        SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
+                      " bytes is reached: the "
+                      "offload pool cannot hold the outputs of ",
+                      name,
+                      " as well, so they and later offloaded outputs "
+                      "that do not fit are kept on the device (said once per checkpoint site)");
+      }
+      return;
     }
-    return;
+    buffers.push_back(std::move(buffer));
   }
   std::lock_guard<std::mutex> lock(offload_mutex_);
+  size_t next_buffer = 0;
   std::vector<int64_t> versions;
   size_t version = 0;
   for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
@@ -190,7 +226,7 @@ void Region::offload(KeptOutputs& kept) {
       continue;
     }
     kept.offloaded_storages.push_back(tensor.storage().getWeakStorageImpl());
-    OffloadedTensor offloaded = OffloadedTensor::start(tensor);
+    OffloadedTensor offloaded = OffloadedTensor::start(tensor, std::move(buffers[next_buffer++]));
     offloaded.setSavedVersion(saved_version);
     kept.offloaded.emplace_back(slot, std::move(offloaded));
     value = c10::IValue();
@@ -209,15 +245,124 @@ void Region::drop(KeptOutputs& kept) {
   kept.offloaded.clear();  // each returns its host buffer to the pool
   kept.offloaded_storages.clear();
   offloaded_bytes_ -= bytes;
-  policy_->releaseHostBytes(bytes);
 }
 
 void Region::fetchOffloaded() {
   if (!any_offloaded_) return;
   std::lock_guard<std::mutex> lock(offload_mutex_);
+  // The inputs first: the recompute reads them before any kept output.
+  for (HeldInput& input : inputs_) {
+    if (input.is_offloaded) input.offloaded.fetch();
+  }
   for (auto& [call, kept] : kept_) {
     for (auto& [slot, offloaded] : kept.offloaded) offloaded.fetch();
   }
+}
+
+// NOTE: [Offloading a layer's inputs] (offload.cpp)
+std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, const std::vector<std::string>& names,
+                                     std::string* notice) {
+  TORCH_CHECK_VALUE(inputs.size() == names.size(), "sac: holding a region's inputs needs one name per input, got ",
+                    inputs.size(), " inputs and ", names.size(), " names");
+  TORCH_CHECK(!holds_inputs_ && !inputs_consumed_,
+              "sac: a region holds its function's inputs once, at the end of "
+              "its forward; this region holds them already");
+  const Policy& policy = site_->policy();
+  std::vector<bool> offloaded(inputs.size(), false);
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  inputs_.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& tensor = inputs[i];
+    HeldInput held;
+    held.name = names[i];
+    held.saved_version = versionOf(tensor);
+    if (offloadable(tensor)) {
+      c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(tensor), policy.hostMemoryLimit());
+      if (buffer) {
+        held.offloaded = OffloadedTensor::start(tensor, std::move(buffer));
+        held.offloaded.setSavedVersion(held.saved_version);
+        held.is_offloaded = true;
+        offloaded_input_bytes_ += held.offloaded.bytes();
+        any_offloaded_ = true;
+        offloaded[i] = true;
+      } else if (notice != nullptr && notice->empty() &&
+                 site_->claimOffloadNotice(Site::OffloadNotice::kHostLimitReached)) {
+        *notice = c10::str("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
+                           " bytes is reached: "
+                           "the offload pool cannot hold ",
+                           held.name,
+                           " as well, so it and later offloaded tensors "
+                           "that do not fit are kept on the device (said once per checkpoint site)");
+      }
+    }
+    if (!held.is_offloaded) held.on_device = detachedAlias(tensor);
+    inputs_.push_back(std::move(held));
+  }
+  holds_inputs_ = true;
+  return offloaded;
+}
+
+std::vector<at::Tensor> Region::takeInputs() {
+  TORCH_CHECK(!inputs_consumed_,
+              "sac: the inputs this region held for its recompute were already used by an earlier "
+              "backward and freed. Trying to backward an extra time: a checkpointed region supports a second "
+              "backward only when the first runs with retain_graph=True");
+  TORCH_CHECK(holds_inputs_, "sac: the recompute of a region asked for inputs its forward did not hold");
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  // Checked before any host copy is used (NOTE: [Offloading kept outputs]): a write may have raced it.
+  for (const HeldInput& input : inputs_) {
+    const int64_t saved = input.is_offloaded ? input.offloaded.savedVersion() : input.saved_version;
+    const int64_t now = input.is_offloaded ? input.offloaded.currentVersion() : versionOf(input.on_device);
+    TORCH_CHECK(saved == now, "sac: an input of a checkpointed region was mutated after its forward: ", input.name,
+                input.is_offloaded ? " (offloaded for the recompute)" : " (held for the recompute)",
+                " changed version from ", saved, " to ", now,
+                ". The recompute would read the mutated value; clone "
+                "it before mutating it in place");
+  }
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(inputs_.size());
+  for (HeldInput& input : inputs_) {
+    tensors.push_back(input.is_offloaded ? input.offloaded.take(!consume_served_) : input.on_device);
+  }
+  if (consume_served_) {
+    inputs_.clear();
+    offloaded_input_bytes_ = 0;
+    inputs_consumed_ = true;
+  }
+  return tensors;
+}
+
+void Region::dropInputs() {
+  if (inputs_.empty()) return;
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  inputs_.clear();  // each offloaded input returns its host buffer to the pool
+  offloaded_input_bytes_ = 0;
+}
+
+c10::intrusive_ptr<Region> Region::inputsOwner() {
+  if (inputs_owner_ != nullptr) {
+    c10::intrusive_ptr<Region> owner = inputs_owner_->region.lock();
+    TORCH_CHECK(owner, "sac: the region that holds this region's inputs is gone");
+    return owner;
+  }
+  return c10::intrusive_ptr<Region>::reclaim_copy(this);
+}
+
+void Region::delegateInputsTo(const c10::intrusive_ptr<Region>& owner) {
+  if (owner.get() == this) return;
+  inputs_owner_ = std::make_unique<WeakLink>(WeakLink{c10::weak_intrusive_ptr<Region>(owner)});
+}
+
+int64_t Region::offloadedInputBytes() const {
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  return offloaded_input_bytes_;
+}
+
+int64_t Region::offloadedInputs() const {
+  std::lock_guard<std::mutex> lock(offload_mutex_);
+  int64_t count = 0;
+  for (const HeldInput& input : inputs_) count += input.is_offloaded ? 1 : 0;
+  return count;
 }
 
 int64_t Region::offloadedBytes() const {
@@ -253,27 +398,29 @@ void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   }
 }
 
-bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle,
-                   torch::jit::Stack* stack) {
+bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
   auto it = kept_.find(call);
   if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
   KeptOutputs& kept = it->second;
   const std::string& name = op.traits.qualified_name;
-  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit, !kept.offloaded.empty()), ", call ", kept.ordinal,
+  TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit, !kept.offloaded.empty()),
+              ", call ", kept.ordinal,
               " of this region, was already used by an earlier backward and freed. Trying to backward an "
               "extra time: a selectively checkpointed region supports a second backward only when the "
               "first runs with retain_graph=True");
 
   auto check_version = [&](int64_t saved, int64_t now) {
-    TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ",
-                name, unitSuffix(kept.unit, !kept.offloaded.empty()), ", call ", kept.ordinal,
+    TORCH_CHECK(saved == now, "sac: a tensor kept for backward was mutated after it was saved: the output of ", name,
+                unitSuffix(kept.unit, !kept.offloaded.empty()), ", call ", kept.ordinal,
                 " of this region, changed version from ", saved, " to ", now,
                 ". The recompute would read the mutated value; clone it before mutating in place, or do not "
-                "keep ", name);
+                "keep ",
+                name);
   };
   size_t position = 0;
   for (const c10::IValue& value : kept.outputs) {
-    forEachTensor(value, [&](const at::Tensor& tensor) { check_version(kept.versions[position++], versionOf(tensor)); });
+    forEachTensor(value,
+                  [&](const at::Tensor& tensor) { check_version(kept.versions[position++], versionOf(tensor)); });
   }
   // NOTE: [Offloading kept outputs] (offload.cpp): checked before the host copy is used.
   const std::vector<c10::IValue>* outputs = &kept.outputs;
@@ -294,8 +441,8 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   results.reserve(kept.outputs.size());
   if (op.traits.writes_out_arguments) {
     // An out= op must leave its result in the caller's out= tensors, which in the recompute are
-    // fresh buffers: copy the kept values into them and return them.
-    c10::impl::ExcludeDispatchKeyGuard no_reentry(kSacKey);
+    // fresh buffers: copy the kept values into them and return them (NOTE: [The plugin's own calls]).
+    PluginCallGuard not_the_models;
     size_t first_argument = stack->size() - num_arguments;
     size_t out_index = 0;
     for (size_t i = 0; i < num_arguments; ++i) {
@@ -327,8 +474,9 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
 
 // Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
 void Region::beginForward() {
-  flow_.reset(++passes_, policy_->callsPerPassHint());
+  flow_.reset(++passes_, site_->callsPerPassHint());
   forward_position_ = 0;
+  routing_.clear();
 }
 
 // NOTE: [Kept outputs the recompute never reaches]
@@ -336,10 +484,10 @@ void Region::beginForward() {
 // for backward has been saved again (early stop). A kept call that ran after the forward's last
 // save (the last projection of a block, whose input autograd saves before it runs) is never
 // reached by the recompute, so its kept output would be held from the forward to the backward
-// for nothing. The first forward of each policy is watched (sac_plugin/checkpointing.py:
+// for nothing. The first forward of each checkpoint site is watched (sac_plugin/checkpointing.py:
 // _ReachWatch notes the region's position at every save); at its end the region frees those
-// outputs and tells the policy their (op, ordinal), and later regions of the policy decide the
-// same calls as kept but do not hold them (the fallback asks Policy::neverReached). Nothing is
+// outputs and tells the site their (op, ordinal), and later regions of the site decide the
+// same calls as kept but do not hold them (the call pipeline asks Site::neverReached). Nothing is
 // recomputed that was not before: the recompute never reaches these calls. With early_stop=False
 // the whole recompute runs and nothing is released.
 int64_t Region::releaseUnreached(int64_t last_saved_position) {
@@ -349,7 +497,7 @@ int64_t Region::releaseUnreached(int64_t last_saved_position) {
         kept.outputs.empty()) {
       continue;
     }
-    policy_->noteNeverReached(*kept.op, kept.ordinal);
+    site_->noteNeverReached(*kept.op, kept.ordinal);
     drop(kept);
     kept.demoted = true;
     ++released;
@@ -359,16 +507,13 @@ int64_t Region::releaseUnreached(int64_t last_saved_position) {
 
 void Region::endForward() {
   calls_per_pass_ = flow_.callsRecorded();
-  policy_->noteCallsPerPass(calls_per_pass_);
+  site_->noteCallsPerPass(calls_per_pass_);
   flow_.reset(++passes_, 0);
   if (any_offloaded_) {
-    std::lock_guard<std::mutex> lock(offloading_regions_mutex);
-    offloading_regions->erase(std::remove_if(offloading_regions->begin(), offloading_regions->end(),
-                                             [](const c10::weak_intrusive_ptr<Region>& region) {
-                                               return region.expired();
-                                             }),
-                              offloading_regions->end());
-    offloading_regions->emplace_back(c10::intrusive_ptr<Region>::reclaim_copy(this));
+    if (last_offloading_region.has_value()) {
+      offloaded_before_ = std::make_unique<WeakLink>(WeakLink{std::move(*last_offloading_region)});
+    }
+    last_offloading_region.emplace(c10::intrusive_ptr<Region>::reclaim_copy(this));
   }
 }
 
@@ -388,32 +533,24 @@ void Region::beginRecompute() {
     any_consumed = any_consumed || (kept.consumed && !kept.demoted);
   }
   if (any_consumed) left_to_serve_ = SIZE_MAX;
+  routing_.beginRecompute();
   if (!any_offloaded_) return;
   // NOTE: [Offloading kept outputs] (offload.cpp): fetch this region's outputs, then the next's.
   fetchOffloaded();
-  c10::intrusive_ptr<Region> next;
-  {
-    std::lock_guard<std::mutex> lock(offloading_regions_mutex);
-    auto self = std::find_if(offloading_regions->begin(), offloading_regions->end(),
-                             [this](const c10::weak_intrusive_ptr<Region>& region) { return region._unsafe_get_target() == this; });
-    if (self != offloading_regions->end()) {
-      for (auto before = self; before != offloading_regions->begin();) {
-        --before;
-        c10::intrusive_ptr<Region> candidate = before->lock();
-        if (candidate && candidate->policy_ == policy_) {
-          next = std::move(candidate);
-          break;
-        }
-      }
-      offloading_regions->erase(self);
-    }
+  if (offloaded_before_ != nullptr) {
+    c10::intrusive_ptr<Region> next = offloaded_before_->region.lock();
+    offloaded_before_.reset();
+    if (next) next->fetchOffloaded();
   }
-  if (next) next->fetchOffloaded();
 }
 
 void Region::endRecompute(bool keep_entries) {
   flow_.reset(++passes_, 0);
   if (keep_entries) return;
+  if (holds_inputs_ && !inputs_.empty()) {
+    dropInputs();
+    inputs_consumed_ = true;
+  }
   for (auto& [key, kept] : kept_) {
     drop(kept);
     kept.consumed = true;

@@ -9,17 +9,21 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
-#include <c10/util/intrusive_ptr.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "dispatch/data_flow.h"
 #include "dispatch/offload.h"
+#include "dispatch/routing_check.h"
+#include "dispatch/site.h"
 #include "ops/hash_containers.h"
 #include "policy/policy.h"
 
@@ -36,20 +40,34 @@ class CallProfile;
 bool inAutogradGraphTask();
 bool currentBackwardKeepsGraph();
 
-// Regions are reference counted: the Python handle owns one reference, and every open
-// activation of the region owns another, so a region cannot be freed while it is active.
+// NOTE: [A region owns what it holds]
+// Regions are reference counted: the Python handle owns one reference (torch's checkpoint holds
+// it through the contexts it made, which live as long as the graph that holds the checkpoint),
+// and every open activation of the region owns another, so a region cannot be freed while it is
+// active. Everything a region holds (kept outputs on the device, offloaded outputs' pinned
+// buffers, their copies in flight and copies fetched back ahead of the backward) is released the
+// moment its last strong reference goes, however the step ended: a backward, a forward whose
+// graph was dropped without one, an exception. Only weak references to a region exist elsewhere
+// (the prefetch link to the region the backward reaches next), and a weak reference keeps no
+// resource: release_resources() frees them before the object itself is gone.
 class Region : public c10::intrusive_ptr_target {
  public:
+  // A region of `site`, which learns from it (NOTE: [What a site learns] in site.h).
+  explicit Region(std::shared_ptr<Site> site);
+  // A region with a site of its own.
   explicit Region(std::shared_ptr<const Policy> policy);
   // A profiling region: it keeps nothing, but intercepts every call and hands it to `profile`
   // (NOTE: [Profiling a region] in dispatch/call_profile.cpp).
   Region(std::shared_ptr<const Policy> policy, std::shared_ptr<CallProfile> profile);
   ~Region() override;
+  // Called when the last strong reference goes while weak ones remain.
+  void release_resources() override;
 
-  // Regions alive in the process: tests check that checkpointed steps free theirs.
+  // Regions alive in the process (not yet released): tests check that steps free theirs.
   static int64_t liveCount();
 
-  const Policy& policy() const { return *policy_; }
+  const Policy& policy() const { return site_->policy(); }
+  Site& site() const { return *site_; }
   bool intercepts() const { return intercepts_; }
   // Null except in a profiling region: one predictable branch in the fallback.
   CallProfile* profile() const { return profile_.get(); }
@@ -72,8 +90,8 @@ class Region : public c10::intrusive_ptr_target {
   int64_t forwardPosition() const { return static_cast<int64_t>(forward_position_); }
   // End of the forward: frees the kept outputs of calls after `last_saved_position` (the position
   // at the forward's last tensor saved for backward), which the recompute's early stop never
-  // reaches, and tells the policy, so later regions do not hold them. Returns how many were freed.
-  // NOTE: [Kept outputs the recompute never reaches]
+  // reaches, and tells the site, so later regions do not hold them. Returns how many were freed.
+  // (NOTE: [Kept outputs the recompute never reaches] in region.cpp)
   int64_t releaseUnreached(int64_t last_saved_position);
 
   // Forward: an op is about to write these storages in place. Kept outputs living in them are
@@ -81,17 +99,15 @@ class Region : public c10::intrusive_ptr_target {
   // write and applies the write again (see NOTE: [Kept outputs written in the forward]).
   void demoteKeptOutputsIn(const std::vector<WrittenStorage>& written);
 
-  // Whether the forward kept anything (the recompute skips the lookup otherwise). Entries that
-  // were consumed stay, so that a backward that runs an extra time is told so.
-  bool keptAnything() const { return !kept_.empty(); }
-
   // Recompute: whether a call may still be served in this pass. Once every kept output has been
   // served, the rest of the recompute needs neither lookups nor data-flow records (NOTE: [The
   // recompute after the last kept call]).
-  bool servesMore() const { return left_to_serve_ > 0; }
-  // Recompute: whether served outputs are freed (this backward does not keep its graph), read
-  // once per pass rather than per call.
-  bool consumesServed() const { return consume_served_; }
+  // Routing calls still to check (NOTE: [Unpinned routing must repeat itself] in
+  // routing_check.cpp) keep the pass named as well.
+  bool servesMore() const { return left_to_serve_ > 0 || routing_.pending() > 0; }
+
+  // What the forward routed, where the policy recomputes the routing (pin_routing off).
+  RoutingCheck& routing() { return routing_; }
 
   // Recompute: replace the op's arguments on the stack with the outputs the forward kept for the
   // call with identity `call` and return true. They are freed unless this backward keeps its
@@ -106,8 +122,8 @@ class Region : public c10::intrusive_ptr_target {
   void beginForward();
   // Drops the forward's data-flow records; the kept outputs stay for the recompute.
   void endForward();
-  // Also starts copying back this region's offloaded outputs, and those of the region of the
-  // same policy that the backward reaches next (the one whose forward ran just before).
+  // Also starts copying back this region's offloaded outputs, and those of the region the
+  // backward reaches next (the one that offloaded just before this one's forward ended).
   void beginRecompute();
   // Starts copying back every offloaded output still on the host (a prefetch).
   void fetchOffloaded();
@@ -128,19 +144,41 @@ class Region : public c10::intrusive_ptr_target {
   int64_t offloadedBytes() const;
   int64_t offloadedCalls() const;
 
+  // NOTE: [Offloading a layer's inputs] (offload.cpp)
+  // Forward, at the end of the region's function: holds `inputs` (the region's positional inputs
+  // that carry the stack's activation) for its recompute, each offloaded to pinned host memory
+  // when it can be, else held on its device; `names` say which argument each is, for messages.
+  // Returns, per input, whether it was offloaded; `notice`, when given, receives the warning to
+  // show the user (the host limit reached, said once per checkpoint site), which the caller
+  // issues where the user's warning filters apply.
+  std::vector<bool> holdInputs(const std::vector<at::Tensor>& inputs, const std::vector<std::string>& names,
+                               std::string* notice = nullptr);
+  // Recompute: the held inputs on their devices, in the order holdInputs took them; raises,
+  // naming the input, when one was written in place after the forward. The host copies stay for
+  // another backward when this one keeps its graph (retain_graph=True).
+  std::vector<at::Tensor> takeInputs();
+  // The region that holds the inputs of the function this region's scopes run: this one, or the
+  // one delegateInputsTo named (a dispatch-mode engine's marker region hands them to the region
+  // that holds its kept and offloaded outputs, NOTE: [The dispatch-mode engine's region]).
+  c10::intrusive_ptr<Region> inputsOwner();
+  void delegateInputsTo(const c10::intrusive_ptr<Region>& owner);
+  // Pinned host bytes the offloaded inputs hold, and how many inputs are offloaded.
+  int64_t offloadedInputBytes() const;
+  int64_t offloadedInputs() const;
+
  private:
   struct KeptOutputs {
     const OpEntry* op = nullptr;
     // Tensors stored detached (shallow copies); an offloaded output's slot holds None.
     std::vector<c10::IValue> outputs;
-    std::vector<int64_t> versions;     // version of each stored tensor, in output order
+    std::vector<int64_t> versions;  // version of each stored tensor, in output order
     // Offloaded outputs, by their slot in `outputs`.
     std::vector<std::pair<size_t, OffloadedTensor>> offloaded;
     // The storages the offloaded outputs lived in on the device, held weakly: while a write to
     // one can still demote the call, its address cannot be reused by another storage.
     std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> offloaded_storages;
     UnitId unit = kNoUnit;
-    uint32_t ordinal = 0;  // 1-based, among the calls of this op the forward kept (for messages)
+    uint32_t ordinal = 0;   // 1-based, among the calls of this op the forward kept (for messages)
     uint64_t position = 0;  // the forward's calls decided up to and including this one
     bool consumed = false;
     bool demoted = false;
@@ -148,12 +186,36 @@ class Region : public c10::intrusive_ptr_target {
 
   // Frees what an entry holds: its kept outputs, and its offloaded outputs' host buffers.
   void drop(KeptOutputs& kept);
+  // Frees every entry and the prefetch link, once (NOTE: [A region owns what it holds]).
+  void releaseHeld();
+  // One input held for the recompute (holdInputs): offloaded, or a detached alias on its device.
+  struct HeldInput {
+    std::string name;
+    at::Tensor on_device;
+    OffloadedTensor offloaded;
+    int64_t saved_version = -1;  // for the held alias; the offloaded tensor keeps its own
+    bool is_offloaded = false;
+  };
+  // Frees the held inputs (their host buffers back to the pool).
+  void dropInputs();
+
   // Offloads the outputs of `kept` (stored in keep()) that can be, after the checks of NOTE:
   // [Offloading kept outputs]; the rest stay kept.
   void offload(KeptOutputs& kept);
 
-  std::shared_ptr<const Policy> policy_;
+  std::shared_ptr<Site> site_;
   std::shared_ptr<CallProfile> profile_;
+  // The region that offloaded just before this one's forward ended, on the same thread: the
+  // backward reaches it next, so this region's recompute fetches its offloaded outputs ahead.
+  struct WeakLink;  // a c10::weak_intrusive_ptr<Region>, which needs Region complete
+  std::unique_ptr<WeakLink> offloaded_before_;
+  // Where this region's function's inputs are held, when not here (delegateInputsTo).
+  std::unique_ptr<WeakLink> inputs_owner_;
+  std::vector<HeldInput> inputs_;
+  int64_t offloaded_input_bytes_ = 0;
+  bool holds_inputs_ = false;
+  bool inputs_consumed_ = false;
+  bool released_ = false;
   // Guards the offloaded outputs' copies, which the recompute of another region may start
   // (fetchOffloaded) while this region is idle.
   mutable std::mutex offload_mutex_;
@@ -161,6 +223,7 @@ class Region : public c10::intrusive_ptr_target {
   bool any_offloaded_ = false;
   bool intercepts_ = false;
   DataFlow flow_;
+  RoutingCheck routing_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
   HashMap<const c10::StorageImpl*, std::vector<uint64_t>> kept_storages_;
   HashMap<const OpEntry*, uint32_t> kept_per_op_;

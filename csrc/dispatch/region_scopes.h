@@ -71,7 +71,7 @@ struct OpenScope {
 };
 
 struct RegionHandle : torch::CustomClassHolder {
-  explicit RegionHandle(std::shared_ptr<const Policy> policy) : region(c10::make_intrusive<Region>(std::move(policy))) {}
+  explicit RegionHandle(std::shared_ptr<Site> site) : region(c10::make_intrusive<Region>(std::move(site))) {}
   explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {}
   ~RegionHandle() override {
     forward.abandon(ActivationKind::kForward, region.get());

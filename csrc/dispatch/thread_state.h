@@ -22,10 +22,10 @@ enum class ActivationKind : uint8_t { kAudit, kForward, kRecompute };
 struct Activation {
   ActivationKind kind;
   c10::intrusive_ptr<Region> region;  // null for audits; keeps the region alive while open
-  bool intercepts;  // wants the plugin's key in the include set
-  bool added_key;   // found it absent and added it: removes it on exit
-  std::vector<UnitId> saved_units;  // the unit stack to restore on exit
-  uint64_t serial = 0;              // unique on this thread: tells a reopened depth from the old one
+  bool intercepts;                    // wants the plugin's key in the include set
+  bool added_key;                     // found it absent and added it: removes it on exit
+  std::vector<UnitId> saved_units;    // the unit stack to restore on exit
+  uint64_t serial = 0;                // unique on this thread: tells a reopened depth from the old one
 };
 
 // "an audit", "a checkpointed forward": for messages.

@@ -27,15 +27,15 @@ using HashSet = absl::flat_hash_set<Key>;
 template <class T>
 struct StdHash : std::hash<T> {};
 template <class A, class B>
-struct StdHash<std::pair<A, B>> {
+struct StdHash<std::pair<A, B> > {
   size_t operator()(const std::pair<A, B>& p) const noexcept {
     return std::hash<A>{}(p.first) * 31u + std::hash<B>{}(p.second);
   }
 };
 template <class Key, class Value>
-using HashMap = std::unordered_map<Key, Value, StdHash<Key>>;
+using HashMap = std::unordered_map<Key, Value, StdHash<Key> >;
 template <class Key>
-using HashSet = std::unordered_set<Key, StdHash<Key>>;
+using HashSet = std::unordered_set<Key, StdHash<Key> >;
 #endif
 
 }  // namespace sac

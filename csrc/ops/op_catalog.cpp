@@ -43,8 +43,8 @@ Catalog& catalog() {
   // Leaked on purpose: ops may still be dispatched while static destructors run.
   static Catalog* instance = [] {
     auto* c = new Catalog();
-    c->listener_handle.emplace(c10::Dispatcher::singleton().addRegistrationListener(
-        std::make_unique<DeregistrationListener>(c)));
+    c->listener_handle.emplace(
+        c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<DeregistrationListener>(c)));
     return c;
   }();
   return *instance;

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "ops/hash_containers.h"
@@ -112,6 +115,61 @@ size_t boundedEditDistance(const std::string& a, const std::string& b, size_t bo
 // Misspellings worth suggesting a name for are a few edits away; farther names are noise.
 constexpr size_t kMaxSuggestionDistance = 8;
 
+// Whether a and b are next to each other on a QWERTY keyboard (letters and digits).
+bool keyboardNeighbours(char a, char b) {
+  static const char* const kRows[] = {"1234567890", "qwertyuiop", "asdfghjkl", "zxcvbnm"};
+  auto find = [](char c, int& row, int& column) {
+    for (row = 0; row < 4; ++row) {
+      const char* at = std::strchr(kRows[row], c);
+      if (c != '\0' && at != nullptr) {
+        column = static_cast<int>(at - kRows[row]);
+        return true;
+      }
+    }
+    return false;
+  };
+  int row_a = 0, column_a = 0, row_b = 0, column_b = 0;
+  if (!find(a, row_a, column_a) || !find(b, row_b, column_b)) return false;
+  // Staggered rows: a key touches the two keys below it at its column and the one to the left.
+  if (row_a == row_b) return column_a - column_b == 1 || column_b - column_a == 1;
+  if (row_a - row_b == 1) return column_b - column_a == 0 || column_b - column_a == 1;
+  if (row_b - row_a == 1) return column_a - column_b == 0 || column_a - column_b == 1;
+  return false;
+}
+
+// Ranking the suggestions:
+// Names are ranked by edit distance first. Short names tie often (for 'aten::mn', aten::mH,
+// aten::mT, aten::min and aten::mm are each one edit away), and a tie broken alphabetically
+// offers the unlikely ones first; so ties are broken by how likely each edit is as a typo, in
+// half edits: a substitution by a keyboard neighbour, or of a letter's case, costs 1; another
+// substitution, an insertion or a deletion 2; a substitution that also changes the case 3.
+// Then by name, so that the order never depends on the registry's.
+size_t typoCost(const std::string& a, const std::string& b) {
+  std::vector<size_t> previous(b.size() + 1), current(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) previous[j] = 2 * j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    current[0] = 2 * i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const unsigned char x = static_cast<unsigned char>(a[i - 1]), y = static_cast<unsigned char>(b[j - 1]);
+      size_t substitution = 0;
+      if (x != y) {
+        const int lx = std::tolower(x), ly = std::tolower(y);
+        const bool case_changes = std::isupper(x) != std::isupper(y);
+        if (lx == ly) {
+          substitution = 1;
+        } else if (!case_changes && keyboardNeighbours(static_cast<char>(lx), static_cast<char>(ly))) {
+          substitution = 1;
+        } else {
+          substitution = case_changes ? 3 : 2;
+        }
+      }
+      current[j] = std::min({previous[j] + 2, current[j - 1] + 2, previous[j - 1] + substitution});
+    }
+    std::swap(previous, current);
+  }
+  return previous[b.size()];
+}
+
 }  // namespace
 
 std::string printableName(const std::string& name) {
@@ -199,6 +257,8 @@ std::vector<std::string> closestOpNames(const std::string& spelling, size_t limi
   // tightens to the worst of the `limit` best found so far.
   size_t bound = std::min(kMaxSuggestionDistance, std::max<size_t>(2, wanted.size() / 3));
   uint64_t cells = 0;
+  // Every name within the bound is kept while the bound tightens, ties at the worst distance
+  // included: they are ranked among themselves below (typoCost says how).
   std::vector<std::pair<size_t, std::string>> best;  // sorted by (distance, name)
   if (limit > 0) {
     withOpIndex([&](OpIndex& index) {
@@ -208,15 +268,25 @@ std::vector<std::string> closestOpNames(const std::string& spelling, size_t limi
         if (distance > bound) continue;
         std::pair<size_t, std::string> candidate(distance, name);
         best.insert(std::upper_bound(best.begin(), best.end(), candidate), std::move(candidate));
-        if (best.size() > limit) best.pop_back();
-        if (best.size() == limit) bound = best.back().first;
+        if (best.size() >= limit && best[limit - 1].first < bound) {
+          bound = best[limit - 1].first;
+          while (best.back().first > bound) best.pop_back();
+        }
       }
       return 0;
     });
   }
   if (work != nullptr) *work = cells;
+  std::vector<std::tuple<size_t, size_t, std::string>> ranked;
+  ranked.reserve(best.size());
+  for (auto& [distance, name] : best) {
+    size_t cost = typoCost(wanted, name);
+    ranked.emplace_back(distance, cost, std::move(name));
+  }
+  std::sort(ranked.begin(), ranked.end());
+  if (ranked.size() > limit) ranked.resize(limit);
   std::vector<std::string> closest;
-  for (auto& [distance, name] : best) closest.push_back(std::move(name));
+  for (auto& entry : ranked) closest.push_back(std::move(std::get<2>(entry)));
   return closest;
 }
 

@@ -6,25 +6,36 @@
 #include <array>
 #include <string_view>
 
+#include "ops/routing.h"
+
 namespace sac {
 namespace {
 
-// Ops that torch's own SAC ignores as well: they carry no activation and may run a different
-// number of times in the two passes (Python's metadata fast paths skip the dispatcher).
+// Ops that carry no activation and may run a different number of times in the two passes
+// (Python's metadata fast paths skip the dispatcher); torch's SAC ignores the same ops.
 constexpr std::array<std::string_view, 15> kNeverCountedOps = {
-    "aten::detach",          "prim::device",          "prim::layout",
-    "aten::is_contiguous",   "aten::is_strides_like_format",
-    "aten::is_non_overlapping_and_dense",              "aten::size",
-    "aten::sym_size",        "aten::stride",          "aten::sym_stride",
-    "aten::storage_offset",  "aten::sym_storage_offset",
-    "aten::numel",           "aten::sym_numel",       "aten::dim",
+    "aten::detach",
+    "prim::device",
+    "prim::layout",
+    "aten::is_contiguous",
+    "aten::is_strides_like_format",
+    "aten::is_non_overlapping_and_dense",
+    "aten::size",
+    "aten::sym_size",
+    "aten::stride",
+    "aten::sym_stride",
+    "aten::storage_offset",
+    "aten::sym_storage_offset",
+    "aten::numel",
+    "aten::sym_numel",
+    "aten::dim",
 };
 
 // profiler::_record_function_* run only where a profiler is active; sac:: are our own ops.
 constexpr std::array<std::string_view, 2> kNeverCountedNamespaces = {"profiler", "sac"};
 
-constexpr std::array<std::string_view, 3> kCollectiveNamespaces = {
-    "c10d", "_c10d_functional", "_c10d_functional_autograd"};
+constexpr std::array<std::string_view, 3> kCollectiveNamespaces = {"c10d", "_c10d_functional",
+                                                                   "_c10d_functional_autograd"};
 
 // Allocations whose contents are garbage until written (OpTraits::is_uninitialised_allocation).
 constexpr std::array<std::string_view, 5> kUninitialisedAllocations = {
@@ -72,10 +83,10 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
       if (ret.alias_info() != nullptr) traits.is_view = true;
     }
   }
-  traits.never_counts =
-      contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
+  traits.never_counts = contains(kNeverCountedOps, traits.base_name) || contains(kNeverCountedNamespaces, traits.ns);
   traits.is_uninitialised_allocation = contains(kUninitialisedAllocations, traits.base_name);
   traits.is_copy_cast = traits.base_name == "aten::_to_copy";
+  traits.is_routing = isRoutingOp(traits.base_name);
   return traits;
 }
 

@@ -7,7 +7,7 @@
 namespace c10 {
 class OperatorHandle;
 struct IValue;
-}
+}  // namespace c10
 
 namespace sac {
 
@@ -43,6 +43,9 @@ struct OpTraits {
   // aten::_to_copy: when it casts a parameter (autocast's weight casts) it is never kept, see
   // castsAParameter.
   bool is_copy_cast = false;
+  // One of the ops every call of which routes tokens (isRoutingOp in routing.h), read once here
+  // rather than by name on every call.
+  bool is_routing = false;
 };
 
 OpTraits classifyOp(const c10::OperatorHandle& op);

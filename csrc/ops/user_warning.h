@@ -14,8 +14,7 @@ namespace sac {
 // user's policy, so they are issued verbatim and with no file: torch's handler then calls
 // PyErr_WarnEx, which attributes the warning to the user's Python line that ran the op and
 // honours the user's warning filters.
-#define SAC_WARN_USER(...)                                                                       \
-  ::c10::warn(::c10::Warning(::c10::UserWarning(), {__func__, nullptr, 0}, ::c10::str(__VA_ARGS__), \
-                             /*verbatim=*/true))
+#define SAC_WARN_USER(...) \
+  ::c10::warn(::c10::Warning(::c10::UserWarning(), {__func__, nullptr, 0}, ::c10::str(__VA_ARGS__), /*verbatim=*/true))
 
 }  // namespace sac

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ops/op_resolution.h"
+#include "policy/unit_stack.h"
 
 namespace sac {
 namespace {
@@ -29,8 +30,8 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
     const OpEntry& entry = lookupOp(handle);
     const char* why = whyNeverKept(entry);
     // A collective is refused even inside an every-overload spelling: asking for it is a bug.
-    TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: ", field, ": '", spelling,
-                      "' names ", entry.traits.qualified_name, ", which ", why);
+    TORCH_CHECK_VALUE(why == nullptr || !entry.traits.is_collective, "sac: ", field, ": '", spelling, "' names ",
+                      entry.traits.qualified_name, ", which ", why);
     if (why == nullptr) {
       keepable.push_back(&entry);
     } else if (refusal.empty()) {
@@ -38,8 +39,8 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
     }
   }
   bool single_overload = !parseOpSpelling(spelling).every_overload;
-  TORCH_CHECK_VALUE(!keepable.empty() && (!single_overload || refusal.empty()), "sac: ", field, ": '",
-                    spelling, "' names ", refusal);
+  TORCH_CHECK_VALUE(!keepable.empty() && (!single_overload || refusal.empty()), "sac: ", field, ": '", spelling,
+                    "' names ", refusal);
   return keepable;
 }
 
@@ -58,6 +59,23 @@ std::vector<uint64_t> callIndices(const char* field, const std::string& spelling
 UnitId internUnitOf(const char* field, const std::string& unit) {
   TORCH_CHECK_VALUE(!unit.empty(), "sac: ", field, ": a unit name must be non-empty, e.g. 'attn' or 'moe_gate'");
   return internUnit(unit);
+}
+
+// Adds a name or a pattern to one of the policy's unit lists. Patterns are not interned: they
+// name no unit of their own, and a config may hold many.
+void addUnit(const char* field, const std::string& unit, UnitList& list) {
+  if (!isUnitPattern(unit)) {
+    list.add(internUnitOf(field, unit));
+    return;
+  }
+  TORCH_CHECK_VALUE(unit.size() <= kMaxUnitNameLength && unit.find('\0') == std::string::npos, "sac: ", field,
+                    ": a unit pattern has at most ", kMaxUnitNameLength, " characters and no NUL, got '",
+                    printableName(unit), "'");
+  if (!list.hasPattern(unit)) list.addPattern(unit);
+}
+
+bool bothName(const UnitList& kept, const std::string& unit) {
+  return isUnitPattern(unit) ? kept.hasPattern(unit) : kept.namesExactly(internUnit(unit));
 }
 
 }  // namespace
@@ -83,12 +101,12 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
     for (const OpEntry* entry : resolveKeptSpelling("kept_calls", spelling)) {
       // One rule per overload: a kept-calls list beside kept_ops or an every-nth rule for the
       // same overload would make one of them meaningless.
-      const char* other = policy->kept_ops_.count(entry) > 0      ? "kept_ops"
-                          : policy->every_nth_.count(entry) > 0   ? "every_nth_op"
+      const char* other = policy->kept_ops_.count(entry) > 0     ? "kept_ops"
+                          : policy->every_nth_.count(entry) > 0  ? "every_nth_op"
                           : policy->kept_calls_.count(entry) > 0 ? "kept_calls (another spelling)"
                                                                  : nullptr;
-      TORCH_CHECK_VALUE(other == nullptr, "sac: kept_calls: '", spelling, "' names ",
-                        entry->traits.qualified_name, ", which ", other,
+      TORCH_CHECK_VALUE(other == nullptr, "sac: kept_calls: '", spelling, "' names ", entry->traits.qualified_name,
+                        ", which ", other,
                         " already names; give each op one rule (kept_ops, every_nth_op or kept_calls)");
       policy->kept_calls_.emplace(entry, sorted);
     }
@@ -100,8 +118,8 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
                         entry->traits.qualified_name,
                         ", which is a view; a view holds no memory of its own, so offloading it frees nothing "
                         "(name it in kept_ops, or offload the op that makes its base)");
-      const char* other = policy->kept_ops_.count(entry) > 0      ? "kept_ops"
-                          : policy->every_nth_.count(entry) > 0   ? "every_nth_op"
+      const char* other = policy->kept_ops_.count(entry) > 0     ? "kept_ops"
+                          : policy->every_nth_.count(entry) > 0  ? "every_nth_op"
                           : policy->kept_calls_.count(entry) > 0 ? "kept_calls"
                                                                  : nullptr;
       TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_ops: '", spelling, "' names ", entry->traits.qualified_name,
@@ -122,8 +140,8 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
                           : policy->offloaded_ops_.count(entry) > 0   ? "offloaded_ops"
                           : policy->offloaded_calls_.count(entry) > 0 ? "offloaded_calls (another spelling)"
                                                                       : nullptr;
-      TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_calls: '", spelling, "' names ",
-                        entry->traits.qualified_name, ", which ", other,
+      TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_calls: '", spelling, "' names ", entry->traits.qualified_name,
+                        ", which ", other,
                         " already names; give each op one rule (kept_calls and offloaded_calls may share an op)");
       for (uint64_t index : sorted) {
         TORCH_CHECK_VALUE(!policy->keptCallIndex(*entry, index), "sac: offloaded_calls: '", spelling, "' lists call ",
@@ -139,16 +157,16 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
                     spec.host_memory_limit);
   policy->offload_min_bytes_ = spec.offload_min_bytes;
   policy->host_memory_limit_ = spec.host_memory_limit;
-  for (const std::string& unit : spec.kept_units) policy->kept_units_.insert(internUnitOf("kept_units", unit));
+  for (const std::string& unit : spec.kept_units) addUnit("kept_units", unit, policy->kept_units_);
   for (const std::string& unit : spec.offloaded_units) {
-    UnitId id = internUnitOf("offloaded_units", unit);
-    TORCH_CHECK_VALUE(policy->kept_units_.count(id) == 0, "sac: offloaded_units: '", unit,
+    TORCH_CHECK_VALUE(unit.empty() || !bothName(policy->kept_units_, unit), "sac: offloaded_units: '", unit,
                       "' is in kept_units too; a unit is kept or offloaded, not both");
-    policy->offloaded_units_.insert(id);
+    addUnit("offloaded_units", unit, policy->offloaded_units_);
   }
   for (const std::string& unit : spec.recomputed_units) {
-    policy->recomputed_units_.insert(internUnitOf("recomputed_units", unit));
+    addUnit("recomputed_units", unit, policy->recomputed_units_);
   }
+  policy->pin_routing_ = spec.pin_routing;
   return policy;
 }
 
@@ -179,19 +197,24 @@ Decision recomputed(Reason reason) {
 //      - an uninitialised allocation (empty, empty_like, ...: garbage until its first write,
 //        which would demote the kept output anyway);
 //      - a call that casts a parameter (NOTE: [Autocast's weight casts] in op_traits.h).
-//   2. Recomputed inside a recomputed unit: any open recomputed unit wins over every selection.
-//   3. Selected, by the first that holds: the op is in the kept-op (offloaded-op) set; the call's
+//   2. Kept, under a policy that selects anything: a call that routes tokens or copies a value
+//      to the host (NOTE: [Routing is served from the forward], below), unless the policy opts
+//      out (pin_routing = false).
+//   3. Recomputed inside a recomputed unit: any open recomputed unit wins over every selection.
+//   4. Selected, by the first that holds: the op is in the kept-op (offloaded-op) set; the call's
 //      index is a multiple of the op's every-nth n; the call's index is in the op's kept-call
 //      (offloaded-call) list (indices count the region's forward calls of the op outside
-//      recomputed units: countsCalls); the call runs inside a kept (offloaded) unit, the
-//      innermost such unit open deciding. Anything else is not selected and recomputed. A call
+//      recomputed units: countsCalls); the call runs inside a kept (offloaded) unit, or inside a
+//      torch_remat region with recompute=False that no list names, the innermost such unit or
+//      region deciding (a region with recompute=True decides too: not selected; see
+//      innermostSelectingUnit). Anything else is not selected and recomputed. A call
 //      selected by an offload rule is offloaded, by a keep rule kept.
-//   4. A selected call is still recomputed when it draws random numbers (the recompute must draw
+//   5. A selected call is still recomputed when it draws random numbers (the recompute must draw
 //      the same numbers in the same order), when it mutates an input (the recompute must apply
 //      the mutation again), and, when a kept unit selected it, when it is a view (free to
 //      recompute, and keeping one would pin its base). A named view is kept: the user asked.
 //   Otherwise the call is kept (offloaded). Offloading is how an output is held, not whether:
-//   the vetoes of 1, 2 and 4 are the same for both, and where an output cannot be offloaded (it
+//   the vetoes of 1, 3 and 5 are the same for both, and where an output cannot be offloaded (it
 //   is on the CPU, smaller than offload_min_bytes, past host_memory_limit) the region keeps it
 //   on its device (NOTE: [Offloading kept outputs] in dispatch/offload.cpp).
 // Declarations ask the same rule: naming an op whose every call the rule recomputes is refused
@@ -205,9 +228,19 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   if (traits.never_counts) return recomputed(Reason::kNeverCounted);
   if (traits.is_uninitialised_allocation) return recomputed(Reason::kUninitialisedAllocation);
   if (call.casts_a_parameter) return recomputed(Reason::kParameterCast);
-  // 2.
-  if (insideRecomputedUnit(open_units)) return recomputed(Reason::kInsideRecomputedUnit);
+  // 2. After the vetoes of 1, which no routing call meets except a cast of a parameter to the CPU
+  // (whose input is always at hand), and before the units of 3: a recomputed unit recomputes
+  // the experts, never the choice of them.
+  if (call.routes_tokens && pin_routing_ && !keepsNothing()) {
+    Decision decision;
+    decision.outcome = Outcome::kKeep;
+    decision.reason = Reason::kRoutesTokens;
+    decision.held = true;
+    return decision;
+  }
   // 3.
+  if (insideRecomputedUnit(open_units)) return recomputed(Reason::kInsideRecomputedUnit);
+  // 4.
   Reason selected = Reason::kKeptUnit;
   UnitId unit = kNoUnit;
   if (kept_ops_.count(&op) > 0) {
@@ -222,12 +255,12 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
     selected = Reason::kOffloadedCallIndex;
   } else if ((unit = innermostSelectingUnit(open_units)) == kNoUnit) {
     return recomputed(Reason::kNotSelected);
-  } else if (offloaded_units_.count(unit) > 0) {
+  } else if (offloaded_units_.names(unit)) {
     selected = Reason::kOffloadedUnit;
   }
-  const bool offload = selected == Reason::kOffloadedOp || selected == Reason::kOffloadedCallIndex ||
-                       selected == Reason::kOffloadedUnit;
-  // 4.
+  const bool offload =
+      selected == Reason::kOffloadedOp || selected == Reason::kOffloadedCallIndex || selected == Reason::kOffloadedUnit;
+  // 5.
   Decision decision;
   decision.unit = unit;
   decision.mutating_in_kept_unit = unit != kNoUnit && traits.mutates_inputs;
@@ -246,6 +279,16 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   return decision;
 }
 
+// NOTE: [Routing is served from the forward]
+// A router is not bitwise repeatable where its reductions are not (split-K matmuls, atomics): a
+// near-tie that the forward broke one way the recompute may break the other, and then sends
+// tokens to other experts. Where the expert counts change, torch's checkpoint fails on tensor
+// shapes; where they do not, the gradients are silently wrong. So under any policy that selects
+// something, the calls that decide the routing, and the copies that bring a device value to the
+// host (which would also make the recompute wait on the device), are kept whatever the units
+// say: routesTokens in ops/routing.h lists them. They cost little (tokens x k integers, a few
+// scalars). PolicySpec::pin_routing = false opts out: the routing is then recomputed like any
+// other call, and must repeat itself.
 Decision Policy::decideNamed(const OpEntry& op, const CallFacts& call) {
   Policy naming;
   naming.kept_ops_.insert(&op);
@@ -262,14 +305,6 @@ bool Policy::offloadedCallIndex(const OpEntry& op, uint64_t call_index) const {
   if (offloaded_calls_.empty()) return false;
   auto rule = offloaded_calls_.find(&op);
   return rule != offloaded_calls_.end() && std::binary_search(rule->second.begin(), rule->second.end(), call_index);
-}
-
-bool Policy::reserveHostBytes(int64_t bytes) const {
-  int64_t held = host_bytes_held_.load(std::memory_order_relaxed);
-  do {
-    if (host_memory_limit_ >= 0 && held + bytes > host_memory_limit_) return false;
-  } while (!host_bytes_held_.compare_exchange_weak(held, held + bytes, std::memory_order_relaxed));
-  return true;
 }
 
 const char* reasonText(Reason reason) {
@@ -306,6 +341,8 @@ const char* reasonText(Reason reason) {
       return "offloaded call index";
     case Reason::kOffloadedUnit:
       return "offloaded unit";
+    case Reason::kRoutesTokens:
+      return "routes tokens";
   }
   return "unknown reason";
 }
@@ -335,20 +372,51 @@ Decision CallDecider::decide(const OpEntry& op, Pass pass, const std::vector<Uni
   return policy_->decide(op, open_units, call);
 }
 
+bool isUnitPattern(const std::string& name) { return name.find('*') != std::string::npos; }
 
-std::vector<std::string> Policy::keptUnitNames() const {
-  std::vector<std::string> names;
-  for (UnitId unit : kept_units_) names.push_back(unitName(unit));
+bool unitPatternMatches(const std::string& pattern, const std::string& name) {
+  // Greedy wildcard matching with one backtrack point: linear in practice, never exponential.
+  size_t p = 0, n = 0, star = std::string::npos, resume = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (star != std::string::npos) {
+      p = star + 1;
+      n = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+bool UnitList::matchesPattern(UnitId unit) const {
+  const std::string& name = unitName(unit);
+  for (const std::string& pattern : patterns_) {
+    if (unitPatternMatches(pattern, name)) return true;
+  }
+  return false;
+}
+
+bool UnitList::hasPattern(const std::string& pattern) const {
+  return std::find(patterns_.begin(), patterns_.end(), pattern) != patterns_.end();
+}
+
+std::vector<std::string> UnitList::sortedNames() const {
+  std::vector<std::string> names(patterns_.begin(), patterns_.end());
+  for (UnitId unit : units_) names.push_back(unitName(unit));
   std::sort(names.begin(), names.end());
   return names;
 }
 
-std::vector<std::string> Policy::recomputedUnitNames() const {
-  std::vector<std::string> names;
-  for (UnitId unit : recomputed_units_) names.push_back(unitName(unit));
-  std::sort(names.begin(), names.end());
-  return names;
-}
+std::vector<std::string> Policy::keptUnitNames() const { return kept_units_.sortedNames(); }
+
+std::vector<std::string> Policy::recomputedUnitNames() const { return recomputed_units_.sortedNames(); }
 
 std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
   std::vector<std::pair<std::string, int64_t>> rules;
@@ -356,7 +424,6 @@ std::vector<std::pair<std::string, int64_t>> Policy::everyNthOps() const {
   std::sort(rules.begin(), rules.end());
   return rules;
 }
-
 
 namespace {
 
@@ -385,26 +452,10 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::keptCalls() co
   return sortedCallRules(kept_calls_);
 }
 
-std::vector<std::string> Policy::offloadedUnitNames() const {
-  std::vector<std::string> names;
-  for (UnitId unit : offloaded_units_) names.push_back(unitName(unit));
-  std::sort(names.begin(), names.end());
-  return names;
-}
+std::vector<std::string> Policy::offloadedUnitNames() const { return offloaded_units_.sortedNames(); }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> Policy::offloadedCalls() const {
   return sortedCallRules(offloaded_calls_);
-}
-
-void Policy::noteNeverReached(const OpEntry& op, uint32_t ordinal) const {
-  std::lock_guard<std::mutex> lock(warned_mutex_);
-  never_reached_.insert({&op, ordinal});
-  any_never_reached_.store(true, std::memory_order_release);
-}
-
-bool Policy::claimWarning(const OpEntry& op) const {
-  std::lock_guard<std::mutex> lock(warned_mutex_);
-  return warned_.insert(&op).second;
 }
 
 std::vector<std::string> resolvableOpNames(const std::vector<std::string>& names) {

@@ -5,16 +5,15 @@
 // keep rule to one call, and is the only place the rule is written: NOTE: [The keep rule] in
 // policy.cpp (docs/semantics.md states it for users).
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "ops/hash_containers.h"
 #include "ops/op_catalog.h"
+#include "ops/routing.h"  // CallFacts::routes_tokens: the callers that set it include only this header
 #include "policy/unit_stack.h"
 
 namespace sac {
@@ -31,26 +30,28 @@ enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1, kOffload = 2 };
 // (sac_plugin/_rule.py): append new reasons, never renumber.
 enum class Reason : uint8_t {
   // Kept: the call is selected, and nothing vetoes it.
-  kKeptOp = 0,          // its overload is in the kept-op set
-  kEveryNthCall = 1,    // its index is a multiple of its op's every-nth n
-  kKeptCallIndex = 2,   // its index is in its op's kept-call list
-  kKeptUnit = 3,        // it runs inside a kept unit
+  kKeptOp = 0,         // its overload is in the kept-op set
+  kEveryNthCall = 1,   // its index is a multiple of its op's every-nth n
+  kKeptCallIndex = 2,  // its index is in its op's kept-call list
+  kKeptUnit = 3,       // it runs inside a kept unit
   // Recomputed.
   kCollective = 4,
-  kNeverCounted = 5,               // metadata, detach, profiler or sac bookkeeping
-  kRandomDraw = 6,                 // the call draws from a generator
-  kMutatesInput = 7,               // selected (by a kept unit) but writes an input
-  kViewInKeptUnit = 8,             // a view selected by a kept unit
-  kParameterCast = 9,              // NOTE: [Autocast's weight casts] in op_traits.h
-  kUninitialisedAllocation = 10,   // OpTraits::is_uninitialised_allocation
+  kNeverCounted = 5,              // metadata, detach, profiler or sac bookkeeping
+  kRandomDraw = 6,                // the call draws from a generator
+  kMutatesInput = 7,              // selected (by a kept unit) but writes an input
+  kViewInKeptUnit = 8,            // a view selected by a kept unit
+  kParameterCast = 9,             // NOTE: [Autocast's weight casts] in op_traits.h
+  kUninitialisedAllocation = 10,  // OpTraits::is_uninitialised_allocation
   kInsideRecomputedUnit = 11,
   kNotSelected = 12,
   // Offloaded: selected by an offload rule, and nothing vetoes it.
   kOffloadedOp = 13,         // its overload is in the offloaded-op set
   kOffloadedCallIndex = 14,  // its index is in its op's offloaded-call list
   kOffloadedUnit = 15,       // it runs inside an offloaded unit
+  // Kept: NOTE: [Routing is served from the forward] in policy.cpp.
+  kRoutesTokens = 16,
 };
-inline constexpr int kNumReasons = 16;
+inline constexpr int kNumReasons = 17;
 
 // A short label ("mutates an input", "kept unit"), as call profiles and Python report it;
 // "unknown reason" for a value that is no Reason.
@@ -68,12 +69,15 @@ struct Decision {
   // The kept or offloaded unit that selected the call (kNoUnit when selected by op or not
   // selected).
   UnitId unit = kNoUnit;
-  // Worth a warning, once per policy and op: a mutating op selected by a kept unit, and a call
+  // Worth a warning, once per checkpoint site and op: a mutating op selected by a kept unit, and a call
   // of a selected op that draws random numbers only in some calls (attention with dropout_p > 0).
   bool mutating_in_kept_unit = false;
   bool random_call_of_kept_op = false;
 };
 
+// Unit names in a policy's lists are names ('attn', 'layers.0.attention') or patterns, where
+// each '*' matches any run of characters, dots and slashes included, and every other character
+// matches itself, as torchtitan's region patterns do ('*', '*routed_experts.w13.*').
 struct PolicySpec {
   std::vector<std::string> kept_ops;
   std::vector<std::string> kept_units;
@@ -96,9 +100,38 @@ struct PolicySpec {
   std::vector<std::pair<std::string, std::vector<int64_t>>> offloaded_calls;
   // A call whose outputs take fewer bytes is kept on the device rather than offloaded.
   int64_t offload_min_bytes = int64_t{1} << 20;
-  // Host bytes the policy's offloaded outputs may hold at once (-1: no limit); past it, offloaded
-  // calls are kept on the device.
+  // The most pinned host bytes the offload pool may hold, in use and cached, when a call of this
+  // policy offloads (-1: no limit); past it (after freeing idle buffers), the call is kept on the
+  // device (NOTE: [A bounded pinned pool] in dispatch/offload.cpp).
   int64_t host_memory_limit = -1;
+  // NOTE: [Routing is served from the forward] in policy.cpp; false opts out.
+  bool pin_routing = true;
+};
+
+// Whether a unit name is a pattern ('*' in it) rather than a name.
+bool isUnitPattern(const std::string& name);
+// Whether `name` matches `pattern` (see PolicySpec).
+bool unitPatternMatches(const std::string& pattern, const std::string& name);
+
+// A policy's list of units: interned names, and patterns matched against an open unit's name.
+class UnitList {
+ public:
+  void add(UnitId unit) { units_.insert(unit); }
+  void addPattern(const std::string& pattern) { patterns_.push_back(pattern); }
+  bool empty() const { return units_.empty() && patterns_.empty(); }
+  // Whether the list names `unit` (a base id, see baseUnit) exactly or by a pattern.
+  bool names(UnitId unit) const {
+    if (units_.count(unit) > 0) return true;
+    return !patterns_.empty() && matchesPattern(unit);
+  }
+  bool namesExactly(UnitId unit) const { return units_.count(unit) > 0; }
+  bool hasPattern(const std::string& pattern) const;
+  std::vector<std::string> sortedNames() const;  // names and patterns
+
+ private:
+  bool matchesPattern(UnitId unit) const;
+  HashSet<UnitId> units_;
+  std::vector<std::string> patterns_;
 };
 
 // What the caller knows about one call beyond the op itself.
@@ -110,13 +143,18 @@ struct CallFacts {
   uint64_t call_index = 0;
   // The call casts a parameter (castsAParameter).
   bool casts_a_parameter = false;
+  // The call routes tokens or copies a value to the host (routesTokens in ops/routing.h).
+  bool routes_tokens = false;
 };
 
+// A Policy is a value: what it selects, immutable once created, and nothing the runtime learns
+// while running it (that belongs to a checkpoint site: NOTE: [What a site learns] in
+// dispatch/site.h).
 class Policy {
  public:
   // Throws c10::ValueError naming the offending entry: an unknown op (with the closest
   // registered names), an op the keep rule never keeps (a collective, a random, mutating or
-  // never-counted op, an uninitialised allocation), an empty unit name, n < 1, two
+  // never-counted op, an uninitialised allocation), an empty unit name or pattern, n < 1, two
   // every-nth rules that give one overload different n, a negative call index, an overload
   // named by more than one rule (kept_calls and offloaded_calls may share one, with disjoint
   // indices), a view named for offload, a unit both kept and offloaded, a negative byte count.
@@ -132,9 +170,10 @@ class Policy {
   // it keeps.
   static Decision decideNamed(const OpEntry& op, const CallFacts& call);
 
+  // Nothing is selected by op, call or unit. Region openings with recompute=False select only
+  // under a policy that selects something: a policy that selects nothing is full recompute.
   bool keepsNothing() const {
-    return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty() &&
-           offloadsNothing();
+    return kept_ops_.empty() && kept_units_.empty() && every_nth_.empty() && kept_calls_.empty() && offloadsNothing();
   }
   bool offloadsNothing() const {
     return offloaded_ops_.empty() && offloaded_units_.empty() && offloaded_calls_.empty();
@@ -152,11 +191,16 @@ class Policy {
     }
     return !insideRecomputedUnit(open_units);
   }
-  // The innermost open unit that is a kept or an offloaded unit, or kNoUnit.
+  // The unit (its base id) that selects a call by the units open around it, or kNoUnit: the
+  // innermost open unit that the policy keeps or offloads, or that is a region opening with
+  // recompute=False which no list names. A region opening with recompute=True which no list
+  // names ends the search: the innermost region that decides for itself decides (NOTE: [Region
+  // openings carry their flag] in unit_stack.h; torch_remat nests regions the same way).
   UnitId innermostSelectingUnit(const std::vector<UnitId>& open_units) const {
-    if (kept_units_.empty() && offloaded_units_.empty()) return kNoUnit;
     for (auto it = open_units.rbegin(); it != open_units.rend(); ++it) {
-      if (kept_units_.count(*it) > 0 || offloaded_units_.count(*it) > 0) return *it;
+      const UnitId unit = baseUnit(*it);
+      if (kept_units_.names(unit) || offloaded_units_.names(unit)) return unit;
+      if (isRegionOpening(*it) && !recomputed_units_.names(unit)) return regionRecomputes(*it) ? kNoUnit : unit;
     }
     return kNoUnit;
   }
@@ -164,10 +208,12 @@ class Policy {
   bool insideRecomputedUnit(const std::vector<UnitId>& open_units) const {
     if (recomputed_units_.empty()) return false;
     for (UnitId unit : open_units) {
-      if (recomputed_units_.count(unit) > 0) return true;
+      if (recomputed_units_.names(baseUnit(unit))) return true;
     }
     return false;
   }
+  // NOTE: [Routing is served from the forward] (policy.cpp).
+  bool pinsRouting() const { return pin_routing_; }
   // n of the op's every-nth rule, or 0: the caller then need not count its calls. Stored as
   // given (any n >= 1 that fits int64): an n beyond the calls a region makes keeps only the first.
   uint64_t everyNth(const OpEntry& op) const {
@@ -180,14 +226,14 @@ class Policy {
     return kept_ops_.count(&op) > 0 || everyNth(op) > 0 || (!kept_calls_.empty() && kept_calls_.count(&op) > 0) ||
            (!offloadsNothing() && (offloaded_ops_.count(&op) > 0 || offloaded_calls_.count(&op) > 0));
   }
-  std::vector<std::string> keptOpNames() const;   // sorted qualified overload names
-  std::vector<std::string> keptUnitNames() const;  // sorted
-  std::vector<std::string> recomputedUnitNames() const;  // sorted
+  std::vector<std::string> keptOpNames() const;                      // sorted qualified overload names
+  std::vector<std::string> keptUnitNames() const;                    // sorted
+  std::vector<std::string> recomputedUnitNames() const;              // sorted
   std::vector<std::pair<std::string, int64_t>> everyNthOps() const;  // sorted by op
   // Sorted by op; each op's indices ascending, without repeats.
   std::vector<std::pair<std::string, std::vector<int64_t>>> keptCalls() const;
-  std::vector<std::string> offloadedOpNames() const;    // sorted qualified overload names
-  std::vector<std::string> offloadedUnitNames() const;  // sorted
+  std::vector<std::string> offloadedOpNames() const;                                 // sorted qualified overload names
+  std::vector<std::string> offloadedUnitNames() const;                               // sorted
   std::vector<std::pair<std::string, std::vector<int64_t>>> offloadedCalls() const;  // as keptCalls
 
   // Whether the op has a kept-calls rule that lists this index.
@@ -196,58 +242,22 @@ class Policy {
 
   int64_t offloadMinBytes() const { return offload_min_bytes_; }
   int64_t hostMemoryLimit() const { return host_memory_limit_; }  // -1: none
-  // Host bytes this policy's offloaded outputs hold now. reserveHostBytes takes `bytes` and
-  // returns true unless that would pass host_memory_limit; releaseHostBytes gives them back.
-  int64_t hostBytesHeld() const { return host_bytes_held_.load(std::memory_order_relaxed); }
-  bool reserveHostBytes(int64_t bytes) const;
-  void releaseHostBytes(int64_t bytes) const { host_bytes_held_.fetch_sub(bytes, std::memory_order_relaxed); }
-  // True once per policy and reason: the caller says then why an offloaded call stays on the
-  // device (it runs on the CPU; the host-memory limit is reached).
-  enum class OffloadNotice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2 };
-  bool claimOffloadNotice(OffloadNotice notice) const {
-    return (offload_notices_.fetch_or(uint8_t{1} << static_cast<int>(notice)) &
-            (uint8_t{1} << static_cast<int>(notice))) == 0;
-  }
-
-  // True once per policy and op: the caller warns then.
-  bool claimWarning(const OpEntry& op) const;
-
-  // NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp). The calls, as (op,
-  // 1-based ordinal among the region's kept calls of the op), that a region of this policy kept
-  // although torch's early stop ended its recompute before them: later regions do not hold them.
-  void noteNeverReached(const OpEntry& op, uint32_t ordinal) const;
-  bool neverReached(const OpEntry& op, uint32_t ordinal) const {
-    if (!any_never_reached_.load(std::memory_order_acquire)) return false;
-    std::lock_guard<std::mutex> lock(warned_mutex_);
-    return never_reached_.count({&op, ordinal}) > 0;
-  }
-
-  // How many calls a forward of a region with this policy named last time: a sizing hint for
-  // the next region's data-flow tables (relaxed: any recent value will do).
-  size_t callsPerPassHint() const { return calls_per_pass_hint_.load(std::memory_order_relaxed); }
-  void noteCallsPerPass(size_t calls) const { calls_per_pass_hint_.store(calls, std::memory_order_relaxed); }
 
  private:
   Policy() = default;
 
   HashSet<const OpEntry*> kept_ops_;
-  HashSet<UnitId> kept_units_;
+  UnitList kept_units_;
   HashMap<const OpEntry*, uint64_t> every_nth_;
   // Each op's kept call indices, ascending and unique (binary search per counted call).
   HashMap<const OpEntry*, std::vector<uint64_t>> kept_calls_;
-  HashSet<UnitId> recomputed_units_;
+  UnitList recomputed_units_;
   HashSet<const OpEntry*> offloaded_ops_;
-  HashSet<UnitId> offloaded_units_;
+  UnitList offloaded_units_;
   HashMap<const OpEntry*, std::vector<uint64_t>> offloaded_calls_;
   int64_t offload_min_bytes_ = int64_t{1} << 20;
   int64_t host_memory_limit_ = -1;
-  mutable std::atomic<int64_t> host_bytes_held_{0};
-  mutable std::atomic<uint8_t> offload_notices_{0};
-  mutable std::atomic<size_t> calls_per_pass_hint_{0};
-  mutable std::mutex warned_mutex_;  // guards warned_ and never_reached_
-  mutable HashSet<const OpEntry*> warned_;
-  mutable HashSet<std::pair<const OpEntry*, uint32_t>> never_reached_;
-  mutable std::atomic<bool> any_never_reached_{false};
+  bool pin_routing_ = true;
 };
 
 // The two passes of a region, each counting its own call indices.

@@ -31,14 +31,14 @@ UnitId internUnit(const std::string& name) {
   TORCH_CHECK_VALUE(name.size() <= kMaxUnitNameLength, "sac: a recompute unit name has at most ", kMaxUnitNameLength,
                     " characters (names are kept for the life of the process), got one of ", name.size(), ": '",
                     printableName(name), "'");
-  TORCH_CHECK_VALUE(name.find('\0') == std::string::npos, "sac: a recompute unit name cannot contain a NUL character, got '",
-                    printableName(name), "'");
+  TORCH_CHECK_VALUE(name.find('\0') == std::string::npos,
+                    "sac: a recompute unit name cannot contain a NUL character, got '", printableName(name), "'");
   UnitNames& table = unitNames();
   std::lock_guard<std::mutex> lock(table.mutex);
   auto it = table.ids.find(name);
   if (it != table.ids.end()) return it->second;
-  TORCH_CHECK_VALUE(table.names.size() < table.limit, "sac: recompute unit '", printableName(name),
-                    "' is refused: this process already holds ", table.limit,
+  TORCH_CHECK_VALUE(table.names.size() < table.limit && table.names.size() < kUnitIdMask, "sac: recompute unit '",
+                    printableName(name), "' is refused: this process already holds ", table.limit,
                     " distinct unit names, the limit (names are kept for the life of the process). Unit names are a "
                     "small vocabulary such as 'attn' or 'moe_gate', not per-call values");
   UnitId id = static_cast<UnitId>(table.names.size());
@@ -70,7 +70,7 @@ size_t setMaxInternedUnitsForTesting(size_t limit) {
 const std::string& unitName(UnitId unit) {
   UnitNames& table = unitNames();
   std::lock_guard<std::mutex> lock(table.mutex);
-  return table.names.at(unit);
+  return table.names.at(baseUnit(unit));
 }
 
 UnitStack& UnitStack::current() {
@@ -84,24 +84,20 @@ size_t UnitStack::push(UnitId unit) {
 }
 
 void UnitStack::pop(UnitId unit, size_t depth) {
-  TORCH_CHECK(depth == units_.size() && !units_.empty() && units_.back() == unit,
-              "sac: recompute unit '", unitName(unit), "' (opened at depth ", depth,
-              ") closed out of order: the innermost open unit is ",
-              units_.empty() ? std::string("none") : "'" + unitName(units_.back()) + "'",
-              " at depth ", units_.size(), "; units must close in the reverse order they opened");
+  TORCH_CHECK(depth == units_.size() && !units_.empty() && units_.back() == unit, "sac: recompute unit '",
+              unitName(unit), "' (opened at depth ", depth, ") closed out of order: the innermost open unit is ",
+              units_.empty() ? std::string("none") : "'" + unitName(units_.back()) + "'", " at depth ", units_.size(),
+              "; units must close in the reverse order they opened");
   units_.pop_back();
 }
 
-void UnitStack::pushAll(const std::vector<UnitId>& units) {
-  units_.insert(units_.end(), units.begin(), units.end());
-}
+void UnitStack::pushAll(const std::vector<UnitId>& units) { units_.insert(units_.end(), units.begin(), units.end()); }
 
 void UnitStack::truncate(size_t depth) {
   if (depth < units_.size()) units_.resize(depth);
 }
 
-UnitScope::UnitScope(const std::string& name)
-    : unit_(internUnit(name)), depth_(UnitStack::current().push(unit_)) {}
+UnitScope::UnitScope(const std::string& name) : unit_(internUnit(name)), depth_(UnitStack::current().push(unit_)) {}
 
 UnitScope::~UnitScope() { UnitStack::current().truncate(depth_ - 1); }
 

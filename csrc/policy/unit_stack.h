@@ -12,12 +12,31 @@ namespace sac {
 
 using UnitId = uint32_t;
 
+// NOTE: [Region openings carry their flag]
+// A torch_remat region (`torch_remat.region(fn, name, recompute=...)`) is a unit that says
+// itself whether it keeps: recompute=False keeps its calls unless the policy names the unit,
+// recompute=True recomputes them. The flag belongs to the opening, not to the name, and the
+// recompute re-opens the forward's units by id (UnitStack::pushAll), so the flag travels in the
+// id: bit 29 marks a region opening, bit 30 its recompute=True. Interned names stay far below
+// bit 29 (maxInternedUnits), and kNoUnit (all bits set) is never an opening. unitName and the
+// policy read the name's id through baseUnit.
+inline constexpr uint32_t kRegionOpeningBit = uint32_t{1} << 29;
+inline constexpr uint32_t kRegionRecomputesBit = uint32_t{1} << 30;
+inline constexpr uint32_t kUnitIdMask = kRegionOpeningBit - 1;
+inline UnitId regionOpening(UnitId unit, bool recompute) {
+  return (unit & kUnitIdMask) | kRegionOpeningBit | (recompute ? kRegionRecomputesBit : 0);
+}
+inline UnitId baseUnit(UnitId unit) { return unit & kUnitIdMask; }
+inline bool isRegionOpening(UnitId unit) { return (unit & kRegionOpeningBit) != 0 && (unit >> 31) == 0; }
+inline bool regionRecomputes(UnitId unit) { return (unit & kRegionRecomputesBit) != 0; }
+
 // Unit names are interned once, for the life of the process; the hot path compares small
 // integers. Because they are never freed, names are bounded: at most kMaxUnitNameLength
 // characters, no NUL, and at most maxInternedUnits() distinct names (a vocabulary such as
 // 'attn', 'moe_gate', not per-call values). internUnit throws c10::ValueError otherwise.
 inline constexpr size_t kMaxUnitNameLength = 256;
 UnitId internUnit(const std::string& name);
+// The name of a unit, or of the unit a region opening opens.
 const std::string& unitName(UnitId unit);
 size_t internedUnitCount();
 size_t maxInternedUnits();

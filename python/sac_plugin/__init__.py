@@ -17,7 +17,7 @@ from .checkpointing import (  # noqa: E402
     torch_policy_fn,
 )
 from .config import ConfigError, RecomputeConfig  # noqa: E402
-from .planner import Plan, PlanError, plan  # noqa: E402
+from .planner import Plan, PlanError, StepPlan, plan, plan_step  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
 from ._report import Report, TraceEntry, install_oom_observer, report, trace  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap  # noqa: E402
@@ -37,6 +37,7 @@ __all__ = [
     "RecomputeUnit",
     "Region",
     "Report",
+    "StepPlan",
     "TraceEntry",
     "__version__",
     "apply_recompute_config",
@@ -49,6 +50,7 @@ __all__ = [
     "interception_path",
     "open_units",
     "plan",
+    "plan_step",
     "recompute_unit",
     "remove_checkpointing",
     "report",

@@ -1,8 +1,11 @@
 """python -m sac_plugin plan --model llama|moe --budget 0.3 [--offload] [--plot plan.png] [--save plan.json]
+python -m sac_plugin plan --model llama|moe --peak 8GiB --device cuda [--layers 4] [--offload] [--save step.json]
 
-Profiles one reference decoder layer (sac_plugin.models) on CPU or --device, plans it within the
-budget (keep or recompute per call; keep, offload or recompute with --offload) and prints the
-plan's table and its Pareto curve."""
+With --budget, profiles one reference decoder layer (sac_plugin.models) on CPU or --device, plans
+it within the budget (keep or recompute per call; keep, offload or recompute with --offload) and
+prints the plan's table and its Pareto curve. With --peak, plans a training step of a reference
+decoder of --layers layers on the --device accelerator so that its measured peak stays within
+the bytes given (sac_plugin.plan_step) and prints the step plan's table."""
 
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ def _budget(text: str):
     try:
         return int(text) if text.isdigit() else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a fraction from 0.0 to 1.0 or a byte count, got {bounded_repr(text)}") from None
+        raise argparse.ArgumentTypeError(
+            f"a fraction from 0.0 to 1.0 or a byte count, got {bounded_repr(text)}"
+        ) from None
 
 
 def _bytes_per_second(text: str) -> float:
@@ -38,6 +43,33 @@ def _bytes_per_second(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"bytes per second, a number > 0, got {bounded_repr(text)}")
     return value
+
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def _peak_bytes(text: str) -> int:
+    """Bytes as an int or a number with a unit: 8GiB, 512MiB, 1.5GB, 4096."""
+    number = text.rstrip("BbKkMmGgTtIi")
+    unit = text[len(number) :].upper() or "B"
+    accepted = "bytes, an int >= 1 or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), such as 8GiB"
+    try:
+        value = int(number) if unit == "B" else float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{accepted}, got {bounded_repr(text)}") from None
+    if not (value >= 1 and value < 2**63):
+        raise argparse.ArgumentTypeError(f"{accepted}, got {bounded_repr(text)}")
+    return int(value)
 
 
 def _byte_count(text: str) -> int:
@@ -74,7 +106,9 @@ def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
         module = getattr(torch, device.type, None)
         available = getattr(module, "is_available", lambda: False)()
         if not available:
-            parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no {device.type} device available")
+            parser.error(
+                f"--device {args.device}: this torch ({torch.__version__}) has no {device.type} device available"
+            )
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))
@@ -85,13 +119,27 @@ def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sac_plugin", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sac_plugin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     plan_parser = commands.add_parser("plan", help="plan a reference layer within a memory budget")
     plan_parser.add_argument("--model", choices=["llama", "moe"], required=True)
-    plan_parser.add_argument("--budget", type=_budget, default=0.3,
-                             help="fraction of the layer's no-checkpointing activation bytes, or bytes (default 0.3)")
+    plan_parser.add_argument(
+        "--budget",
+        type=_budget,
+        help="fraction of the layer's no-checkpointing activation bytes, or bytes (default 0.3)",
+    )
+    plan_parser.add_argument(
+        "--peak",
+        type=_peak_bytes,
+        metavar="BYTES",
+        help="plan a training step whose device peak stays within these bytes (8GiB, 512MiB, "
+        "or an int), on an accelerator --device",
+    )
+    plan_parser.add_argument(
+        "--layers", type=_positive_int, default=4, help="decoder layers of the reference model --peak plans (default 4)"
+    )
     plan_parser.add_argument("--dim", type=_positive_int, default=256)
     plan_parser.add_argument("--heads", type=_positive_int, default=4)
     plan_parser.add_argument("--seq", type=_positive_int, default=256)
@@ -100,14 +148,24 @@ def main(argv=None) -> int:
     plan_parser.add_argument("--device", default="cpu")
     plan_parser.add_argument("--plot", help="write the Pareto curve as a PNG here (needs matplotlib)")
     plan_parser.add_argument("--save", help="write the plan as JSON here (Plan.load reads it)")
-    plan_parser.add_argument("--offload", action="store_true",
-                             help="choose keep, offload or recompute per call (docs/offload.md)")
-    plan_parser.add_argument("--offload-bandwidth", nargs=2, type=_bytes_per_second, metavar=("D2H", "H2D"),
-                             help="copy bandwidths in bytes/s (default: timed on the accelerator)")
-    plan_parser.add_argument("--host-memory-limit", type=_byte_count, metavar="BYTES",
-                             help="pinned host bytes the offloaded calls may hold")
+    plan_parser.add_argument(
+        "--offload", action="store_true", help="choose keep, offload or recompute per call (docs/offload.md)"
+    )
+    plan_parser.add_argument(
+        "--offload-bandwidth",
+        nargs=2,
+        type=_bytes_per_second,
+        metavar=("D2H", "H2D"),
+        help="copy bandwidths in bytes/s (default: timed on the accelerator)",
+    )
+    plan_parser.add_argument(
+        "--host-memory-limit", type=_byte_count, metavar="BYTES", help="pinned host bytes the offloaded calls may hold"
+    )
     args = parser.parse_args(argv)
     _check_arguments(parser, args)
+    if args.peak is not None:
+        return _plan_step(parser, args)
+    args.budget = 0.3 if args.budget is None else args.budget
     if not args.offload and (args.offload_bandwidth is not None or args.host_memory_limit is not None):
         parser.error("--offload-bandwidth and --host-memory-limit need --offload")
     offload = {}
@@ -134,6 +192,52 @@ def main(argv=None) -> int:
         print("saved", plan.save(args.save))
     if args.plot:
         print("plotted", plan.plot(args.plot, title=f"{args.model} layer, dim {args.dim}, seq {args.seq}"))
+    return 0
+
+
+def _plan_step(parser: argparse.ArgumentParser, args) -> int:
+    """--peak: a training step of a reference decoder planned by sac_plugin.plan_step."""
+    import torch
+    from . import plan_step
+    from .models import Llama, MoEModel
+
+    if args.budget is not None:
+        parser.error("--peak plans a whole training step and --budget one layer; give one of them")
+    if args.host_memory_limit is not None:
+        parser.error("--host-memory-limit applies to --budget; --peak plans without a host cap")
+    if not args.offload and args.offload_bandwidth is not None:
+        parser.error("--offload-bandwidth and --host-memory-limit need --offload")
+    if torch.device(args.device).type == "cpu":
+        parser.error(
+            "--peak measures the step's peak in the accelerator's memory statistics; --device cpu has "
+            "none (pass --device cuda, or another accelerator)"
+        )
+    torch.manual_seed(0)
+    model = (Llama if args.model == "llama" else MoEModel)(
+        vocab=512, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq
+    ).to(args.device)
+    tokens = torch.randint(512, (args.batch, args.seq), device=args.device)
+    targets = torch.randint(512, (args.batch, args.seq), device=args.device)
+    offload = {"offload": True} if args.offload else {}
+    if args.offload_bandwidth is not None:
+        offload["offload_bandwidth"] = tuple(args.offload_bandwidth)
+    try:
+        plan = plan_step(
+            model, lambda: model.loss(tokens, targets).backward(), peak_bytes=args.peak, runs=args.runs, **offload
+        )
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    print(
+        f"{args.model} model: {args.layers} layers, dim {args.dim}, heads {args.heads}, seq {args.seq}, "
+        f"batch {args.batch}, {args.device}"
+    )
+    print(plan.table())
+    if args.save:
+        print("saved", plan.save(args.save))
+    if args.plot:
+        print(
+            "plotted", plan.plot(args.plot, title=f"{args.model} model, {args.layers} layers, peak {args.peak} bytes")
+        )
     return 0
 
 

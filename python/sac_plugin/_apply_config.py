@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from . import _layers
-from .config import RecomputeConfig
+from .config import ConfigError, RecomputeConfig
 from .integrations import huggingface
 from .policy import describe_value
 from .targets import RecomputeTargetMap
@@ -19,9 +19,15 @@ from .targets import RecomputeTargetMap
 __all__ = ["apply_recompute_config"]
 
 
-def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
-                           example_inputs=None) -> nn.Module:
+def apply_recompute_config(
+    model: nn.Module,
+    config: RecomputeConfig | None = None,
+    *,
+    target_map: RecomputeTargetMap | None = None,
+    wrap_sites=None,
+    example_inputs=None,
+    step=None,
+) -> nn.Module:
     """Checkpoints the model's wrap sites (its decoder layers, dense or MoE) as `config` says.
 
     Units that resolve to callables are installed on each checkpointed layer; force-recomputed
@@ -35,9 +41,14 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
     budget is split over the layers to save the most recompute time (planner/split.py).
     Without them each layer is planned on its first call, within its own share of the budget.
     What was chosen is logged on logging.getLogger("sac_plugin").
+
+    With `config.peak_bytes`, `step` (a callable that runs one forward, loss and backward of the
+    model, called with no arguments) is planned by sac_plugin.plan_step over the selected layers.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}")
+        raise TypeError(
+            f"sac_plugin: apply_recompute_config: model must be a torch.nn.Module, got {describe_value(model)}"
+        )
     if config is not None and not isinstance(config, RecomputeConfig):
         hint = "; build one with RecomputeConfig.from_dict(...)" if isinstance(config, Mapping) else ""
         raise TypeError(
@@ -49,11 +60,20 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
             "sac_plugin: apply_recompute_config: target_map must be a RecomputeTargetMap or None, got "
             f"{describe_value(target_map)}"
         )
+    if step is not None and (config is None or config.peak_bytes is None):
+        raise ConfigError("apply_recompute_config: step is for planning a peak; the config sets no peak_bytes")
     if huggingface.is_hf_model(model):
+        if config is not None and config.peak_bytes is not None:
+            raise ConfigError(
+                "apply_recompute_config: peak_bytes is not planned for transformers models; call "
+                "sac_plugin.plan_step(model, step, peak_bytes=..., layers=[its decoder layers])"
+            )
         # transformers layers checkpoint themselves (and drop their KV cache when they do); the
         # adapter hands them the policy and finds the target map and the layers.
-        return huggingface.apply_recompute_config(model, config, target_map=target_map, wrap_sites=wrap_sites,
-                                                  example_inputs=example_inputs)
+        return huggingface.apply_recompute_config(
+            model, config, target_map=target_map, wrap_sites=wrap_sites, example_inputs=example_inputs
+        )
     config = RecomputeConfig() if config is None else config
-    return _layers.apply_to_layers(model, config, target_map=target_map, wrap_sites_given=wrap_sites,
-                                   example_inputs=example_inputs)
+    return _layers.apply_to_layers(
+        model, config, target_map=target_map, wrap_sites_given=wrap_sites, example_inputs=example_inputs, step=step
+    )

@@ -117,8 +117,10 @@ class Audit:
 
 
 def audit() -> Audit:
-    """A context manager that counts every op run while it is active, on every thread, by phase
-    (forward, recompute, backward), and the kept outputs served instead of running (hits).
+    """A context manager that counts every op run while it is active on this thread, by phase
+    (forward, recompute, backward), and the kept outputs served instead of running (hits). Another
+    thread's calls are not counted, except those autograd runs on its device threads, which belong
+    to whichever thread called backward() (NOTE: [Counts are their thread's]). Audits nest.
 
         with sac_plugin.audit() as a:
             model(x).sum().backward()

@@ -46,5 +46,10 @@ def draws_random(traits: OpTraits, args, kwargs) -> bool:
 def casts_a_parameter(op, args) -> bool:
     """aten::_to_copy of a leaf that requires grad: autocast's weight cast (NOTE: [Autocast's
     weight casts] in csrc/ops/op_traits.h)."""
-    return op is _aten._to_copy.default and bool(args) and isinstance(args[0], torch.Tensor) \
-        and args[0].requires_grad and args[0].is_leaf
+    return (
+        op is _aten._to_copy.default
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and args[0].requires_grad
+        and args[0].is_leaf
+    )

@@ -3,12 +3,13 @@ Python dispatch mode.
 
 The native engine intercepts ops in C++ on a dispatch key (NOTE: [The dispatch key sac_plugin
 intercepts on]). Where that is impossible (the interception could not be installed in this
-torch), or when SAC_PLUGIN_ENGINE=dispatch_mode asks for it, checkpointed regions run under a
-TorchDispatchMode instead (one for the forward, one for the recompute, as torch.utils.checkpoint's
+torch), when SAC_PLUGIN_ENGINE=dispatch_mode asks for it, or for a step whose forward runs under
+another dispatch mode (NOTE: [A value is served from the level it was kept at] in
+checkpointing.py), checkpointed regions run under a TorchDispatchMode instead (one for the forward, one for the recompute, as torch.utils.checkpoint's
 context_fn expects). The mode sees every call of the region and hands it to C++
-(csrc/bindings/dispatch_mode_bridge.cpp), where the native engine's own code names it by data flow,
-decides it with the region's policy, keeps, demotes and serves its outputs (NOTE: [The
-dispatch-mode engine follows the fallback step by step]). So both engines keep and serve the same
+(csrc/dispatch/mode_engine.cpp), where the native engine's own code names it by data flow,
+decides it with the region's policy, keeps, demotes and serves its outputs (NOTE: [One call
+pipeline] in csrc/dispatch/call_pipeline.cpp). So both engines keep and serve the same
 calls and give the same gradients and audit counts; what differs is the cost: a Python handler and
 two C++ calls per op, about 1.3 to 2 times the per-op overhead of torch's own selective-checkpoint
 modes and tens of times the native engine's (benchmarks/bench_overhead.py).
@@ -21,8 +22,6 @@ counted as hits by C++, where the kernel is skipped.
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,7 +33,7 @@ from .policy import Policy
 
 __all__ = ["dispatch_mode_contexts"]
 
-# What mode_call_begin answers (csrc/bindings/dispatch_mode_bridge.cpp, ModeAction).
+# What mode_call_begin answers (csrc/dispatch/mode_engine.h, ModeAction).
 _RUN_ONLY, _RUN_AND_RECORD, _RUN_AND_KEEP, _SERVED = 0, 1, 2, 3
 # Passes (ModePass).
 _BEGIN_FORWARD, _END_FORWARD, _BEGIN_RECOMPUTE, _END_RECOMPUTE = 0, 1, 2, 3
@@ -92,7 +91,9 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 def _op(func):
-    op = None if op_traits(func).never_counted else _Op(func)
+    # NOTE: [The plugin's own calls]: reading an op's traits dispatches sac ops no mode may see.
+    with _no_python_dispatch():
+        op = None if op_traits(func).never_counted else _Op(func)
     _ops[func] = op
     return op
 
@@ -164,21 +165,35 @@ class _ModeRegion:
 
     __slots__ = ("address", "other_returns", "plan", "__weakref__")
 
-    def __init__(self, policy, marker, plan: dict):
-        self.address = torch.ops.sac.mode_region_new(policy._policy_address, marker.forward._region.address)
+    def __init__(self, site, marker, plan: dict):
+        with _no_python_dispatch():
+            self.address = torch.ops.sac.mode_region_new(site.address, marker.forward._region.address)
         self.other_returns: dict = {}
         self.plan = plan
+
+    def forward_position(self) -> int:
+        with _no_python_dispatch():
+            return torch.ops.sac.mode_region_forward_position(self.address)
+
+    def release_unreached(self, last_saved_position: int) -> int:
+        with _no_python_dispatch():
+            return torch.ops.sac.mode_region_release_unreached(self.address, last_saved_position)
 
     def __del__(self):
         release = getattr(getattr(torch.ops, "sac", None), "mode_region_release", None)
         if release is not None:
-            release(self.address)
+            with _no_python_dispatch():
+                release(self.address)
 
 
 # c10::MemoryFormat's values: the fallback's stack holds a memory format as this int, and an `Any`
 # argument cannot take a torch.memory_format. dtypes and layouts travel as ints by themselves.
-_MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
-                   torch.channels_last_3d: 3}
+_MEMORY_FORMATS = {
+    torch.contiguous_format: 0,
+    torch.preserve_format: 1,
+    torch.channels_last: 2,
+    torch.channels_last_3d: 3,
+}
 
 
 # What an `Any` argument takes as the fallback's stack holds it (dtypes and layouts become ints).
@@ -216,14 +231,16 @@ class _RegionMode(TorchDispatchMode):
         self._recompute = recompute
 
     def __enter__(self):
-        torch.ops.sac.mode_region_pass(self._address, _BEGIN_RECOMPUTE if self._recompute else _BEGIN_FORWARD)
+        with _no_python_dispatch():
+            torch.ops.sac.mode_region_pass(self._address, _BEGIN_RECOMPUTE if self._recompute else _BEGIN_FORWARD)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         try:
             return super().__exit__(*exc_info)
         finally:
-            torch.ops.sac.mode_region_pass(self._address, _END_RECOMPUTE if self._recompute else _END_FORWARD)
+            with _no_python_dispatch():
+                torch.ops.sac.mode_region_pass(self._address, _END_RECOMPUTE if self._recompute else _END_FORWARD)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -252,7 +269,8 @@ class _RegionMode(TorchDispatchMode):
                 # Only the non-tensor values: the tensors are the region's, and freed with it.
                 values = (out,) if len(op.returns) == 1 else out
                 self._region.other_returns[call] = tuple(
-                    value if slot == _OTHER else None for slot, value in zip(op.returns, values))
+                    value if slot == _OTHER else None for slot, value in zip(op.returns, values)
+                )
         return out
 
     def _served(self, op: _Op, call: int, served, counts):
@@ -269,7 +287,7 @@ def _assemble(op: _Op, served, counts, other_value):
             values.append(served[next_tensor])
             next_tensor += 1
         elif slot >= _TENSOR_LIST:
-            values.append(list(served[next_tensor:next_tensor + count]))
+            values.append(list(served[next_tensor : next_tensor + count]))
             next_tensor += count
         else:
             values.append(other_value(position))
@@ -344,7 +362,8 @@ class _RecomputeAboveModes(TorchDispatchMode):
         values = [_as_ivalue(value) for value in others[1::2]]
         with _no_python_dispatch():
             action, _, served, counts, other_returns = _call_begin_all(
-                self._address, op.address, tensors, positions, values, others[0::2], False)
+                self._address, op.address, tensors, positions, values, others[0::2], False
+            )
         if action == _SERVED:
             return _assemble(op, served, counts, other_returns.__getitem__)
         out = func(*args, **kwargs)
@@ -355,26 +374,45 @@ class _RecomputeAboveModes(TorchDispatchMode):
         return out
 
 
-_marker_policy = None
+_marker_policy = _marker_site = None
 _OWN_MODULES = f"{__package__}."
 
 
-def _recompute_above_modes(region_address: int):
+# torch's tracing modes (torch.compile's and export's fake, functional and proxy modes): under them
+# values are fake and the compiler decides what is saved, so they are no reason to keep above modes.
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "FUNCTIONAL", "PROXY"))
+
+
+def foreign_modes_on() -> bool:
+    """Whether a TorchDispatchMode other than the plugin's own (the per-op trace) is on, outside
+    torch's tracing."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
+        return False
+    return not all(type(mode).__module__.startswith(_OWN_MODULES) for mode in _current_dispatch_modes())
+
+
+def _marker_reference() -> _scopes.RegionReference:
+    """A new marker region: a keeps-nothing region that labels passes and re-opens units."""
+    global _marker_policy, _marker_site
+    if _marker_site is None:
+        _marker_policy = Policy()  # alive as long as the site made from its address
+        _marker_site = _scopes.SiteReference(_marker_policy._policy_address)
+    return _scopes.RegionReference(_marker_site.address)
+
+
+def recompute_above_modes(region_address: int):
     """NOTE: [Modes above the key see only what ran]: the context that runs the recompute of the
     native region at `region_address`, already entered, above the dispatch modes that are on;
-    None for a region that intercepts nothing (it serves nothing either)."""
-    global _marker_policy
-    if all(type(mode).__module__.startswith(_OWN_MODULES) for mode in _current_dispatch_modes()):
-        return None  # only the plugin's own modes (the per-op trace), which watch it serve
-    if _marker_policy is None:
-        _marker_policy = Policy()
-    marker = _scopes.RegionReference(_marker_policy._policy_address)
+    None when only the plugin's own modes are on (the per-op trace, which watches the fallback
+    serve) or for a region that intercepts nothing (it serves nothing either)."""
+    if not foreign_modes_on():
+        return None
+    marker = _marker_reference()
     with _no_python_dispatch():  # the engine's own calls are no business of the modes that are on
         address = torch.ops.sac.mode_region_over(region_address, marker.address)
     return _RecomputeAboveModes(address, marker) if address else None
-
-
-_scopes.recompute_above_modes = _recompute_above_modes
 
 
 def _draws_random(dropout_p: int, args, kwargs) -> bool:
@@ -406,12 +444,16 @@ class _Entered:
         return stack.__exit__(*exc_info)
 
 
-def dispatch_mode_contexts(policy, marker, plan: dict | None = None):
-    """The (forward, recompute) contexts of one region in the dispatch-mode engine. `marker` is
-    a Region whose policy keeps nothing: it labels the passes for audits and re-opens the units
-    around the forward in the recompute; the mode region made here holds `policy` and the kept
-    outputs. `plan` (op -> kept flag of each forward call the policy decided) is filled as the
-    forward runs, for a caller that counts kept calls."""
-    region = _ModeRegion(policy, marker, {} if plan is None else plan)
-    return (_Entered(marker.forward, _RegionMode(region, recompute=False)),
-            _Entered(marker.recompute, _RegionMode(region, recompute=True)))
+def dispatch_mode_contexts(site, marker, plan: dict | None = None):
+    """The (forward, recompute) contexts of one region in the dispatch-mode engine, and the mode
+    region itself. `marker` is a Region whose policy keeps nothing: it labels the passes for
+    audits and re-opens the units around the forward in the recompute; the mode region made here
+    is a region of `site` (a _site.Site) and holds the kept outputs. `plan` (op -> kept flag of
+    each forward call the policy decided) is filled as the forward runs, for a caller that counts
+    kept calls."""
+    region = _ModeRegion(site, marker, {} if plan is None else plan)
+    return (
+        _Entered(marker.forward, _RegionMode(region, recompute=False)),
+        _Entered(marker.recompute, _RegionMode(region, recompute=True)),
+        region,
+    )

@@ -28,9 +28,12 @@ def choose_engine(install_error: str | None) -> str:
     if requested and requested not in ENGINES:
         raise ImportError(
             f"sac_plugin: {ENGINE_VARIABLE}={requested[:80]!r} is not an engine; expected one of {', '.join(ENGINES)} "
-            "(or unset, to let the plugin choose)")
+            "(or unset, to let the plugin choose)"
+        )
     if requested == "native" and install_error is not None:
-        raise ImportError(f"sac_plugin: {ENGINE_VARIABLE}=native, but the native engine cannot run here: {install_error}")
+        raise ImportError(
+            f"sac_plugin: {ENGINE_VARIABLE}=native, but the native engine cannot run here: {install_error}"
+        )
     if requested:
         _chosen = requested
     elif install_error is not None:
@@ -38,7 +41,9 @@ def choose_engine(install_error: str | None) -> str:
             f"sac_plugin: the native engine cannot run in this torch ({install_error}); using the dispatch-mode "
             "engine, which makes the same decisions in the same C++ rule through a Python dispatch mode, at "
             f"Python's per-op cost. Set {ENGINE_VARIABLE}=dispatch_mode to choose it explicitly.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
         _chosen = "dispatch_mode"
     else:
         _chosen = "native"
@@ -46,5 +51,5 @@ def choose_engine(install_error: str | None) -> str:
 
 
 def engine() -> str:
-    """"native" or "dispatch_mode": which engine runs checkpointed regions in this process."""
+    """ "native" or "dispatch_mode": which engine runs checkpointed regions in this process."""
     return _chosen or "native"

@@ -5,27 +5,51 @@ module gets a `forward` that runs the class's forward through torch.utils.checkp
 a target map runs inside a recompute unit gets a `forward` (or, for a method, a bound wrapper)
 that opens the unit around the class's own. Parameter names and state_dict keys never change, and
 `remove_installed` restores exactly what was there before.
+
+NOTE: [An instance forward already there runs inside]
+A module may already have an instance `forward` when sac_plugin comes: accelerate's
+add_hook_to_module (device_map, CPU offload) installs one that moves inputs and weights and then
+calls the class's forward; a user may have patched one in. Calling the class's forward instead
+would drop it silently and change the output. So the forward found on the instance is kept in
+`_sac_inner_forward` and called where the class's forward would be: inside the checkpoint (so
+its work is recomputed with the rest) and inside the units; `remove_installed` puts it back.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import _compat
 from .units import recompute_unit
 
-__all__ = ["CheckpointedForward", "checkpoint_call", "ForwardInUnits", "InstanceForward", "MethodInUnits", "remove_installed",
-           "run_in_unit"]
+__all__ = [
+    "CheckpointedForward",
+    "checkpoint_call",
+    "ForwardInUnits",
+    "InstanceForward",
+    "MethodInUnits",
+    "remove_installed",
+    "run_in_unit",
+]
 
 # Instance attributes the wrappers below keep on a module; remove_installed deletes them all. An
 # integration that changes a module in its framework's own way leaves `_sac_undo` there: a callable
 # that puts the module back, which remove_installed calls.
-_STATE_ATTRIBUTES = ("_sac_undo", "_sac_policy", "_sac_context_fn", "_sac_preserve_rng_state", "_sac_early_stop",
-                     "_sac_forward_units",
-                     "_sac_plan_request")
+_STATE_ATTRIBUTES = (
+    "_sac_undo",
+    "_sac_policy",
+    "_sac_context_fn",
+    "_sac_preserve_rng_state",
+    "_sac_early_stop",
+    "_sac_forward_units",
+    "_sac_inner_forward",
+    "_sac_plan_request",
+)
 
 
 class InstanceForward:
@@ -52,8 +76,19 @@ class InstanceForward:
 
     @classmethod
     def install(cls, module: torch.nn.Module) -> None:
+        found = module.__dict__.get("forward")
+        if found is not None and not isinstance(found, InstanceForward):
+            module._sac_inner_forward = found  # NOTE: [An instance forward already there runs inside]
         module.forward = cls(module)
         module.__prepare_scriptable__ = _RefuseScripting(module)
+
+
+def inner_forward(module: torch.nn.Module, args: tuple) -> tuple:
+    """(the forward sac_plugin's own runs, its positional arguments): the instance forward found
+    when it was installed, else the class's with `module` first. Not a bound method made here:
+    torch.compile (torch 2.11's) cannot trace binding a function to an instance."""
+    found = module.__dict__.get("_sac_inner_forward")
+    return (found, args) if found is not None else (type(module).forward, (module, *args))
 
 
 class _RefuseScripting:
@@ -77,8 +112,16 @@ class _RefuseScripting:
         )
 
 
-def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve_rng_state: bool = True,
-                    early_stop: bool = True):
+def checkpoint_call(
+    function,
+    args: tuple,
+    kwargs: dict,
+    *,
+    context_fn,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    offload_inputs: bool = False,
+):
     """torch.utils.checkpoint.checkpoint(function, *args, **kwargs), non-reentrant, with every
     keyword reaching `function`.
 
@@ -88,11 +131,97 @@ def checkpoint_call(function, args: tuple, kwargs: dict, *, context_fn, preserve
     or pass it on only when it is not one of those. The keywords are therefore bound into the
     function that checkpoint calls (checkpoint re-runs that same function in the recompute), and
     checkpoint itself is given none of the caller's.
+
+    offload_inputs: the region holds the offloadable positional inputs instead of torch's
+    checkpoint (NOTE: [Offloading a layer's inputs] in csrc/dispatch/offload.cpp; context_fn must
+    make a region, as a policy with offload_inputs does).
     """
     if kwargs:
         function = functools.partial(function, **kwargs)
-    return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
-                      preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+    if offload_inputs and torch.is_grad_enabled():
+        if _compat.is_compiling():
+            raise RuntimeError(
+                "sac_plugin: Policy(offload_inputs=True) does not work under torch.compile: the compiled graph "
+                "holds the layers' inputs itself; use a policy without offload_inputs for compiled models, or "
+                "torch._functorch.config.enable_activation_offloading for the compiler's own offload"
+            )
+        positions = [i for i, value in enumerate(args) if _offloadable_input(value)]
+        if positions:
+            function = _InputsHeldByRegion(function, args, positions)
+            args = tuple(_placeholder(value) if i in positions else value for i, value in enumerate(args))
+    return checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=context_fn,
+        preserve_rng_state=preserve_rng_state,
+        early_stop=early_stop,
+    )
+
+
+def _offloadable_input(value) -> bool:
+    # The activation flowing through the stack, on an accelerator (NOTE: [Offloading a layer's inputs]).
+    return (
+        isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and value.grad_fn is not None
+        and not isinstance(value, torch.nn.Parameter)
+        and value.device.type not in ("cpu", "meta")
+    )
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """What torch's checkpoint holds in an offloaded input's place: no bytes, on the input's
+    device, so that checkpoint still saves and restores that device's RNG state."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
+def _function_name(function) -> str:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__qualname__", type(function).__name__)
+
+
+class _InputsHeldByRegion:
+    """The function torch's checkpoint runs when the region holds the inputs (NOTE: [Offloading a
+    layer's inputs] in csrc/dispatch/offload.cpp). Its first call is the forward: it runs `function`
+    on the real inputs, then hands them to the region, keeping no reference. Every later call is a
+    recompute: it runs `function` on the copies the region gives back, detached, each requiring
+    grad as its input did."""
+
+    __slots__ = ("_function", "_inputs", "_positions", "_requires_grad", "_names")
+
+    def __init__(self, function, args: tuple, positions: list[int]):
+        self._function = function
+        self._inputs = [args[i] for i in positions]
+        self._positions = positions
+        self._requires_grad = [args[i].requires_grad for i in positions]
+        name = _function_name(function)
+        # A module's class forward is called with the module first (inner_forward): count from its input.
+        first = 1 if args and isinstance(args[0], torch.nn.Module) else 0
+        self._names = [f"positional argument {i - first} of {name}" for i in positions]
+
+    @property
+    def __wrapped__(self):
+        return self._function
+
+    def __call__(self, *args):
+        args = list(args)
+        inputs, self._inputs = self._inputs, None
+        if inputs is not None:
+            for position, tensor in zip(self._positions, inputs):
+                args[position] = tensor
+            out = self._function(*args)
+            with torch._C._DisableTorchDispatch():  # the plugin's own calls: no mode sees them
+                _, notice = torch.ops.sac.region_hold_inputs(inputs, self._names)
+            if notice:
+                warnings.warn(notice, UserWarning, stacklevel=2)
+            return out
+        with torch._C._DisableTorchDispatch():
+            fetched = torch.ops.sac.region_take_inputs()
+        for position, tensor, requires_grad in zip(self._positions, fetched, self._requires_grad):
+            args[position] = tensor.detach().requires_grad_(requires_grad)
+        return self._function(*args)
 
 
 class CheckpointedForward(InstanceForward):
@@ -103,9 +232,16 @@ class CheckpointedForward(InstanceForward):
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        return checkpoint_call(type(module).forward, (module, *args), kwargs, context_fn=module._sac_context_fn,
-                               preserve_rng_state=module._sac_preserve_rng_state,
-                               early_stop=module.__dict__.get("_sac_early_stop", True))
+        function, args = inner_forward(module, args)
+        return checkpoint_call(
+            function,
+            args,
+            kwargs,
+            context_fn=module._sac_context_fn,
+            preserve_rng_state=module._sac_preserve_rng_state,
+            early_stop=module.__dict__.get("_sac_early_stop", True),
+            offload_inputs=module._sac_policy.offload_inputs,
+        )
 
 
 def call_in_units(units, function, *args, **kwargs):
@@ -123,7 +259,8 @@ class ForwardInUnits(InstanceForward):
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        return call_in_units(module._sac_forward_units, type(module).forward, module, *args, **kwargs)
+        function, args = inner_forward(module, args)
+        return call_in_units(module._sac_forward_units, function, *args, **kwargs)
 
 
 class MethodInUnits:
@@ -182,6 +319,8 @@ def remove_installed(module: torch.nn.Module) -> int:
         if isinstance(state.get("forward"), InstanceForward):
             del state["forward"]
             removed = True
+            if "_sac_inner_forward" in state:
+                state["forward"] = state["_sac_inner_forward"]
         if isinstance(state.get("__prepare_scriptable__"), _RefuseScripting):
             del state["__prepare_scriptable__"]
             removed = True

@@ -19,10 +19,41 @@ from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_
 __all__ = ["apply_to_layers", "describe_application", "prepare_layers", "wrap_sites"]
 
 
-def apply_to_layers(model: nn.Module, config: RecomputeConfig, *, target_map: RecomputeTargetMap | None,
-                    wrap_sites_given, example_inputs) -> nn.Module:
+def apply_to_layers(
+    model: nn.Module,
+    config: RecomputeConfig,
+    *,
+    target_map: RecomputeTargetMap | None,
+    wrap_sites_given,
+    example_inputs,
+    step=None,
+) -> nn.Module:
     """apply_recompute_config for a model no integration handles; arguments already checked."""
     config = RecomputeConfig() if config is None else config
+    if config.peak_bytes is not None:
+        from .planner import plan_step
+
+        if step is None:
+            raise ConfigError(
+                "apply_recompute_config: peak_bytes bounds a training step's peak, which "
+                "sac_plugin.plan_step plans by running the step: pass step=<a callable that runs one "
+                "forward, loss and backward of the model, called with no arguments>"
+            )
+        if example_inputs is not None:
+            raise ConfigError(
+                "apply_recompute_config: example_inputs are for planning a budget; peak_bytes plans from the step"
+            )
+        sites = wrap_sites(model, wrap_sites_given)
+        # offload_inputs lets the plan offload (the layers' inputs among what it may offload).
+        plan_step(
+            model,
+            step,
+            peak_bytes=config.peak_bytes,
+            layers=[sites[i] for i in config.selected_layers(len(sites))],
+            offload=config.offload_inputs,
+            preserve_rng_state=config.preserve_rng_state,
+        )
+        return model
     if example_inputs is not None and config.budget is None:
         raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
     if config.budget is not None:
@@ -42,15 +73,25 @@ def apply_to_layers(model: nn.Module, config: RecomputeConfig, *, target_map: Re
         apply_selective_checkpointing(sites[index], policy, preserve_rng_state=config.preserve_rng_state)
     skipped = sorted(set(range(len(sites))) - set(selected))
     if skipped:
-        logger.debug("%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
-                     type(model).__name__, skipped)
+        logger.debug(
+            "%s: wrap sites %s are not checkpointed (the layer selection leaves them out)",
+            type(model).__name__,
+            skipped,
+        )
     if logger.isEnabledFor(logging.INFO):
         logger.info("%s", describe_application(type(model).__name__, selected, len(sites), policy, config, target_map))
     return model
 
 
-def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, sites, selected,
-                   *, checkpointed: bool = False) -> Policy:
+def prepare_layers(
+    model: nn.Module,
+    config: RecomputeConfig,
+    target_map: RecomputeTargetMap,
+    sites,
+    selected,
+    *,
+    checkpointed: bool = False,
+) -> Policy:
     """Checks the config against the selected wrap sites, then makes each callable unit (and each
     force-recomputed module) of those sites run in its unit; returns the policy. Nothing is
     changed unless every check passes. `checkpointed`: the sites are about to be checkpointed by
@@ -67,10 +108,12 @@ def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: Recomp
         if checkpointed:
             check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
         in_units = []
-        for unit in config.selected_units:
+        for i, unit in enumerate(config.selected_units):
             target = target_map[unit]
             if isinstance(target, KeptCallables):
-                in_units.extend((owner, name, unit.value) for owner, name in target.find(site))
+                for owner, name in target.find(site):
+                    check_forward_runs(target_map, unit, owner, name, _unit_field(config, i))
+                    in_units.append((owner, name, unit.value))
         for i, path in enumerate(config.force_recompute_modules):
             found = KeptCallables([path]).find(site)
             if not found:
@@ -85,13 +128,39 @@ def prepare_layers(model: nn.Module, config: RecomputeConfig, target_map: Recomp
     for index, site, in_units in plan:
         for owner, name, unit in in_units:
             run_in_unit(owner, name, unit)
-            logger.debug("%s (wrap site %d): %s.%s runs in unit '%s'", names.get(id(site), type(site).__name__),
-                         index, names.get(id(owner), type(owner).__name__) or "<layer>", name, unit)
+            logger.debug(
+                "%s (wrap site %d): %s.%s runs in unit '%s'",
+                names.get(id(site), type(site).__name__),
+                index,
+                names.get(id(owner), type(owner).__name__) or "<layer>",
+                name,
+                unit,
+            )
     return policy
 
 
-def describe_application(model_name: str, selected, count: int, policy: Policy, config: RecomputeConfig,
-                         target_map: RecomputeTargetMap | None) -> str:
+def check_forward_runs(target_map: RecomputeTargetMap, unit, owner, name: str, field: str) -> None:
+    """Refuses a unit's callable whose forward never runs: a ModuleList or ModuleDict (its items
+    are called one by one, never the container), or any module without a forward of its own. Run
+    inside a unit it would open nothing, and the unit would keep nothing."""
+    target = getattr(owner, name)
+    if isinstance(target, nn.Module) and type(target).forward is nn.Module.forward:
+        raise ConfigError(
+            f"recompute config: {field}: unit '{getattr(unit, 'value', unit)}' of {target_map.model_name} is "
+            f"{type(owner).__name__}.{name}, a {type(target).__name__}, whose forward never runs (its items are "
+            "called one by one), so the unit would keep nothing; name the submodules that run in "
+            "target_map=RecomputeTargetMap(...)"
+        )
+
+
+def describe_application(
+    model_name: str,
+    selected,
+    count: int,
+    policy: Policy,
+    config: RecomputeConfig,
+    target_map: RecomputeTargetMap | None,
+) -> str:
     """The INFO line for one checkpointed model: its sites, its policy, what each unit means."""
     if config.layer_ratio is not None:
         rule = f"layer_ratio={config.layer_ratio}"
@@ -105,9 +174,17 @@ def describe_application(model_name: str, selected, count: int, policy: Policy, 
         elif isinstance(target, KeptCallables):
             units.append(f"{unit.value} -> {', '.join(target.paths)}")
     what = "full recompute" if policy.keeps_nothing else repr(policy)
-    return (f"{model_name}: checkpointed {describe_layers(selected, count)} wrap sites ({rule}) with "
-            f"{what}" + (f"; units: {'; '.join(units)}" if units else "")
-            + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else ""))
+    return (
+        f"{model_name}: checkpointed {describe_layers(selected, count)} wrap sites ({rule}) with "
+        f"{what}"
+        + (f"; units: {'; '.join(units)}" if units else "")
+        + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else "")
+    )
+
+
+def _unit_field(config: RecomputeConfig, i: int) -> str:
+    """Where the i-th of config.selected_units is written: units[i] or offloaded_units[j]."""
+    return f"units[{i}]" if i < len(config.units) else f"offloaded_units[{i - len(config.units)}]"
 
 
 def wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:

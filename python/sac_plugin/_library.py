@@ -48,8 +48,10 @@ def load() -> str | None:
     here (the interception could not be installed), or None when it can."""
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
     if version < MINIMUM_TORCH:
-        raise ImportError(f"sac_plugin needs torch >= {'.'.join(map(str, MINIMUM_TORCH))}, but torch {torch.__version__} "
-                          "is installed; install a newer torch, then rebuild sac_plugin against it")
+        raise ImportError(
+            f"sac_plugin needs torch >= {'.'.join(map(str, MINIMUM_TORCH))}, but torch {torch.__version__} "
+            "is installed; install a newer torch, then rebuild sac_plugin against it"
+        )
     path = library_path()
     if not path.exists():
         raise ImportError(f"sac_plugin: compiled library not found at {path}; {_REBUILD_HINT}")

@@ -12,6 +12,6 @@ logger = logging.getLogger("sac_plugin")
 
 
 def describe_layers(indices, count: int) -> str:
-    """"2 of 4 (0, 2)": which of `count` wrap sites are checkpointed, for log lines."""
+    """ "2 of 4 (0, 2)": which of `count` wrap sites are checkpointed, for log lines."""
     shown = ", ".join(map(str, indices[:16])) + (", ..." if len(indices) > 16 else "")
     return f"{len(indices)} of {count} ({shown})"

@@ -66,7 +66,7 @@ def unregister(observer: Observer) -> None:
     with _lock:
         for i in range(len(_observers) - 1, -1, -1):
             if _observers[i] is observer:
-                _observers = _observers[:i] + _observers[i + 1:]
+                _observers = _observers[:i] + _observers[i + 1 :]
                 return
 
 

@@ -10,12 +10,15 @@ and bytes kept. Plus every storage saved for backward, inside regions (the kept 
 outside them (autograd's saved tensors, by the module that saved them), each once, naming the
 tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report, per layer.
 
-How the data gets here: everything is Python-side and only while a report runs. The report
-runs an audit (so every op is counted and every checkpointed call creates a region) and registers
-an observer (sac_plugin._observers) that wraps each region's forward and recompute contexts and
-each unit opening in a per-pass audit, keeps a stack of the modules being called (global module
-hooks) to name regions, and a saved-tensors pack hook that notes (never holds) what autograd
-saves outside regions. Without a report none of this exists: no cost per op or per region.
+How the data gets here, only while a report runs: the report runs an audit (so every op is
+counted and every checkpointed call creates a region) and registers an observer
+(sac_plugin._observers) that wraps each region's forward and recompute contexts and each unit
+opening in a count of this thread's calls (torch.classes.sac.Counts: no scope of its own, so
+nested reports close theirs in any order), keeps a stack of the modules being called (global
+module hooks) to name regions, and a saved-tensors pack hook that notes (never holds) what
+autograd saves outside regions. A traced report also installs a C++ call trace on the thread of
+each region pass, which the fallback fills (NOTE: [The per-op trace is recorded below Python]).
+Without a report none of this exists: no cost per op or per region.
 The report's saved-tensors hook is the innermost while it runs, so saved_tensors_hooks entered
 around it (track_activation_memory, CPU offload) do not see the saves made inside it: report a
 step of its own. Kept bytes come from the native engine's region store; the dispatch-mode engine keeps in torch's
@@ -32,13 +35,12 @@ import threading
 import weakref
 
 import torch
-import torch.utils._python_dispatch
 
-from . import _compat, _engine, _observers, memory
+from . import _engine, _observers, memory
 from ._audit import Audit, AuditRow, PHASES
 from .policy import describe_value
 
-__all__ = ['Breakdown', 'OpCounts', 'Report', 'SavedStorage', 'TraceEntry', 'install_oom_observer', 'report', 'trace']
+__all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "TraceEntry", "install_oom_observer", "report", "trace"]
 
 OUTSIDE = "(outside regions)"
 # Tensor descriptions kept per saved-storage entry: enough to recognise it, bounded over steps.
@@ -80,11 +82,18 @@ class Breakdown:
         return sum(getattr(counts, field) for counts in self.ops.values())
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "calls": self.calls, "forward_ops": self.total("forward"),
-                "recomputed_ops": self.total("recompute"), "hits": self.total("hits"), "kept_calls": self.kept_calls,
-                "kept_bytes": self.kept_bytes, "offloaded_calls": self.offloaded_calls,
-                "offloaded_bytes": self.offloaded_bytes,
-                "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())}}
+        return {
+            "name": self.name,
+            "calls": self.calls,
+            "forward_ops": self.total("forward"),
+            "recomputed_ops": self.total("recompute"),
+            "hits": self.total("hits"),
+            "kept_calls": self.kept_calls,
+            "kept_bytes": self.kept_bytes,
+            "offloaded_calls": self.offloaded_calls,
+            "offloaded_bytes": self.offloaded_bytes,
+            "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())},
+        }
 
 
 @dataclasses.dataclass
@@ -98,8 +107,13 @@ class SavedStorage:
     count: int = 1  # storages like it (same place, device and size) saved while the report ran
 
     def to_dict(self) -> dict:
-        return {"where": self.where, "device": self.device, "bytes": self.nbytes, "count": self.count,
-                "tensors": [{"shape": list(shape), "dtype": dtype} for shape, dtype in self.tensors]}
+        return {
+            "where": self.where,
+            "device": self.device,
+            "bytes": self.nbytes,
+            "count": self.count,
+            "tensors": [{"shape": list(shape), "dtype": dtype} for shape, dtype in self.tensors],
+        }
 
 
 class _PassScope:
@@ -117,98 +131,63 @@ class _PassScope:
         # allocation made in the forward or the recompute to the layer that made it.
         self._scope = torch.autograd.profiler.record_function(f"sac_plugin.{self._phase}: {self._layer}")
         self._scope.__enter__()
-        self._audit = torch.classes.sac.Audit()
-        self._audit.start()
-        _stack(self._report).append((self._layer, self._phase, self._kept_calls, self._region, self._audit,
-                                     len(self._report._modules)))
-        self._inner.__enter__()
+        # This thread's counts (inside the report's audit), with no scope to close in order: the
+        # passes and units of nested reports open and close interleaved.
+        self._audit = torch.classes.sac.Counts()
+        report = self._report
+        _stack(report).append(
+            (self._layer, self._phase, self._kept_calls, self._region, self._audit, len(report._modules))
+        )
+        if report._call_trace is not None:
+            report._call_trace.install()
+            report._note_trace_context()
+        try:
+            self._inner.__enter__()
+        except BaseException:
+            self._unwind()
+            raise
         return self
 
+    def _unwind(self) -> None:
+        report = self._report
+        _stack(report).pop()
+        if report._call_trace is not None:
+            report._call_trace.uninstall()
+            report._note_trace_context()
+        self._scope.__exit__(None, None, None)
+
     def __exit__(self, *exc_info):
+        report = self._report
         try:
             return self._inner.__exit__(*exc_info)
         finally:
-            _stack(self._report).pop()
-            self._audit.stop()
-            self._scope.__exit__(None, None, None)
-            self._report._pass_done(self, self._audit)
+            self._unwind()
+            report._pass_done(self, self._audit)
 
 
 @dataclasses.dataclass(frozen=True)
 class TraceEntry:
     """One intercepted call inside a checkpointed region, in the order the calls ran."""
 
-    layer: str   # the checkpointed module (its qualified name in the report's model)
+    layer: str  # the checkpointed module (its qualified name in the report's model)
     module: str  # the innermost module being called (qualified name; "" outside any module)
-    unit: str    # the innermost open recompute unit, "" for none
-    op: str      # the overload, "aten::mm.default"
-    phase: str   # "forward" or "recompute"
-    status: str  # forward: "kept" or "recomputed"; recompute: "recomputed" or "served"
+    unit: str  # the innermost open recompute unit, "" for none
+    op: str  # the overload, "aten::mm.default"
+    phase: str  # "forward" or "recompute"
+    status: str  # forward: "kept" (kept or offloaded) or "recomputed"; recompute: "recomputed" or "served"
 
 
 def _check_trace_supported() -> None:
     if _engine.engine() != "native":
-        raise RuntimeError("sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
-                           "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
-                           "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace")
-    if _compat.python_handlers_run_below_the_plugin():
-        raise RuntimeError(f"sac_plugin: the per-op trace needs torch >= 2.13, where TorchDispatchModes run above the "
-                           f"plugin's key; in torch {torch.__version__} a mode's calls are never kept, so tracing "
-                           "would change what is kept")
+        raise RuntimeError(
+            "sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
+            "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
+            "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace"
+        )
 
 
-class _TraceMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records each call made inside a report's region passes (report(model, trace=True)).
-
-    NOTE: [The per-op trace costs nothing without a trace]
-    A TorchDispatchMode that exists only while a traced report runs: it sees every call before
-    the plugin's fallback (torch >= 2.13 puts `Python` above the plugin's key), runs it, and reads
-    the outcome from what the plugin already exposes: in the forward, whether the region's kept-call
-    count grew; in the recompute, whether the pass audit's hits grew (a served call runs no kernel).
-    Nothing in the fallback knows about it, so there is no branch on the hot path.
-    """
-
-    def __init__(self, report: Report):
-        super().__init__()
-        self._report = report
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        passes = _stack(self._report)
-        if not passes or _never_counted(func):
-            return func(*args, **kwargs)
-        layer, phase, kept_calls, _, audit, depth = passes[-1]
-        report = self._report
-        # The modules called since the pass began are the layer's submodules; with none, the call
-        # is in the layer's own body (the recompute reruns the checkpointed function, not the
-        # module's __call__, so the layer itself is not on the stack then).
-        module = report._innermost_module() if len(report._modules) > depth else layer
-        open_units = torch.ops.sac.open_units()
-        unit = open_units[-1] if open_units else ""
-        if phase == "forward":
-            before = kept_calls()
-            out = func(*args, **kwargs)
-            status = "kept" if kept_calls() > before else "recomputed"
-        else:
-            before = sum(audit.rows()[4])
-            out = func(*args, **kwargs)
-            status = "served" if sum(audit.rows()[4]) > before else "recomputed"
-        report.trace.append(TraceEntry(layer, module, unit, _op_name(func), phase, status))
-        return out
-
-
-@functools.lru_cache(maxsize=None)
-def _op_name(func) -> str:
-    return f"{func._schema.name}.{func._overloadname}"
-
-
-@functools.lru_cache(maxsize=None)
-def _never_counted(func) -> bool:
-    """The ops the fallback lets through uncounted (detach, metadata, profiler, sac's own)."""
-    try:
-        return bool(torch.ops.sac.op_traits(_op_name(func))[1])
-    except (RuntimeError, ValueError):
-        return True
+# The fallback's outcomes as TraceEntry statuses: an offloaded call is held like a kept one.
+_STATUS = {"kept": "kept", "offloaded": "kept", "recomputed": "recomputed", "served": "served"}
 
 
 def _stack(report) -> list:
@@ -243,7 +222,9 @@ class Report:
         self._model = model
         self._trace = trace
         self.trace: list[TraceEntry] = []
-        self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()} if model is not None else {}
+        self._names = (
+            {id(m): name or type(m).__name__ for name, m in model.named_modules()} if model is not None else {}
+        )
         self.layers: dict[str, Breakdown] = {}
         self.units: dict[tuple[str, str], Breakdown] = {}
         # Storages saved for backward, aggregated by (where, device, bytes): bounded by the model's
@@ -258,6 +239,12 @@ class Report:
         self._modules: list = []  # the modules being called on this thread (names regions)
         self._audit = Audit()
         self._exit = contextlib.ExitStack()
+        # NOTE: [The per-op trace is recorded below Python] (csrc/dispatch/call_trace.h): the
+        # fallback records each call's op, phase, unit and outcome; the report notes, at each
+        # position of the trace where its pass or innermost module changes, the layer and module
+        # that the calls from there on belong to.
+        self._call_trace = torch.classes.sac.CallTrace() if trace else None
+        self._trace_marks: list[tuple[int, str, str]] = []
         self.totals: list[AuditRow] = []
         # Offload copies while the report ran (NOTE: [Offloading kept outputs]): each direction's
         # copies and bytes and the exposed copy time, process-wide counters read at entry and exit.
@@ -276,11 +263,10 @@ class Report:
         stack.enter_context(self._audit)
         stack.enter_context(_observers.observe(_ReportObserver(self)))
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(self._module_called))
-        stack.enter_context(torch.nn.modules.module.register_module_forward_hook(self._module_returned,
-                                                                                 always_call=True))
+        stack.enter_context(
+            torch.nn.modules.module.register_module_forward_hook(self._module_returned, always_call=True)
+        )
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
-        if self._trace:
-            stack.enter_context(_TraceMode(self))
         _active.append(self)
         stack.callback(_active.remove, self)
         self._offload_at_entry = memory.offload_stats()
@@ -289,9 +275,35 @@ class Report:
     def __exit__(self, *exc_info):
         self._exit.close()
         self.totals = self._audit.rows()
+        if self._call_trace is not None:
+            self.trace = self._joined_trace()
         now = memory.offload_stats()
         self.offload_copies = {name: now[name] - self._offload_at_entry[name] for name in _OFFLOAD_COUNTERS}
         return False
+
+    def _note_trace_context(self) -> None:
+        """Marks where the calls traced from now on belong: the innermost pass's layer, and the
+        innermost module called since that pass began (with none, the layer's own body: the
+        recompute reruns the checkpointed function, not the module's __call__)."""
+        passes = _stack(self)
+        if passes:
+            layer, _, _, _, _, depth = passes[-1]
+            module = self._innermost_module() if len(self._modules) > depth else layer
+        else:
+            layer = module = ""
+        self._trace_marks.append((self._call_trace.size(), layer, module))
+
+    def _joined_trace(self) -> list[TraceEntry]:
+        ops, phases, outcomes, units = self._call_trace.rows()
+        marks, entries, m = self._trace_marks, [], -1
+        for i, (op, phase, outcome, unit) in enumerate(zip(ops, phases, outcomes, units)):
+            while m + 1 < len(marks) and marks[m + 1][0] <= i:
+                m += 1
+            _, layer, module = marks[m] if m >= 0 else (0, "", "")
+            entries.append(
+                TraceEntry(layer, module, unit, op if "." in op else f"{op}.default", phase, _STATUS[outcome])
+            )
+        return entries
 
     def _name(self, module) -> str:
         return self._names.get(id(module), type(module).__name__)
@@ -307,10 +319,14 @@ class Report:
         if not self._modules and (self._model is None or module is self._model):
             self.steps += 1
         self._modules.append(module)
+        if self._call_trace is not None and _stack(self):
+            self._note_trace_context()
 
     def _module_returned(self, module, args, output):
         if threading.get_ident() == self._thread and self._modules and self._modules[-1] is module:
             self._modules.pop()
+            if self._call_trace is not None and _stack(self):
+                self._note_trace_context()
 
     def _current_layer(self) -> str:
         # The innermost module being called that is checkpointed (apply_selective_checkpointing
@@ -324,8 +340,10 @@ class Report:
         if threading.get_ident() != self._thread:
             return forward, recompute
         layer = self._current_layer()
-        return (_PassScope(self, layer, "forward", forward, kept_calls, region),
-                _PassScope(self, layer, "recompute", recompute, kept_calls, region))
+        return (
+            _PassScope(self, layer, "forward", forward, kept_calls, region),
+            _PassScope(self, layer, "recompute", recompute, kept_calls, region),
+        )
 
     def _pass_done(self, scope, audit) -> None:
         layer = self.layers.setdefault(scope._layer, Breakdown(scope._layer))
@@ -351,13 +369,11 @@ class Report:
         layer, phase, kept_calls, region, _, _ = passes[-1]
         scope = torch.autograd.profiler.record_function(f"sac_plugin.{phase}: {layer} unit {unit}")
         scope.__enter__()
-        audit = torch.classes.sac.Audit()
-        audit.start()
+        audit = torch.classes.sac.Counts()  # no scope: see _PassScope.__enter__
         return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
 
     def unit_exited(self, unit: str, token) -> None:
         layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
-        audit.stop()
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
         names, forward, recompute, backward, hits = audit.rows()
@@ -440,12 +456,16 @@ class Report:
     def to_dict(self) -> dict:
         return {
             "layers": [
-                dict(layer.to_dict(), units=[unit.to_dict() for (name, _), unit in sorted(self.units.items())
-                                             if name == layer.name])
+                dict(
+                    layer.to_dict(),
+                    units=[unit.to_dict() for (name, _), unit in sorted(self.units.items()) if name == layer.name],
+                )
                 for layer in self.layers.values()
             ],
-            "saved_for_backward": {"bytes_by_place": self.saved_bytes_by_place(),
-                                   "storages": [s.to_dict() for s in self.saved_tensors()]},
+            "saved_for_backward": {
+                "bytes_by_place": self.saved_bytes_by_place(),
+                "storages": [s.to_dict() for s in self.saved_tensors()],
+            },
             "steps": self.steps,
             "offload_copies": dict(self.offload_copies),
             "totals": {phase: sum(getattr(row, phase) for row in self.totals) for phase in (*PHASES, "hits")},
@@ -456,47 +476,60 @@ class Report:
         """The per-op trace (report(..., trace=True) or sac_plugin.trace()), one line per call in
         the order they ran: forward calls kept or recomputed, recompute calls recomputed or served."""
         if not self._trace:
-            raise RuntimeError("sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
-                               "trace=True) or sac_plugin.trace(model)")
+            raise RuntimeError(
+                "sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
+                "trace=True) or sac_plugin.trace(model)"
+            )
         width = max([len("module")] + [len(e.module) for e in self.trace])
         unit_width = max([len("unit")] + [len(e.unit) for e in self.trace])
         layer_width = max([5] + [len(e.layer) for e in self.trace])
-        header = f"{'#':>5}  {'layer':<{layer_width}}  {'module':<{width}}  {'unit':<{unit_width}}  " \
-                 f"{'phase':<9}  {'status':<10}  op"
+        header = (
+            f"{'#':>5}  {'layer':<{layer_width}}  {'module':<{width}}  {'unit':<{unit_width}}  "
+            f"{'phase':<9}  {'status':<10}  op"
+        )
         lines = [header, "-" * len(header)]
         for i, e in enumerate(self.trace):
-            lines.append(f"{i:>5}  {e.layer:<{layer_width}}  {e.module or '-':<{width}}  {e.unit or '-':<{unit_width}}  "
-                         f"{e.phase:<9}  {e.status:<10}  {e.op}")
+            lines.append(
+                f"{i:>5}  {e.layer:<{layer_width}}  {e.module or '-':<{width}}  {e.unit or '-':<{unit_width}}  "
+                f"{e.phase:<9}  {e.status:<10}  {e.op}"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def table(self, storages: int = 10) -> str:
-        header = f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}" \
-                 f"{'kept calls':>12}{'kept bytes':>14}"
+        header = (
+            f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}"
+            f"{'kept calls':>12}{'kept bytes':>14}"
+        )
         lines = [header, "-" * len(header)]
         for layer in self.layers.values():
             lines.append(_line(layer.name, layer))
             for (name, _), unit in sorted(self.units.items()):
                 if name == layer.name:
                     lines.append(_line(f"  unit {unit.name}", unit))
-        lines.append(f"{'all layers':<40}{sum(l.calls for l in self.layers.values()):>7}"
-                     f"{sum(l.total('forward') for l in self.layers.values()):>9}"
-                     f"{sum(l.total('recompute') for l in self.layers.values()):>12}"
-                     f"{sum(l.total('hits') for l in self.layers.values()):>7}"
-                     f"{sum(l.kept_calls for l in self.layers.values()):>12}"
-                     f"{_bytes(sum(l.kept_bytes for l in self.layers.values())):>14}")
+        lines.append(
+            f"{'all layers':<40}{sum(layer.calls for layer in self.layers.values()):>7}"
+            f"{sum(layer.total('forward') for layer in self.layers.values()):>9}"
+            f"{sum(layer.total('recompute') for layer in self.layers.values()):>12}"
+            f"{sum(layer.total('hits') for layer in self.layers.values()):>7}"
+            f"{sum(layer.kept_calls for layer in self.layers.values()):>12}"
+            f"{_bytes(sum(layer.kept_bytes for layer in self.layers.values())):>14}"
+        )
         steps = f" over {self.steps} steps" if self.steps > 1 else ""
-        offloaded = sum(l.offloaded_calls for l in self.layers.values())
+        offloaded = sum(layer.offloaded_calls for layer in self.layers.values())
         if offloaded or self.offload_copies["copies_to_host"]:
             copies = self.offload_copies
-            lines += ["", f"offloaded{steps}: {offloaded} calls holding "
-                      f"{_bytes(sum(l.offloaded_bytes for l in self.layers.values()))} of pinned host memory "
-                      f"(not in kept bytes); {copies['copies_to_host']} copies to the host "
-                      f"({_bytes(copies['bytes_to_host'])}), {copies['copies_to_device']} back "
-                      f"({_bytes(copies['bytes_to_device'])}); compute waited {copies['exposed_copy_us'] / 1e3:.1f} ms "
-                      "for copies back"]
+            lines += [
+                "",
+                f"offloaded{steps}: {offloaded} calls holding "
+                f"{_bytes(sum(layer.offloaded_bytes for layer in self.layers.values()))} of pinned host memory "
+                f"(not in kept bytes); {copies['copies_to_host']} copies to the host "
+                f"({_bytes(copies['bytes_to_host'])}), {copies['copies_to_device']} back "
+                f"({_bytes(copies['bytes_to_device'])}); compute waited {copies['exposed_copy_us'] / 1e3:.1f} ms "
+                "for copies back",
+            ]
         lines += ["", f"saved for backward{steps}, by place (each storage once per life):"]
         for place, nbytes in self.saved_bytes_by_place().items():
             lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
@@ -508,8 +541,9 @@ class Report:
                 views = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in storage.tensors[:3])
                 more = f" +{len(storage.tensors) - 3}" if len(storage.tensors) > 3 else ""
                 count = f" x{storage.count}" if storage.count > 1 else ""
-                lines.append(f"  {_bytes(storage.nbytes):>12}{count:<6} {storage.device:<6} {storage.where:<40} "
-                             f"{views}{more}")
+                lines.append(
+                    f"  {_bytes(storage.nbytes):>12}{count:<6} {storage.device:<6} {storage.where:<40} {views}{more}"
+                )
         return "\n".join(lines)
 
 
@@ -517,8 +551,10 @@ _OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "byt
 
 
 def _line(label: str, row: Breakdown) -> str:
-    return (f"{label[:40]:<40}{row.calls:>7}{row.total('forward'):>9}{row.total('recompute'):>12}"
-            f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}")
+    return (
+        f"{label[:40]:<40}{row.calls:>7}{row.total('forward'):>9}{row.total('recompute'):>12}"
+        f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}"
+    )
 
 
 def _bytes(n: int) -> str:
@@ -530,14 +566,14 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
 
     Per checkpointed module and per unit inside it: calls, ops run in the forward and the
     recompute, kept outputs served, calls and bytes kept; and every storage saved for backward,
-    counted once per life (`Report.steps` steps were run). Layers, units and saved storages are
-    those of the thread that entered the report; op counts come from an audit, which counts every
-    thread. trace=True also records every call in the checkpointed regions, in order
-    (Report.trace, Report.trace_table(), "trace" in to_json())."""
+    counted once per life (`Report.steps` steps were run). Layers, units, saved storages and op
+    counts are those of the thread that entered the report (NOTE: [Counts are their thread's]);
+    reports nest, each counting the steps run inside it. trace=True also records every call in the
+    checkpointed regions, in order (Report.trace, filled when the report exits;
+    Report.trace_table(), "trace" in to_json())."""
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
     if not isinstance(trace, bool):
-
         raise TypeError(f"sac_plugin: report: trace must be a bool, got {describe_value(trace)}")
     return Report(model, trace=trace)
 
@@ -555,12 +591,16 @@ def install_oom_observer() -> None:
     """On CUDA, prints the latest running report (and torch's memory summary) when an allocation
     fails. Opt-in; needs a CUDA build of torch and a device."""
     if not torch.cuda.is_available():
-        raise RuntimeError("sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
-                           "the OOM observer is a CUDA caching-allocator hook")
+        raise RuntimeError(
+            "sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
+            "the OOM observer is a CUDA caching-allocator hook"
+        )
 
     def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-        print(f"sac_plugin: CUDA out of memory on device {device}: {alloc} bytes requested, {device_alloc} "
-              f"allocated, {device_free} free")
+        print(
+            f"sac_plugin: CUDA out of memory on device {device}: {alloc} bytes requested, {device_alloc} "
+            f"allocated, {device_free} free"
+        )
         if _active:
             print(_active[-1].table())
         else:

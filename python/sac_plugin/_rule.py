@@ -51,6 +51,9 @@ class Reason(enum.IntEnum):
     OFFLOADED_OP = 13
     OFFLOADED_CALL_INDEX = 14
     OFFLOADED_UNIT = 15
+    # Kept: the call routes tokens or copies a value to the host (NOTE: [Routing is served from
+    # the forward] in csrc/policy/policy.cpp).
+    ROUTES_TOKENS = 16
 
     @property
     def text(self) -> str:
@@ -82,10 +85,28 @@ _SIGNATURES = {
     "sac_op_entry": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int64]),
     "sac_call_decider_new": (ctypes.c_void_p, [ctypes.c_void_p]),
     "sac_call_decider_release": (None, [ctypes.c_void_p]),
-    "sac_call_decider_decide": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                                                 ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int32]),
-    "sac_policy_decide": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
-                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]),
+    "sac_call_decider_decide": (
+        ctypes.c_int64,
+        [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.c_int64,
+            ctypes.c_int32,
+        ],
+    ),
+    "sac_policy_decide": (
+        ctypes.c_int64,
+        [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int32,
+        ],
+    ),
     "sac_reason_text": (ctypes.c_char_p, [ctypes.c_int32]),
 }
 _scopes.declare(_lib, _SIGNATURES)
@@ -96,13 +117,27 @@ _decider_decide = _lib.sac_call_decider_decide
 _policy_decide = _lib.sac_policy_decide
 _reason_text = _lib.sac_reason_text
 if _reason_text(len(Reason) - 1) is None or _reason_text(len(Reason)) is not None:
-    raise ImportError(f"sac_plugin: {_library.library_path()} names a different set of keep reasons than "
-                      f"sac_plugin._rule.Reason ({len(Reason)}); rebuild the library from the same source as the package")
+    raise ImportError(
+        f"sac_plugin: {_library.library_path()} names a different set of keep reasons than "
+        f"sac_plugin._rule.Reason ({len(Reason)}); rebuild the library from the same source as the package"
+    )
 
 # The result of a decision, one int64 (csrc/bindings/c_api.h): outcome, reason, two warning flags,
 # and the kept unit's id + 1 (0: none) in the high half.
 _DRAWS_RANDOM = 1
 _CASTS_A_PARAMETER = 2
+_ROUTES_TOKENS = 4
+# The caller does not say whether the call routes tokens: C++ answers from the op alone (topk,
+# sort, argsort, argmax, nonzero, unique, .item() always route; _to_copy to the CPU needs the
+# arguments).
+_ROUTING_FROM_OP = 8
+
+
+def _facts(draws_random: bool, casts_a_parameter: bool, routes_tokens: bool | None) -> int:
+    routing = _ROUTING_FROM_OP if routes_tokens is None else (_ROUTES_TOKENS if routes_tokens else 0)
+    return (_DRAWS_RANDOM if draws_random else 0) | (_CASTS_A_PARAMETER if casts_a_parameter else 0) | routing
+
+
 _MUTATING_IN_KEPT_UNIT = 1 << 16
 _RANDOM_CALL_OF_KEPT_OP = 1 << 17
 
@@ -121,8 +156,10 @@ def op_entry(op) -> int:
         elif isinstance(op, str):
             name = op
         else:
-            raise TypeError(f"sac_plugin: op_entry: expected an op overload such as torch.ops.aten.mm.default or a name "
-                            f"such as 'aten::mm.default', got {type(op).__name__}")
+            raise TypeError(
+                f"sac_plugin: op_entry: expected an op overload such as torch.ops.aten.mm.default or a name "
+                f"such as 'aten::mm.default', got {type(op).__name__}"
+            )
         encoded = name.encode("utf-8")
         entry = _op_entry(encoded, len(encoded))
         if not entry:
@@ -150,9 +187,13 @@ class _UnitStack:
             if result < 0:
                 _scopes.raise_last_error(-result)
             unit_plus_one = result >> 32
-            decision = Decision(Outcome(result & 0xFF), Reason((result >> 8) & 0xFF),
-                                self.names.get(unit_plus_one) if unit_plus_one else None,
-                                bool(result & _MUTATING_IN_KEPT_UNIT), bool(result & _RANDOM_CALL_OF_KEPT_OP))
+            decision = Decision(
+                Outcome(result & 0xFF),
+                Reason((result >> 8) & 0xFF),
+                self.names.get(unit_plus_one) if unit_plus_one else None,
+                bool(result & _MUTATING_IN_KEPT_UNIT),
+                bool(result & _RANDOM_CALL_OF_KEPT_OP),
+            )
             self.decoded[result] = decision
         return decision
 
@@ -183,24 +224,40 @@ class CallDecider:
         if getattr(self, "_address", None):
             _release(self._address)
 
-    def decide(self, op, recompute: bool, unit_names: Sequence[str] = (), draws_random: bool = False,
-               casts_a_parameter: bool = False) -> Decision:
+    def decide(
+        self,
+        op,
+        recompute: bool,
+        unit_names: Sequence[str] = (),
+        draws_random: bool = False,
+        casts_a_parameter: bool = False,
+        routes_tokens: bool | None = None,
+    ) -> Decision:
         """The decision for one call of `op` (an OpOverload or a name, see op_entry) in the forward
-        (recompute=False) or the recompute, with `unit_names` open (outermost first)."""
+        (recompute=False) or the recompute, with `unit_names` open (outermost first). `routes_tokens`:
+        whether the call routes tokens or copies to the host; None lets the op alone say."""
         units = _units(unit_names)
         entry = _entries.get(op) or op_entry(op)
-        facts = (_DRAWS_RANDOM if draws_random else 0) | (_CASTS_A_PARAMETER if casts_a_parameter else 0)
-        return units.decode(_decider_decide(self._address, entry, 1 if recompute else 0, units.array, units.count,
-                                            facts))
+        facts = _facts(draws_random, casts_a_parameter, routes_tokens)
+        return units.decode(
+            _decider_decide(self._address, entry, 1 if recompute else 0, units.array, units.count, facts)
+        )
 
 
-def decide_call(policy, op_name, unit_names: Sequence[str], call_index: int, draws_random: bool = False,
-                casts_a_parameter: bool = False) -> Decision:
+def decide_call(
+    policy,
+    op_name,
+    unit_names: Sequence[str],
+    call_index: int,
+    draws_random: bool = False,
+    casts_a_parameter: bool = False,
+    routes_tokens: bool | None = None,
+) -> Decision:
     """The decision for the call of `op_name` with 0-based `call_index` among the region's counted
     calls of it, with `unit_names` open: for the planner, which knows each call's index."""
     address = getattr(policy, "_policy_address", None)
     if not isinstance(address, int) or not address:
         raise TypeError(f"sac_plugin: decide_call needs a sac_plugin.Policy, got {type(policy).__name__}")
     units = _units(unit_names)
-    facts = (_DRAWS_RANDOM if draws_random else 0) | (_CASTS_A_PARAMETER if casts_a_parameter else 0)
+    facts = _facts(draws_random, casts_a_parameter, routes_tokens)
     return units.decode(_policy_decide(address, op_entry(op_name), units.array, units.count, call_index, facts))

@@ -12,7 +12,7 @@ import torch
 from . import _library
 
 _ERRORS = {1: RuntimeError, 2: ValueError}
-_EXPECTED_VERSION = 4
+_EXPECTED_VERSION = 6
 
 
 def declare(lib, signatures: dict) -> None:
@@ -31,6 +31,8 @@ def _bind():
     lib = ctypes.PyDLL(str(_library.library_path()))
     signatures = {
         "sac_scope_c_api_version": (ctypes.c_int32, []),
+        "sac_site_new": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]),
+        "sac_site_release": (None, [ctypes.c_void_p]),
         "sac_region_new": (ctypes.c_void_p, [ctypes.c_void_p]),
         "sac_region_release": (None, [ctypes.c_void_p]),
         "sac_region_enter": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int32]),
@@ -53,6 +55,8 @@ def _bind():
 
 
 _lib = _bind()
+_site_new = _lib.sac_site_new
+_site_release = _lib.sac_site_release
 _region_new = _lib.sac_region_new
 _region_release = _lib.sac_region_release
 _region_enter = _lib.sac_region_enter
@@ -64,13 +68,6 @@ _last_error = _lib.sac_scope_last_error
 region_forward_position = _lib.sac_region_forward_position
 _region_release_unreached = _lib.sac_region_release_unreached
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
-
-
-def recompute_above_modes(region_address: int):
-    """The context a region's recompute runs under while dispatch modes are on, or None; the
-    dispatch-mode engine, a layer above, installs its own (NOTE: [Modes above the key see only
-    what ran] in _dispatch_mode.py)."""
-    return None
 
 
 def release_unreached(address: int, last_saved_position: int) -> int:
@@ -85,6 +82,19 @@ def raise_last_error(status: int):
     raise _ERRORS.get(status, RuntimeError)(_last_error().decode("utf-8", "replace"))
 
 
+class SiteReference:
+    """Owns one reference to a C++ checkpoint site (NOTE: [What a site learns] in
+    csrc/dispatch/site.h): one policy applied at one place; the regions made from it share it."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, policy_address: int, label: str = ""):
+        self.address = _site_new(policy_address, label.encode())
+
+    def __del__(self, _release=_site_release):
+        _release(self.address)
+
+
 class RegionReference:
     """Owns one reference to a C++ region handle; dropping the last Python reference releases it.
 
@@ -95,8 +105,8 @@ class RegionReference:
 
     __slots__ = ("address",)
 
-    def __init__(self, policy_address: int):
-        self.address = _region_new(policy_address)
+    def __init__(self, site_address: int):
+        self.address = _region_new(site_address)
 
     @classmethod
     def adopt(cls, address: int) -> RegionReference:
@@ -114,40 +124,49 @@ class RegionReference:
 
 
 class RegionScope:
-    """The forward (recompute=0) or the recompute (1) of one region, as a context manager."""
+    """The forward (recompute=0) or the recompute (1) of one region, as a context manager.
 
-    __slots__ = ("_region", "_recompute", "_depth", "_above_modes")
+    `above_modes(region_address)`, for a recompute, gives the context the recompute runs under
+    while dispatch modes are on, or None (NOTE: [Modes above the key see only what ran] in
+    _dispatch_mode.py, a layer above, which the caller asks)."""
 
-    def __init__(self, region: RegionReference, recompute: int):
-        self._region = region
+    __slots__ = ("_region", "_address", "_recompute", "_depth", "_above_modes", "_above_modes_for")
+
+    def __init__(self, region: RegionReference, recompute: int, above_modes=None):
+        self._region = region  # owns the handle; the address below is valid while it lives
+        self._address = region.address
         self._recompute = recompute
         self._depth = 0
         self._above_modes = None
+        self._above_modes_for = above_modes
 
     def __enter__(self):
-        depth = _region_enter(self._region.address, self._recompute)
+        depth = _region_enter(self._address, self._recompute)
         if depth < 0:
             raise_last_error(-depth)
         self._depth = depth
-        if self._recompute and _dispatch_modes_on():
+        if self._above_modes_for is not None and _dispatch_modes_on():
             # NOTE: [Modes above the key see only what ran] (_dispatch_mode.py)
             try:
-                above_modes = recompute_above_modes(self._region.address)
+                above_modes = self._above_modes_for(self._address)
                 if above_modes is not None:
                     above_modes.__enter__()
             except BaseException:
-                _region_exit(self._region.address, self._recompute, depth)
+                _region_exit(self._address, self._recompute, depth)
                 raise
             self._above_modes = above_modes
         return self
 
-    def __exit__(self, *exc_info):
-        above_modes, self._above_modes = self._above_modes, None
-        try:
-            if above_modes is not None:
-                above_modes.__exit__(*exc_info)
-        finally:
-            status = _region_exit(self._region.address, self._recompute, self._depth)
+    def __exit__(self, exc_type, exc_value, traceback):
+        above_modes = self._above_modes
+        if above_modes is None:  # every checkpoint call but those under foreign dispatch modes
+            status = _region_exit(self._address, self._recompute, self._depth)
+        else:
+            self._above_modes = None
+            try:
+                above_modes.__exit__(exc_type, exc_value, traceback)
+            finally:
+                status = _region_exit(self._address, self._recompute, self._depth)
         if status:
             raise_last_error(status)
         return False
@@ -175,9 +194,11 @@ def profiling_region_forward(profile) -> RegionScope:
     return RegionScope(RegionReference.adopt(profile.new_region_address()), 0)
 
 
-def new_region_scopes(policy_address: int) -> tuple[RegionScope, RegionScope]:
-    region = RegionReference(policy_address)
-    return RegionScope(region, 0), RegionScope(region, 1)
+def new_region_scopes(site_address: int, above_modes=None) -> tuple[RegionScope, RegionScope]:
+    """The forward and recompute scopes of a new region of the site at `site_address`; see
+    RegionScope for `above_modes`."""
+    region = RegionReference(site_address)
+    return RegionScope(region, 0), RegionScope(region, 1, above_modes)
 
 
 def unit_id(name: str) -> int:

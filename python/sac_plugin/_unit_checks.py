@@ -19,8 +19,11 @@ nothing per op, and stops once each unit of the policy is settled.
 from __future__ import annotations
 
 import difflib
+import functools
+import re
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -79,12 +82,12 @@ _UNIT_OBSERVER = _UnitObserver()
 
 
 class WatchedForward:
-    """A region's forward context that checks the policy's units when the forward ends."""
+    """A region's forward context that checks its site's units when the forward ends."""
 
-    __slots__ = ("_policy", "_forward", "_watch", "_around", "_kept_before")
+    __slots__ = ("_site", "_forward", "_watch", "_around", "_kept_before")
 
-    def __init__(self, policy, forward, kept_calls):
-        self._policy, self._forward, self._watch = policy, forward, _Watch(kept_calls)
+    def __init__(self, site, forward, kept_calls):
+        self._site, self._forward, self._watch = site, forward, _Watch(kept_calls)
         self._around, self._kept_before = (), 0
 
     def __enter__(self):
@@ -92,7 +95,8 @@ class WatchedForward:
         self._forward.__enter__()
         # Units already open around the checkpointed call are open for the whole forward: what
         # the forward keeps is kept inside them too.
-        self._around = tuple(torch.ops.sac.open_units())
+        with torch._C._DisableTorchDispatch():  # NOTE: [The plugin's own calls]
+            self._around = tuple(torch.ops.sac.open_units())
         self._kept_before = self._watch.kept_calls()
         _local.__dict__.setdefault("watches", []).append(self._watch)
         with _watching_lock:
@@ -113,35 +117,77 @@ class WatchedForward:
         if exc_info[0] is None:
             for unit in self._around:
                 self._watch.opened[unit] = self._watch.opened.get(unit, 0) + kept_in_forward
-            check(self._policy, self._watch.opened)
+            check(self._site, self._watch.opened)
         return suppressed
 
 
-def check(policy, opened: dict[str, int]) -> None:
-    """Settles what one forward says about the policy's pending units; warns at most once each."""
+def check(site, opened: dict[str, int]) -> None:
+    """Settles what one forward says about the site's pending units; warns at most once each."""
     _declared.update(opened)
-    policy._watched_forwards += 1
-    for unit in sorted(policy._unchecked_units):
-        kind = ("kept" if unit in policy.kept_units else "offloaded" if unit in policy.offloaded_units
-                else "recomputed")
-        if unit in opened:
-            policy._unchecked_units.discard(unit)
-            if kind != "recomputed" and opened[unit] == 0:
-                _warn(f"sac_plugin: {kind} unit '{unit}' was opened in the forward of a checkpointed region with {policy} "
-                      "but kept nothing: everything run inside it was a view, an in-place write, a random call, a "
-                      "collective or inside a recomputed unit, which are always recomputed (warned once per policy)")
+    policy = site.policy
+    site.watched_forwards += 1
+    for unit in sorted(site.unchecked_units):
+        kind = "kept" if unit in policy.kept_units else "offloaded" if unit in policy.offloaded_units else "recomputed"
+        matched = _opened_as(unit, opened)
+        if matched is not None:
+            site.unchecked_units.discard(unit)
+            if kind != "recomputed" and matched == 0 and _claim(policy, unit):
+                _warn(
+                    f"sac_plugin: {kind} unit '{unit}' was opened in the forward of a checkpointed region with {policy} "
+                    "but kept nothing: everything run inside it was a view, an in-place write, a random call, a "
+                    "collective or inside a recomputed unit, which are always recomputed (warned once per policy)"
+                )
             else:
-                logger.debug("unit '%s' of %s: opened, %d calls kept in it", unit, policy, opened[unit])
-        elif unit not in _declared:
-            policy._unchecked_units.discard(unit)
+                logger.debug("unit '%s' of %s: opened, %d calls kept in it", unit, policy, matched)
+        elif unit not in _declared and not any(_pattern(unit).fullmatch(name) for name in _declared):
+            site.unchecked_units.discard(unit)
+            if not _claim(policy, unit):
+                continue
             effect = {"kept": "keeps nothing", "offloaded": "offloads nothing"}.get(kind, "recomputes nothing")
-            _warn(f"sac_plugin: {kind} unit '{unit}' is declared by no model and was not opened in the forward of a "
-                  f"checkpointed region with {policy}, so it {effect}. Units opened there: "
-                  f"{', '.join(sorted(opened)) or 'none'}; {_closest(unit, opened)} (warned once per policy)")
-    if policy._watched_forwards >= MAX_WATCHED_FORWARDS and policy._unchecked_units:
-        logger.debug("units %s of %s are declared but were not opened in %d forwards; no longer watched",
-                     sorted(policy._unchecked_units), policy, policy._watched_forwards)
-        policy._unchecked_units.clear()
+            _warn(
+                f"sac_plugin: {kind} unit '{unit}' is declared by no model and was not opened in the forward of a "
+                f"checkpointed region with {policy}, so it {effect}. Units opened there: "
+                f"{', '.join(sorted(opened)) or 'none'}; {_closest(unit, opened)} (warned once per policy)"
+            )
+    if site.watched_forwards >= MAX_WATCHED_FORWARDS and site.unchecked_units:
+        logger.debug(
+            "units %s of %s are declared but were not opened in %d forwards; no longer watched",
+            sorted(site.unchecked_units),
+            policy,
+            site.watched_forwards,
+        )
+        site.unchecked_units.clear()
+
+
+# Units warned about, per Policy object: each site settles its own units (a unit missing from one
+# layer type may open in another), but a warning is about the policy, said once for all its sites.
+_warned: dict[int, set[str]] = {}
+
+
+def _claim(policy, unit: str) -> bool:
+    units = _warned.get(id(policy))
+    if units is None:
+        units = _warned[id(policy)] = set()
+        weakref.finalize(policy, _warned.pop, id(policy), None)
+    if unit in units:
+        return False
+    units.add(unit)
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern(unit: str):
+    # A policy's unit pattern as the C++ side matches it (unitPatternMatches in
+    # csrc/policy/policy.cpp): each '*' any run of characters, everything else itself.
+    return re.compile(".*".join(re.escape(part) for part in unit.split("*")), re.DOTALL)
+
+
+def _opened_as(unit: str, opened: dict[str, int]) -> int | None:
+    """The calls kept in the units a policy's name or pattern matched in a forward, or None."""
+    if "*" not in unit:
+        return opened.get(unit)
+    counts = [kept for name, kept in opened.items() if _pattern(unit).fullmatch(name)]
+    return sum(counts) if counts else None
 
 
 def _closest(unit: str, opened) -> str:

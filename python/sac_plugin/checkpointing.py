@@ -9,6 +9,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from . import _compat, _dispatch_mode, _engine, _observers, _rule, _scopes, _unit_checks
+from ._site import Site
 from ._call_facts import casts_a_parameter, draws_random, op_traits
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
@@ -19,14 +20,20 @@ __all__ = ["Region", "apply_selective_checkpointing", "context_fn", "remove_chec
 
 
 class Region:
-    """One call of checkpoint(fn, ...): its kept outputs, and its forward and recompute scopes."""
+    """One call of checkpoint(fn, ...): its kept outputs, and its forward and recompute scopes.
 
-    __slots__ = ("_reference", "forward", "recompute")
+    Made from a policy (a checkpoint site of its own) or from the site it shares with other
+    regions (NOTE: [What a site learns])."""
 
-    def __init__(self, policy: Policy):
-        if not isinstance(policy, Policy):
+    __slots__ = ("_reference", "_site", "forward", "recompute")
+
+    def __init__(self, policy: Policy | Site):
+        if isinstance(policy, Policy):
+            policy = Site(policy)
+        elif not isinstance(policy, Site):
             raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
-        self.forward, self.recompute = _scopes.new_region_scopes(policy._policy_address)
+        self._site = policy
+        self.forward, self.recompute = _scopes.new_region_scopes(policy.address, _dispatch_mode.recompute_above_modes)
         self._reference = self.forward._region
 
     @property
@@ -75,11 +82,15 @@ def torch_policy_fn(policy: Policy):
     def decide(ctx, op, *args, **kwargs):
         units = ()
         if watches_units:
-            units = tuple(key[len(UNIT_ANNOTATION_PREFIX):] for key in fx_traceback.current_meta.get("custom", {})
-                          if key.startswith(UNIT_ANNOTATION_PREFIX))
+            units = tuple(
+                key[len(UNIT_ANNOTATION_PREFIX) :]
+                for key in fx_traceback.current_meta.get("custom", {})
+                if key.startswith(UNIT_ANNOTATION_PREFIX)
+            )
         traits = op_traits(op)
-        decision = decider.decide(op, ctx.is_recompute, units, draws_random(traits, args, kwargs),
-                                  casts_a_parameter(op, args))
+        decision = decider.decide(
+            op, ctx.is_recompute, units, draws_random(traits, args, kwargs), casts_a_parameter(op, args)
+        )
         if decision.outcome == _rule.Outcome.KEEP:
             return CheckpointPolicy.MUST_SAVE
         if decision.outcome == _rule.Outcome.OFFLOAD:
@@ -111,8 +122,11 @@ def _offload_tag(args):
         return CheckpointPolicy.MUST_CPU_OFFLOAD
     if not _told_offload_is_keep:
         _told_offload_is_keep = True
-        where = ("torch.compile offloads only with torch._functorch.config.enable_activation_offloading = True"
-                 if compiling else "torch's eager checkpoint does not offload")
+        where = (
+            "torch.compile offloads only with torch._functorch.config.enable_activation_offloading = True"
+            if compiling
+            else "torch's eager checkpoint does not offload"
+        )
         logger.warning("sac_plugin: offloaded calls are kept on the device here (MUST_SAVE): %s", where)
     return CheckpointPolicy.MUST_SAVE
 
@@ -126,42 +140,74 @@ def _compiled_contexts(policy: Policy):
 
 
 _NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())
+_dispatch_modes_on = torch._C._len_torch_dispatch_stack
 # A region that keeps nothing intercepts nothing: in the dispatch-mode engine it only labels the
 # forward and the recompute for audits and re-opens the units around the forward.
-_PHASE_MARKER_POLICY = Policy()
+_PHASE_MARKER_SITE = Site(Policy())
 
 
-def _selective_contexts(policy: Policy):
+# NOTE: [A value is served from the level it was kept at]
+# The native engine keeps a call's outputs below every TorchDispatchMode (its key sits under
+# `Python`), the dispatch-mode engine above the modes that are on. A mode that changes values (fake
+# quantization, a cast, rounding) makes the two differ: below it, the kept value is the kernel's;
+# above it, the value the model saw. A kept value must be served where it was kept, or the mode
+# sees different values in the recompute than in the forward and the gradients are silently wrong.
+# So a region whose forward begins while another dispatch mode is on (not only the plugin's own
+# per-op trace) runs, for that step, in the dispatch-mode engine: its calls are kept above the
+# modes, and its recompute is served above them, whatever modes the backward runs under. A forward
+# with no other mode on keeps below (the native hot path); if modes are on by the recompute (a mode
+# entered for the backward only), the recompute runs above them (NOTE: [Modes above the key see
+# only what ran] in _dispatch_mode.py), serving values no mode changed in the forward.
+def _selective_contexts(site: Site):
+    # The hot path, tested cheapest first: a native region with no dispatch mode on (so neither
+    # torch.compile's PROXY mode nor a foreign mode), nothing observing and nothing left to watch
+    # at its site is the branch marked "the hot path" below, reached without the other tests.
+    if (
+        not site.reach_unknown
+        and not site.unchecked_units
+        and not site.keeps_nothing
+        and not _dispatch_modes_on()
+        and not _observers.observing()
+        and _engine.engine() == "native"
+        and not torch.compiler.is_compiling()
+    ):
+        return _scopes.new_region_scopes(site.address, _dispatch_mode.recompute_above_modes)
+    policy = site.policy
     if _compat.is_compiling():
         return _compiled_contexts(policy)
     observing = _observers.observing()
-    if policy.keeps_nothing and not observing:
-        # Plain full recompute: nothing to intercept, and nothing observing (an audit that wants
-        # its recompute labelled as such, a report), so no plugin state at all.
+    if policy.keeps_nothing and not policy.offload_inputs and not observing:
+        # Plain full recompute: nothing to intercept, nothing observing (an audit that wants its
+        # recompute labelled as such, a report) and no inputs to hold, so no plugin state at all.
         return _NO_CONTEXTS
-    if _engine.engine() == "dispatch_mode":
-        region = Region(_PHASE_MARKER_POLICY)
+    if _engine.engine() == "dispatch_mode" or _dispatch_mode.foreign_modes_on():
+        region = Region(_PHASE_MARKER_SITE)
         plan: dict = {}
-        forward, recompute = _dispatch_mode.dispatch_mode_contexts(policy, region, plan)
+        forward, recompute, mode_region = _dispatch_mode.dispatch_mode_contexts(site, region, plan)
+        position, release_unreached = mode_region.forward_position, mode_region.release_unreached
 
         def kept_calls():
             return sum(sum(kept) for kept in plan.values())
-    elif not (observing or policy._unchecked_units or policy._reach_unknown):
+    elif not (observing or site.unchecked_units or site.reach_unknown):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
         # (NOTE: [Scopes through a C ABI]).
-        return _scopes.new_region_scopes(policy._policy_address)
+        return _scopes.new_region_scopes(site.address, _dispatch_mode.recompute_above_modes)
     else:
-        region = Region(policy)
+        region = Region(site)
         for observer in _observers.observers():
             observer.region_created(region)
         forward, recompute = region.forward, region.recompute
-        if policy._reach_unknown:
-            forward = _ReachWatch(policy, forward)
+        address = region._reference.address
+        position = functools.partial(_scopes.region_forward_position, address)
+        release_unreached = functools.partial(_scopes.release_unreached, address)
 
         def kept_calls():
             return region.kept_calls
-    if policy._unchecked_units:
-        forward = _unit_checks.WatchedForward(policy, forward, kept_calls)
+
+    if site.reach_unknown:
+        forward = _ReachWatch(site, forward, position, release_unreached)
+    if site.unchecked_units:
+        forward = _unit_checks.WatchedForward(site, forward, kept_calls)
     for observer in _observers.observers():
         forward, recompute = observer.wrap_passes(region, policy, forward, recompute, kept_calls)
     return forward, recompute
@@ -181,19 +227,20 @@ def _stops_early(pack) -> bool:
 
 
 class _ReachWatch:
-    """The first forward of a region with a policy, watched for the kept calls its recompute never
+    """The first forward of a checkpoint site, watched for the kept calls its recompute never
     reaches (NOTE: [Kept outputs the recompute never reaches] in csrc/dispatch/region.cpp).
 
     torch's checkpoint pushes its saved-tensor hooks just before it enters this context, so they
     are the top hooks here. Hooks of the same pack are pushed over them for the forward: each save
     notes the region's position (calls decided so far), then goes to torch's pack hook unchanged.
     At the end of the forward the region frees the kept outputs after the last save, and the
-    policy remembers them; later forwards of the policy run unwatched, on the hot path."""
+    site remembers them; later forwards of the site run unwatched, on the hot path."""
 
-    __slots__ = ("_policy", "_forward", "_last_saved", "_pushed")
+    __slots__ = ("_site", "_forward", "_position", "_release_unreached", "_last_saved", "_pushed")
 
-    def __init__(self, policy: Policy, forward):
-        self._policy, self._forward = policy, forward
+    def __init__(self, site: Site, forward, position, release_unreached):
+        self._site, self._forward = site, forward
+        self._position, self._release_unreached = position, release_unreached
         self._last_saved, self._pushed = 0, False
 
     def __enter__(self):
@@ -201,10 +248,10 @@ class _ReachWatch:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if hooks is not None and _stops_early(hooks[0]):
             pack, unpack = hooks
-            address = self._forward._region.address
+            position = self._position
 
             def note_position(tensor):
-                self._last_saved = _scopes.region_forward_position(address)
+                self._last_saved = position()
                 return pack(tensor)
 
             torch._C._autograd._push_saved_tensors_default_hooks(note_position, unpack)
@@ -216,28 +263,39 @@ class _ReachWatch:
             if exc_info[0] is None:
                 # Settled after one completed forward, also where there was nothing to watch (a
                 # checkpoint without early stop): later forwards take the hot path.
-                self._policy._reach_unknown = False
+                self._site.reach_unknown = False
             if self._pushed:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
                 if exc_info[0] is None:
-                    released = _scopes.release_unreached(self._forward._region.address, self._last_saved)
+                    released = self._release_unreached(self._last_saved)
                     if released:
-                        logger.info("%d kept calls of %s run after the region's last tensor saved for backward; "
-                                    "torch's early stop never serves them, so they are not held", released,
-                                    self._policy)
+                        logger.info(
+                            "%d kept calls of %s run after the region's last tensor saved for backward; "
+                            "torch's early stop never serves them, so they are not held",
+                            released,
+                            self._site.policy,
+                        )
         finally:
             suppressed = self._forward.__exit__(*exc_info)
         return suppressed
 
 
-def context_fn(policy: Policy | None = None):
-    """A `context_fn` for checkpoint(fn, ..., use_reentrant=False, context_fn=context_fn(policy))."""
+def context_fn(policy: Policy | None = None, *, name: str = ""):
+    """A `context_fn` for checkpoint(fn, ..., use_reentrant=False, context_fn=context_fn(policy)).
+
+    Each one is a checkpoint site of its own: the regions it makes learn together what the
+    recompute reaches, so give each layer its own (apply_selective_checkpointing does). `name`
+    is what error messages call the checkpointed code (the layer, "LlamaDecoderLayer"); without
+    one they say "a checkpointed region"."""
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(
             f"sac_plugin: context_fn: policy must be a sac_plugin.Policy or None, got {describe_value(policy)}"
         )
+    if not isinstance(name, str):
+        raise TypeError(f"sac_plugin: context_fn: name must be a str, got {describe_value(name)}")
     policy = Policy() if policy is None else policy
-    return functools.partial(_selective_contexts, policy)
+    # One checkpoint site per context function (NOTE: [What a site learns]).
+    return functools.partial(_selective_contexts, Site(policy, name))
 
 
 def apply_selective_checkpointing(
@@ -266,9 +324,10 @@ def apply_selective_checkpointing(
                 f"sac_plugin: apply_selective_checkpointing: {name} must be True or False, got {describe_value(value)}"
             )
     policy = Policy() if policy is None else policy
-    context = context_fn(policy)
-    logger.debug("checkpointing %s with %s", type(module).__name__,
-                 "full recompute" if policy.keeps_nothing else policy)
+    context = context_fn(policy, name=type(module).__name__)
+    logger.debug(
+        "checkpointing %s with %s", type(module).__name__, "full recompute" if policy.keeps_nothing else policy
+    )
     module._sac_policy = policy
     module._sac_context_fn = context
     module._sac_preserve_rng_state = preserve_rng_state
@@ -303,7 +362,9 @@ def remove_checkpointing(module: torch.nn.Module) -> torch.nn.Module:
     is refused, so that a wrong object is noticed rather than silently accepted.
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"sac_plugin: remove_checkpointing: module must be a torch.nn.Module, got {describe_value(module)}")
+        raise TypeError(
+            f"sac_plugin: remove_checkpointing: module must be a torch.nn.Module, got {describe_value(module)}"
+        )
     if not installed_anything(module):
         raise ValueError(
             f"sac_plugin: remove_checkpointing: sac_plugin installed nothing on {type(module).__name__} or its "

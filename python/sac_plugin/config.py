@@ -7,11 +7,19 @@ every layer, so it can never raise peak memory.
 
     {"units": ["attn"], "ops": [], "every_nth_op": {"aten::mm": 2}, "every_nth_layer": 1,
      "first_layer": 0, "layer_ratio": null, "force_recompute_modules": [], "preserve_rng_state": true,
-     "budget": null, "offloaded_units": [], "offloaded_ops": [], "offload_min_bytes": 1048576,
-     "host_memory_limit": null}
+     "budget": null, "peak_bytes": null, "offloaded_units": [], "offloaded_ops": [], "offload_min_bytes": 1048576,
+     "host_memory_limit": null, "regions": [], "recomputed_regions": [], "offloaded_regions": [],
+     "pin_routing": true, "offload_inputs": false}
+
+regions, recomputed_regions and offloaded_regions name torch_remat regions (or any recompute unit)
+by name or by pattern, as torchtitan's region patterns ("*", "*routed_experts.w13.*"); they pass
+to the policy's kept_units, recomputed_units and offloaded_units as written, with no target map.
+pin_routing is Policy's (docs/semantics.md, "Routing is served from the forward").
 
 offloaded_units and offloaded_ops select as units and ops do, for outputs held in pinned host
 memory between forward and backward instead of on the device (sac_plugin.Policy's offloaded_*).
+offload_inputs holds the checkpointed layers' activation inputs there too (Policy's offload_inputs,
+docs/offload.md).
 
 Which wrap sites (layers, counted from 0) are checkpointed: every_nth_layer=n with first_layer=f
 takes f, f+n, f+2n, ... (the default f=0 takes 0, n, 2n, ...: n=2 of 4 layers is 0 and 2);
@@ -23,16 +31,22 @@ A `budget` (a fraction of the checkpointed layers' no-checkpointing activation b
 replaces the hand-written selection: the plugin profiles the layers and keeps what saves the most
 recompute time within it (sac_plugin.plan), so units, ops, every_nth_op and
 force_recompute_modules stay unset.
+
+A `peak_bytes` (an int) bounds the device's peak allocated bytes over a whole training step
+instead: applying the config needs the step (apply_recompute_config(..., step=...)), which
+sac_plugin.plan_step profiles and measures; it leaves the hand-written selection and budget unset
+the same way. With peak_bytes, offload_inputs lets the plan offload (plan_step's offload=True: the
+layers' inputs and kept calls, where that lowers the step's peak); a budget never offloads the
+inputs, so budget and offload_inputs together are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch import nn
@@ -50,6 +64,20 @@ class ConfigError(ValueError):
     """A recompute config that cannot be applied; the message names the field."""
 
 
+# What a hand-written selection sets: a budget or a peak chooses by measurement instead.
+_HAND_SELECTION_FIELDS = (
+    "units",
+    "ops",
+    "every_nth_op",
+    "force_recompute_modules",
+    "offloaded_units",
+    "offloaded_ops",
+    "regions",
+    "recomputed_regions",
+    "offloaded_regions",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RecomputeConfig:
     units: tuple[RecomputeUnit, ...] = ()
@@ -61,10 +89,16 @@ class RecomputeConfig:
     force_recompute_modules: tuple[str, ...] = ()
     preserve_rng_state: bool = True
     budget: float | int | None = None
+    peak_bytes: int | None = None
     offloaded_units: tuple[RecomputeUnit, ...] = ()
     offloaded_ops: tuple[str, ...] = ()
     offload_min_bytes: int = 1 << 20
     host_memory_limit: int | None = None
+    regions: tuple[str, ...] = ()
+    recomputed_regions: tuple[str, ...] = ()
+    offloaded_regions: tuple[str, ...] = ()
+    pin_routing: bool = True
+    offload_inputs: bool = False
 
     def __post_init__(self):
         for field in ("units", "offloaded_units"):
@@ -75,30 +109,41 @@ class RecomputeConfig:
                     units.append(RecomputeUnit(unit))
                 except ValueError:
                     known = ", ".join(u.value for u in RecomputeUnit)
-                    raise ConfigError(f"recompute config: {field}[{i}]: unknown unit {bounded_repr(unit)}; known "
-                                      f"units: {known}") from None
+                    raise ConfigError(
+                        f"recompute config: {field}[{i}]: unknown unit {bounded_repr(unit)}; known units: {known}"
+                    ) from None
             if len(set(units)) != len(units):
                 raise ConfigError(f"recompute config: {field}: a unit is listed twice: {[u.value for u in units]}")
             object.__setattr__(self, field, tuple(units))
         both = [unit.value for unit in self.units if unit in self.offloaded_units]
         if both:
-            raise ConfigError(f"recompute config: units and offloaded_units both list {both}; a unit is kept or "
-                              "offloaded, not both")
-        for field in ("ops", "offloaded_ops"):
+            raise ConfigError(
+                f"recompute config: units and offloaded_units both list {both}; a unit is kept or offloaded, not both"
+            )
+        for field in ("ops", "offloaded_ops", "regions", "recomputed_regions", "offloaded_regions"):
             _check_strings(field, getattr(self, field))
             object.__setattr__(self, field, tuple(getattr(self, field)))
         if not _is_int(self.offload_min_bytes) or not 0 <= self.offload_min_bytes <= MAX_EVERY_NTH:
-            raise ConfigError("recompute config: offload_min_bytes must be a byte count, an int from 0 to 2**63 - 1, "
-                              f"got {bounded_repr(self.offload_min_bytes)}")
-        if self.host_memory_limit is not None and (not _is_int(self.host_memory_limit)
-                                                   or not 0 <= self.host_memory_limit <= MAX_EVERY_NTH):
-            raise ConfigError("recompute config: host_memory_limit must be a byte count, an int from 0 to 2**63 - 1, "
-                              f"or null for no limit, got {bounded_repr(self.host_memory_limit)}")
+            raise ConfigError(
+                "recompute config: offload_min_bytes must be a byte count, an int from 0 to 2**63 - 1, "
+                f"got {bounded_repr(self.offload_min_bytes)}"
+            )
+        if self.host_memory_limit is not None and (
+            not _is_int(self.host_memory_limit) or not 0 <= self.host_memory_limit <= MAX_EVERY_NTH
+        ):
+            raise ConfigError(
+                "recompute config: host_memory_limit must be a byte count, an int from 0 to 2**63 - 1, "
+                f"or null for no limit, got {bounded_repr(self.host_memory_limit)}"
+            )
         if not isinstance(self.every_nth_op, Mapping):
-            raise ConfigError(f"recompute config: every_nth_op must map op names to n, got {bounded_repr(self.every_nth_op)}")
+            raise ConfigError(
+                f"recompute config: every_nth_op must map op names to n, got {bounded_repr(self.every_nth_op)}"
+            )
         if len(self.every_nth_op) > MAX_LIST_ENTRIES:
-            raise ConfigError(f"recompute config: every_nth_op has {len(self.every_nth_op)} entries; at most "
-                              f"{MAX_LIST_ENTRIES} are accepted")
+            raise ConfigError(
+                f"recompute config: every_nth_op has {len(self.every_nth_op)} entries; at most "
+                f"{MAX_LIST_ENTRIES} are accepted"
+            )
         for op, n in self.every_nth_op.items():
             # The bound is Policy's: n travels to C++ as int64 and is kept exactly.
             if not isinstance(op, str) or not _is_int(n) or not 1 <= n <= MAX_EVERY_NTH:
@@ -107,16 +152,23 @@ class RecomputeConfig:
                 )
         object.__setattr__(self, "every_nth_op", dict(self.every_nth_op))
         if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
-            raise ConfigError(f"recompute config: every_nth_layer must be an int >= 1, got {bounded_repr(self.every_nth_layer)}")
+            raise ConfigError(
+                f"recompute config: every_nth_layer must be an int >= 1, got {bounded_repr(self.every_nth_layer)}"
+            )
         if not _is_int(self.first_layer) or self.first_layer < 0:
             raise ConfigError(
                 f"recompute config: first_layer must be an int >= 0 (the index of the first checkpointed layer), "
                 f"got {bounded_repr(self.first_layer)}"
             )
         if self.layer_ratio is not None:
-            if isinstance(self.layer_ratio, bool) or not isinstance(self.layer_ratio, (int, float)) \
-                    or not 0 < self.layer_ratio <= 1:
-                raise ConfigError(f"recompute config: layer_ratio must be in (0, 1], got {bounded_repr(self.layer_ratio)}")
+            if (
+                isinstance(self.layer_ratio, bool)
+                or not isinstance(self.layer_ratio, (int, float))
+                or not 0 < self.layer_ratio <= 1
+            ):
+                raise ConfigError(
+                    f"recompute config: layer_ratio must be in (0, 1], got {bounded_repr(self.layer_ratio)}"
+                )
             if self.every_nth_layer != 1:
                 raise ConfigError("recompute config: layer_ratio and every_nth_layer both select layers; set one")
             if self.first_layer != 0:
@@ -127,8 +179,18 @@ class RecomputeConfig:
             object.__setattr__(self, "layer_ratio", float(self.layer_ratio))
         _check_strings("force_recompute_modules", self.force_recompute_modules)
         object.__setattr__(self, "force_recompute_modules", tuple(self.force_recompute_modules))
+        if not isinstance(self.pin_routing, bool):
+            raise ConfigError(
+                f"recompute config: pin_routing must be true or false, got {bounded_repr(self.pin_routing)}"
+            )
+        if not isinstance(self.offload_inputs, bool):
+            raise ConfigError(
+                f"recompute config: offload_inputs must be true or false, got {bounded_repr(self.offload_inputs)}"
+            )
         if not isinstance(self.preserve_rng_state, bool):
-            raise ConfigError(f"recompute config: preserve_rng_state must be true or false, got {bounded_repr(self.preserve_rng_state)}")
+            raise ConfigError(
+                f"recompute config: preserve_rng_state must be true or false, got {bounded_repr(self.preserve_rng_state)}"
+            )
         if self.budget is not None:
             from .planner import check_budget
 
@@ -136,11 +198,34 @@ class RecomputeConfig:
                 check_budget(self.budget)
             except (TypeError, ValueError) as error:
                 raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
-            chosen = [name for name in ("units", "ops", "every_nth_op", "force_recompute_modules", "offloaded_units",
-                                        "offloaded_ops") if getattr(self, name)]
+            chosen = self._hand_selection()
             if chosen:
-                raise ConfigError(f"recompute config: budget chooses what to keep by measurement; leave {', '.join(chosen)} "
-                                  "unset (or drop budget to choose by hand)")
+                raise ConfigError(
+                    f"recompute config: budget chooses what to keep by measurement; leave {', '.join(chosen)} "
+                    "unset (or drop budget to choose by hand)"
+                )
+            if self.offload_inputs:
+                raise ConfigError(
+                    "recompute config: budget plans what each layer keeps and never offloads the "
+                    "layers' inputs; drop offload_inputs, or plan with peak_bytes, whose plans may "
+                    "offload them"
+                )
+        if self.peak_bytes is not None:
+            if not _is_int(self.peak_bytes) or not 1 <= self.peak_bytes <= MAX_EVERY_NTH:
+                raise ConfigError(
+                    "recompute config: peak_bytes must be a byte count of device memory, an int from 1 "
+                    f"to 2**63 - 1, or null, got {bounded_repr(self.peak_bytes)}"
+                )
+            chosen = (["budget"] if self.budget is not None else []) + self._hand_selection()
+            if chosen:
+                raise ConfigError(
+                    f"recompute config: peak_bytes plans the step by measurement; leave "
+                    f"{', '.join(chosen)} unset (or drop peak_bytes)"
+                )
+
+    def _hand_selection(self) -> list[str]:
+        """The fields of the hand-written selection that are set, which a budget or a peak replaces."""
+        return [name for name in _HAND_SELECTION_FIELDS if getattr(self, name)]
 
     @property
     def selected_units(self) -> tuple[RecomputeUnit, ...]:
@@ -160,10 +245,16 @@ class RecomputeConfig:
             "force_recompute_modules": list(self.force_recompute_modules),
             "preserve_rng_state": self.preserve_rng_state,
             "budget": self.budget,
+            "peak_bytes": self.peak_bytes,
             "offloaded_units": [unit.value for unit in self.offloaded_units],
             "offloaded_ops": list(self.offloaded_ops),
             "offload_min_bytes": self.offload_min_bytes,
             "host_memory_limit": self.host_memory_limit,
+            "regions": list(self.regions),
+            "recomputed_regions": list(self.recomputed_regions),
+            "offloaded_regions": list(self.offloaded_regions),
+            "pin_routing": self.pin_routing,
+            "offload_inputs": self.offload_inputs,
         }
 
     @classmethod
@@ -171,14 +262,25 @@ class RecomputeConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"recompute config: expected a mapping of keys to values, got {type(data).__name__}")
         if len(data) > MAX_LIST_ENTRIES:
-            raise ConfigError(f"recompute config: the mapping has {len(data)} keys; a recompute config has at most "
-                              f"{len(dataclasses.fields(cls))}")
+            raise ConfigError(
+                f"recompute config: the mapping has {len(data)} keys; a recompute config has at most "
+                f"{len(dataclasses.fields(cls))}"
+            )
         known = [field.name for field in dataclasses.fields(cls)]
         for key in data:
             if key not in known:
                 raise ConfigError(f"recompute config: unknown key {bounded_repr(key)}; known keys: {', '.join(known)}")
         values = dict(data)
-        for key in ("units", "ops", "force_recompute_modules", "offloaded_units", "offloaded_ops"):
+        for key in (
+            "units",
+            "ops",
+            "force_recompute_modules",
+            "offloaded_units",
+            "offloaded_ops",
+            "regions",
+            "recomputed_regions",
+            "offloaded_regions",
+        ):
             if key in values:
                 _check_list(key, values[key])
                 values[key] = tuple(values[key])
@@ -191,7 +293,7 @@ class RecomputeConfig:
     def from_json(cls, text: str) -> RecomputeConfig:
         _check_text(text, "from_json")
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as error:
             raise ConfigError(f"recompute config: not valid JSON: {error}") from None
         except RecursionError:
@@ -209,7 +311,7 @@ class RecomputeConfig:
 
         _check_text(text, "from_yaml")
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as error:
             raise ConfigError(f"recompute config: not valid YAML: {error}") from None
         except RecursionError:
@@ -271,6 +373,53 @@ MAX_TEXT_CHARACTERS = 1 << 24
 MAX_LIST_ENTRIES = 4096
 
 
+def _duplicate_key(key, where: str = "") -> ConfigError:
+    return ConfigError(
+        f"recompute config: key {bounded_repr(key)} is given twice{where}; each key may be given "
+        "once (a parser would keep the last one silently)"
+    )
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json's object_pairs_hook: an object, refusing a key given twice."""
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise _duplicate_key(key)
+        data[key] = value
+    return data
+
+
+_UNIQUE_KEY_LOADER = None
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader, refusing a mapping key given twice (the line is named)."""
+    global _UNIQUE_KEY_LOADER
+    if _UNIQUE_KEY_LOADER is None:
+        import yaml
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):
+                if isinstance(node, yaml.MappingNode):
+                    seen = set()
+                    for key_node, _ in node.value:
+                        if key_node.tag == "tag:yaml.org,2002:merge":
+                            continue  # a merge (<<) supplies keys that the mapping's own override
+                        key = self.construct_object(key_node, deep=True)
+                        try:
+                            duplicate = key in seen
+                        except TypeError:  # unhashable: SafeLoader's own error says so
+                            break
+                        if duplicate:
+                            raise _duplicate_key(key, f" (line {key_node.start_mark.line + 1})")
+                        seen.add(key)
+                return super().construct_mapping(node, deep=deep)
+
+        _UNIQUE_KEY_LOADER = UniqueKeyLoader
+    return _UNIQUE_KEY_LOADER
+
+
 def _check_text(text, method: str) -> None:
     if not isinstance(text, str):
         raise TypeError(
@@ -278,14 +427,18 @@ def _check_text(text, method: str) -> None:
             "RecomputeConfig.load(path) reads a file"
         )
     if len(text) > MAX_TEXT_CHARACTERS:
-        raise ConfigError(f"recompute config: the text has {len(text)} characters; a recompute config has at most "
-                          f"{MAX_TEXT_CHARACTERS}")
+        raise ConfigError(
+            f"recompute config: the text has {len(text)} characters; a recompute config has at most "
+            f"{MAX_TEXT_CHARACTERS}"
+        )
 
 
 def _path_of(path, method: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"recompute config: RecomputeConfig.{method} expects a path (str or os.PathLike), got "
-                        f"{describe_value(path)}")
+        raise TypeError(
+            f"recompute config: RecomputeConfig.{method} expects a path (str or os.PathLike), got "
+            f"{describe_value(path)}"
+        )
     return Path(path)
 
 
@@ -297,7 +450,9 @@ def _check_list(field: str, value) -> None:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ConfigError(f"recompute config: {field} must be a list, got {bounded_repr(value)}")
     if len(value) > MAX_LIST_ENTRIES:
-        raise ConfigError(f"recompute config: {field} has {len(value)} entries; at most {MAX_LIST_ENTRIES} are accepted")
+        raise ConfigError(
+            f"recompute config: {field} has {len(value)} entries; at most {MAX_LIST_ENTRIES} are accepted"
+        )
 
 
 def _check_strings(field: str, values) -> None:
@@ -358,12 +513,25 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
     offloaded_ops = set(config.offloaded_ops) | offloaded_unit_ops
     recomputed = [RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
     try:
-        return Policy(kept_ops=sorted(kept_ops), kept_units=kept_units, every_nth_op=config.every_nth_op,
-                      recomputed_units=recomputed, offloaded_ops=sorted(offloaded_ops),
-                      offloaded_units=offloaded_units, offload_min_bytes=config.offload_min_bytes,
-                      host_memory_limit=config.host_memory_limit)
+        return Policy(
+            kept_ops=sorted(kept_ops),
+            kept_units=kept_units + list(config.regions),
+            every_nth_op=config.every_nth_op,
+            recomputed_units=recomputed + list(config.recomputed_regions),
+            offloaded_ops=sorted(offloaded_ops),
+            offloaded_units=offloaded_units + list(config.offloaded_regions),
+            offload_min_bytes=config.offload_min_bytes,
+            host_memory_limit=config.host_memory_limit,
+            pin_routing=config.pin_routing,
+            offload_inputs=config.offload_inputs,
+        )
     except ValueError as error:
         text = str(error)
-        field = ("offloaded_ops" if "offloaded_ops" in text else
-                 "ops" if any(op in text for op in config.ops) else "every_nth_op")
+        field = (
+            "offloaded_ops"
+            if "offloaded_ops" in text
+            else "ops"
+            if any(op in text for op in config.ops)
+            else "every_nth_op"
+        )
         raise ConfigError(f"recompute config: {field}: {error}") from None

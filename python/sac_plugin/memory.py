@@ -17,8 +17,19 @@ from . import _observers
 
 __all__ = ["ActivationMemory", "empty_offload_pool", "offload_stats", "track_activation_memory"]
 
-OFFLOAD_STATS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "pool_bytes",
-                 "pool_bytes_in_use", "pool_allocations", "exposed_copy_us")
+OFFLOAD_STATS = (
+    "copies_to_host",
+    "bytes_to_host",
+    "copies_to_device",
+    "bytes_to_device",
+    "pool_bytes",
+    "pool_bytes_in_use",
+    "pool_bytes_cached",
+    "pool_allocations",
+    "pool_trims",
+    "pool_bytes_trimmed",
+    "exposed_copy_us",
+)
 
 
 class ActivationMemory(_observers.Observer):
@@ -78,13 +89,14 @@ def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
 
 def offload_stats() -> dict[str, int]:
     """What offloading has done in this process (NOTE: [Offloading kept outputs]): copies to the
-    host and back with their bytes (counters that only grow), the pinned pool (bytes it holds,
-    bytes in use by offloaded outputs, buffers it has allocated), and exposed_copy_us: how long
+    host and back with their bytes (counters that only grow), the pinned pool (NOTE: [A bounded
+    pinned pool]: pinned bytes it holds, of them in use by offloaded outputs and cached for reuse,
+    buffers it has allocated, idle buffers it has freed and their bytes), and exposed_copy_us: how long
     the compute streams waited for copies back, summed over the serves whose copy events have
     completed (on an accelerator whose events carry times: CUDA, the test accelerator)."""
     return dict(zip(OFFLOAD_STATS, torch.ops.sac.offload_stats()))
 
 
 def empty_offload_pool() -> int:
-    """Frees the pinned pool's idle buffers; returns the bytes freed."""
+    """Frees the pinned pool's idle buffers (those no copy uses any more); returns the bytes freed."""
     return torch.ops.sac.empty_offload_pool()

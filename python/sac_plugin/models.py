@@ -11,23 +11,39 @@ from torch.nn import functional as F
 from .targets import ATTENTION_OPS, KeptCallables, KeptOps, RecomputeTargetMap
 from .units import RecomputeUnit, recompute_unit
 
-__all__ = ["GPT", "GPTBlock", "LLAMA_TARGETS", "Llama", "LlamaBlock", "MOE_TARGETS", "MoEBlock", "MoEModel",
-           "SHIPPED_TARGET_MAPS", "rotary_tables"]
+__all__ = [
+    "GPT",
+    "GPTBlock",
+    "LLAMA_TARGETS",
+    "Llama",
+    "LlamaBlock",
+    "MOE_TARGETS",
+    "MoEBlock",
+    "MoEModel",
+    "SHIPPED_TARGET_MAPS",
+    "rotary_tables",
+]
 
-LLAMA_TARGETS = RecomputeTargetMap("Llama", {
-    RecomputeUnit.ATTN: ATTENTION_OPS,
-    RecomputeUnit.MLP: KeptCallables(["feed_forward"]),
-    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
-})
+LLAMA_TARGETS = RecomputeTargetMap(
+    "Llama",
+    {
+        RecomputeUnit.ATTN: ATTENTION_OPS,
+        RecomputeUnit.MLP: KeptCallables(["feed_forward"]),
+        RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+    },
+)
 
-MOE_TARGETS = RecomputeTargetMap("MoEModel", {
-    RecomputeUnit.ATTN: ATTENTION_OPS,
-    RecomputeUnit.MOE_GATE: KeptCallables(["moe.router"]),
-    # Routing with ties must not change in the recompute: keep the sort and the counts.
-    RecomputeUnit.MOE_DISPATCH: KeptOps(["aten::sort.stable", "aten::histc"]),
-    RecomputeUnit.MLP: KeptCallables(["moe.experts.*"]),
-    RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
-})
+MOE_TARGETS = RecomputeTargetMap(
+    "MoEModel",
+    {
+        RecomputeUnit.ATTN: ATTENTION_OPS,
+        RecomputeUnit.MOE_GATE: KeptCallables(["moe.router"]),
+        # Routing with ties must not change in the recompute: keep the sort and the counts.
+        RecomputeUnit.MOE_DISPATCH: KeptOps(["aten::sort.stable", "aten::histc"]),
+        RecomputeUnit.MLP: KeptCallables(["moe.experts.*"]),
+        RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
+    },
+)
 
 SHIPPED_TARGET_MAPS = (LLAMA_TARGETS, MOE_TARGETS)
 
@@ -81,8 +97,9 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """A GPT-2-style decoder: units "attn" (qkv projection + attention) and "mlp" (fc + GELU)."""
 
-    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 4, seq: int = 128,
-                 dropout: float = 0.0):
+    def __init__(
+        self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 4, seq: int = 128, dropout: float = 0.0
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
@@ -179,8 +196,15 @@ class Llama(nn.Module):
 
     recompute_targets = LLAMA_TARGETS
 
-    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
-                 kv_heads: int | None = None):
+    def __init__(
+        self,
+        vocab: int = 512,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 128,
+        kv_heads: int | None = None,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads=kv_heads) for _ in range(layers))
@@ -272,7 +296,15 @@ class MoEModel(Llama):
 
     recompute_targets = MOE_TARGETS
 
-    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 128,
-                 experts: int = 4, top_k: int = 2):
+    def __init__(
+        self,
+        vocab: int = 512,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 128,
+        experts: int = 4,
+        top_k: int = 2,
+    ):
         super().__init__(vocab, dim, heads, layers, seq)
         self.layers = nn.ModuleList(MoEBlock(dim, heads, experts=experts, top_k=top_k) for _ in range(layers))

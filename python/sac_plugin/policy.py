@@ -7,7 +7,15 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ['Policy', 'bounded_repr', 'describe_value', 'op_spelling', 'check_unit_name', 'overload_of', 'resolve_kept_ops']
+__all__ = [
+    "Policy",
+    "bounded_repr",
+    "describe_value",
+    "op_spelling",
+    "check_unit_name",
+    "overload_of",
+    "resolve_kept_ops",
+]
 
 OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
 
@@ -73,18 +81,23 @@ def _names(values, what: str, example: str = "['aten::mm']") -> list:
             f"{_short.repr(values)}; write [{_short.repr(values)}]"
         )
     if isinstance(values, Mapping) or not isinstance(values, Iterable):
-        raise TypeError(f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}")
+        raise TypeError(
+            f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}"
+        )
     return list(values)
 
 
 def check_unit_name(name, where: str) -> str:
     """A unit name as recompute_unit and policies accept it; the plain str of a StrEnum member."""
     if not isinstance(name, str):
-        raise TypeError(f"sac_plugin: {where}: a recompute unit name is a str such as 'attn', got {describe_value(name)}")
+        raise TypeError(
+            f"sac_plugin: {where}: a recompute unit name is a str such as 'attn', got {describe_value(name)}"
+        )
     if not name:
         raise ValueError(f"sac_plugin: {where}: a recompute unit needs a non-empty str name such as 'attn', got ''")
-    _check_text(name, where, "a recompute unit name", MAX_UNIT_NAME_LENGTH,
-                " (names are kept for the life of the process)")
+    _check_text(
+        name, where, "a recompute unit name", MAX_UNIT_NAME_LENGTH, " (names are kept for the life of the process)"
+    )
     return str(name)
 
 
@@ -151,7 +164,8 @@ def _byte_count(value, field: str, *, allow_none: bool) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EVERY_NTH:
         accepted = "an int from 0 to 2**63 - 1" + (", or None for no limit" if allow_none else "")
         raise (TypeError if not isinstance(value, int) or isinstance(value, bool) else ValueError)(
-            f"sac_plugin: {field} is a byte count, {accepted}; got {describe_value(value)}")
+            f"sac_plugin: {field} is a byte count, {accepted}; got {describe_value(value)}"
+        )
     return value
 
 
@@ -159,7 +173,7 @@ def _unflatten(flat) -> dict[str, tuple[int, ...]]:
     ops, counts, indices = flat
     rules, start = {}, 0
     for op, count in zip(ops, counts):
-        rules[op] = tuple(indices[start:start + count])
+        rules[op] = tuple(indices[start : start + count])
         start += count
     return rules
 
@@ -169,7 +183,11 @@ class Policy:
 
     kept_ops: op overloads whose outputs are kept ("aten::mm" for every overload,
         "aten::mm.default", or torch.ops.aten.mm.default).
-    kept_units: names of recompute units (see `recompute_unit`) inside which every op is kept.
+    kept_units: names of recompute units (see `recompute_unit`; a torch_remat region is one)
+        inside which every op is kept. Unit names in kept_units, recomputed_units and
+        offloaded_units may be patterns: each '*' matches any run of characters, dots included,
+        as torchtitan's region patterns ("*", "*routed_experts.w13.*"). A torch_remat region that
+        no list names follows its own recompute= flag.
     every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region; {"aten::mm": 2}
         is torchtitan's "every other matmul" rule.
     recomputed_units: units whose ops are always recomputed, whatever else would keep them.
@@ -184,23 +202,61 @@ class Policy:
         kept ones. kept_calls and offloaded_calls may name one op with disjoint indices.
     offload_min_bytes: a call whose outputs take fewer bytes is kept on the device (a copy would
         cost more than it frees); 1 MiB by default.
-    host_memory_limit: the most pinned host bytes this policy's offloaded outputs hold at once
-        (None: no limit); past it, offloaded calls are kept on the device.
+    host_memory_limit: the most pinned host memory the offload pool may hold, in use and cached,
+        when a call of this policy offloads (None: no limit); past it, once idle buffers are freed,
+        the call is kept on the device (NOTE: [A bounded pinned pool]).
+    pin_routing: under a policy that selects anything, the calls that route tokens (topk, sort,
+        argsort and argmax indices, nonzero and unique) and device->host copies
+        (.item(), .tolist(), .cpu()) are served from the forward, so the recompute routes as the
+        forward did and never waits on the device (docs/semantics.md). False opts out.
+    offload_inputs: the region's positional inputs that carry the activation (tensors that require
+        grad and are not leaves), which torch's checkpoint holds for the recompute, are held in
+        pinned host memory between the forward and the backward, with the offloaded outputs and
+        within the same host_memory_limit (docs/offload.md). False by default. With nothing
+        kept, this lowers full recompute's floor.
 
-    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per policy.
+    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per checkpoint site.
     Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
     """
 
-    __slots__ = ("_handle", "_policy_address", "_kept_ops", "_kept_units", "_spellings", "_every_nth",
-                 "_recomputed_units", "_kept_call_spellings", "_kept_calls", "_unchecked_units", "_watched_forwards",
-                 "_reach_unknown", "_offloaded_spellings", "_offloaded_ops", "_offloaded_units",
-                 "_offloaded_call_spellings", "_offloaded_calls", "_offload_min_bytes", "_host_memory_limit")
+    __slots__ = (
+        "_handle",
+        "_policy_address",
+        "_kept_ops",
+        "_kept_units",
+        "_spellings",
+        "_every_nth",
+        "_recomputed_units",
+        "_kept_call_spellings",
+        "_kept_calls",
+        "_offloaded_spellings",
+        "_offloaded_ops",
+        "_offloaded_units",
+        "_offloaded_call_spellings",
+        "_offloaded_calls",
+        "_offload_min_bytes",
+        "_host_memory_limit",
+        "_pin_routing",
+        "_offload_inputs",
+        "__weakref__",
+    )
 
-    def __init__(self, kept_ops: Iterable = (), kept_units: Iterable[str] = (), *,
-                 every_nth_op: Mapping | None = None, recomputed_units: Iterable[str] = (),
-                 kept_calls: Mapping | None = None, offloaded_ops: Iterable = (), offloaded_units: Iterable[str] = (),
-                 offloaded_calls: Mapping | None = None, offload_min_bytes: int = 1 << 20,
-                 host_memory_limit: int | None = None):
+    def __init__(
+        self,
+        kept_ops: Iterable = (),
+        kept_units: Iterable[str] = (),
+        *,
+        every_nth_op: Mapping | None = None,
+        recomputed_units: Iterable[str] = (),
+        kept_calls: Mapping | None = None,
+        offloaded_ops: Iterable = (),
+        offloaded_units: Iterable[str] = (),
+        offloaded_calls: Mapping | None = None,
+        offload_min_bytes: int = 1 << 20,
+        host_memory_limit: int | None = None,
+        pin_routing: bool = True,
+        offload_inputs: bool = False,
+    ):
         # Every argument is checked here, before C++ sees it, so that a bad one is reported by
         # name with what was given (C++ would report a torchbind conversion failure).
         spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
@@ -208,18 +264,35 @@ class Policy:
         recomputed = _unit_names(recomputed_units, "recomputed_units")
         every_nth = _every_nth_rules(every_nth_op)
         calls = _call_rules(kept_calls)
-        offloaded = [op_spelling(op, f"offloaded_ops[{i}]")
-                     for i, op in enumerate(_names(offloaded_ops, "offloaded_ops"))]
+        offloaded = [
+            op_spelling(op, f"offloaded_ops[{i}]") for i, op in enumerate(_names(offloaded_ops, "offloaded_ops"))
+        ]
         offloaded_unit_names = _unit_names(offloaded_units, "offloaded_units")
         offloaded_call_rules = _call_rules(offloaded_calls, "offloaded_calls")
         min_bytes = _byte_count(offload_min_bytes, "offload_min_bytes", allow_none=False)
         host_limit = _byte_count(host_memory_limit, "host_memory_limit", allow_none=True)
+        if not isinstance(pin_routing, bool):
+            raise TypeError(f"sac_plugin: pin_routing must be True or False, got {describe_value(pin_routing)}")
+        if not isinstance(offload_inputs, bool):
+            raise TypeError(f"sac_plugin: offload_inputs must be True or False, got {describe_value(offload_inputs)}")
         self._handle = torch.classes.sac.Policy(
-            spellings, units, list(every_nth), list(every_nth.values()), recomputed,
-            list(calls), [len(v) for v in calls.values()], [i for v in calls.values() for i in v],
-            offloaded, offloaded_unit_names, list(offloaded_call_rules),
-            [len(v) for v in offloaded_call_rules.values()], [i for v in offloaded_call_rules.values() for i in v],
-            min_bytes, host_limit)
+            spellings,
+            units,
+            list(every_nth),
+            list(every_nth.values()),
+            recomputed,
+            list(calls),
+            [len(v) for v in calls.values()],
+            [i for v in calls.values() for i in v],
+            offloaded,
+            offloaded_unit_names,
+            list(offloaded_call_rules),
+            [len(v) for v in offloaded_call_rules.values()],
+            [i for v in offloaded_call_rules.values() for i in v],
+            min_bytes,
+            host_limit,
+            pin_routing,
+        )
         self._kept_call_spellings = calls
         self._kept_calls = _unflatten(self._handle.kept_calls())
         self._offloaded_spellings = tuple(offloaded)
@@ -229,6 +302,8 @@ class Policy:
         self._offloaded_units = frozenset(self._handle.offloaded_units())
         self._offload_min_bytes = min_bytes
         self._host_memory_limit = host_memory_limit
+        self._pin_routing = pin_routing
+        self._offload_inputs = offload_inputs
         # What the scope C ABI creates regions from (checkpointing.Region); valid while _handle lives.
         self._policy_address = self._handle.policy_address()
         self._spellings = tuple(spellings)
@@ -236,12 +311,6 @@ class Policy:
         self._kept_ops = frozenset(self._handle.kept_ops())
         self._kept_units = frozenset(self._handle.kept_units())
         self._recomputed_units = frozenset(self._handle.recomputed_units())
-        # Units not yet seen to mean something in a region's forward (see unit_checks.py).
-        self._unchecked_units = set(self._kept_units | self._recomputed_units | self._offloaded_units)
-        self._watched_forwards = 0
-        # Whether no forward of a region with this policy has been watched yet for the kept calls
-        # its recompute never reaches (NOTE: [Kept outputs the recompute never reaches]).
-        self._reach_unknown = not self.keeps_nothing
 
     @property
     def kept_ops(self) -> frozenset[str]:
@@ -290,23 +359,49 @@ class Policy:
         return self._host_memory_limit
 
     @property
+    def pin_routing(self) -> bool:
+        """Whether routing calls and device->host copies are served from the forward."""
+        return self._pin_routing
+
+    @property
+    def offload_inputs(self) -> bool:
+        """Whether the region's activation inputs are offloaded between forward and backward."""
+        return self._offload_inputs
+
+    @property
     def offloads_nothing(self) -> bool:
         return not self._offloaded_ops and not self._offloaded_units and not self._offloaded_calls
 
     @property
     def keeps_nothing(self) -> bool:
         """Whether the policy holds no call's outputs, on the device or offloaded: full recompute."""
-        return (not self._kept_ops and not self._kept_units and not self._every_nth and not self._kept_calls
-                and self.offloads_nothing)
+        return (
+            not self._kept_ops
+            and not self._kept_units
+            and not self._every_nth
+            and not self._kept_calls
+            and self.offloads_nothing
+        )
 
     def kept_overloads(self) -> list[torch._ops.OpOverload]:
         """The kept ops as OpOverload objects (what torch.compile's policy functions see)."""
         return [overload_of(name) for name in sorted(self._kept_ops)]
 
     def _identity(self):
-        return (self._kept_ops, self._kept_units, tuple(sorted(self.every_nth_op.items())), self._recomputed_units,
-                tuple(sorted(self._kept_calls.items())), self._offloaded_ops, self._offloaded_units,
-                tuple(sorted(self._offloaded_calls.items())), self._offload_min_bytes, self._host_memory_limit)
+        return (
+            self._kept_ops,
+            self._kept_units,
+            tuple(sorted(self.every_nth_op.items())),
+            self._recomputed_units,
+            tuple(sorted(self._kept_calls.items())),
+            self._offloaded_ops,
+            self._offloaded_units,
+            tuple(sorted(self._offloaded_calls.items())),
+            self._offload_min_bytes,
+            self._host_memory_limit,
+            self._pin_routing,
+            self._offload_inputs,
+        )
 
     def __repr__(self) -> str:
         parts = [f"kept_ops={sorted(self._spellings)!r}", f"kept_units={sorted(self._kept_units)!r}"]
@@ -326,6 +421,10 @@ class Policy:
             parts.append(f"offload_min_bytes={self._offload_min_bytes}")
         if self._host_memory_limit is not None:
             parts.append(f"host_memory_limit={self._host_memory_limit}")
+        if not self._pin_routing:
+            parts.append("pin_routing=False")
+        if self._offload_inputs:
+            parts.append("offload_inputs=True")
         return f"Policy({', '.join(parts)})"
 
     def __eq__(self, other) -> bool:
@@ -334,7 +433,8 @@ class Policy:
     def __hash__(self) -> int:
         return hash(self._identity())
 
-    # A policy is immutable: copies share it, pickles rebuild it from its names.
+    # A policy is a value, immutable once made and holding nothing the runtime learns (that is a
+    # checkpoint site's: NOTE: [What a site learns]): copies share it, pickles rebuild it from its names.
     def __copy__(self):
         return self
 
@@ -342,18 +442,36 @@ class Policy:
         return self
 
     def __reduce__(self):
-        return (_rebuild_policy, (self._spellings, tuple(sorted(self._kept_units)), self._every_nth,
-                                  tuple(sorted(self._recomputed_units)), self._kept_call_spellings,
-                                  {"offloaded_ops": self._offloaded_spellings,
-                                   "offloaded_units": tuple(sorted(self._offloaded_units)),
-                                   "offloaded_calls": self._offloaded_call_spellings,
-                                   "offload_min_bytes": self._offload_min_bytes,
-                                   "host_memory_limit": self._host_memory_limit}))
+        return (
+            _rebuild_policy,
+            (
+                self._spellings,
+                tuple(sorted(self._kept_units)),
+                self._every_nth,
+                tuple(sorted(self._recomputed_units)),
+                self._kept_call_spellings,
+                {
+                    "offloaded_ops": self._offloaded_spellings,
+                    "offloaded_units": tuple(sorted(self._offloaded_units)),
+                    "offloaded_calls": self._offloaded_call_spellings,
+                    "offload_min_bytes": self._offload_min_bytes,
+                    "host_memory_limit": self._host_memory_limit,
+                    "pin_routing": self._pin_routing,
+                    "offload_inputs": self._offload_inputs,
+                },
+            ),
+        )
 
 
 def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_calls=None, offload=None):
-    return Policy(kept_ops, kept_units, every_nth_op=every_nth_op, recomputed_units=recomputed_units,
-                  kept_calls=kept_calls, **(offload or {}))
+    return Policy(
+        kept_ops,
+        kept_units,
+        every_nth_op=every_nth_op,
+        recomputed_units=recomputed_units,
+        kept_calls=kept_calls,
+        **(offload or {}),
+    )
 
 
 def overload_of(name: str) -> torch._ops.OpOverload:
@@ -373,6 +491,8 @@ def resolve_kept_ops(names: Iterable) -> frozenset[str]:
     Lets a model list every spelling of an op (say flash-attention v2 and v3) and keep the ones
     this installation has. Raises ValueError when none of them resolves.
     """
-    spellings = [op_spelling(op, f"resolve_kept_ops: names[{i}]") for i, op in
-                 enumerate(_names(names, "resolve_kept_ops: names"))]
+    spellings = [
+        op_spelling(op, f"resolve_kept_ops: names[{i}]")
+        for i, op in enumerate(_names(names, "resolve_kept_ops: names"))
+    ]
     return frozenset(torch.ops.sac.resolvable_op_names(spellings))

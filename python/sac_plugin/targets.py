@@ -18,8 +18,15 @@ from ._forwards import run_in_unit
 from .policy import describe_value, resolve_kept_ops
 from .units import RecomputeUnit
 
-__all__ = ["ATTENTION_OPS", "KeptCallables", "KeptOps", "RecomputeTargetMap", "RecomputeUnit", "default_target_map",
-           "run_in_unit"]
+__all__ = [
+    "ATTENTION_OPS",
+    "KeptCallables",
+    "KeptOps",
+    "RecomputeTargetMap",
+    "RecomputeUnit",
+    "default_target_map",
+    "run_in_unit",
+]
 
 
 @dataclass(frozen=True)
@@ -63,17 +70,22 @@ class RecomputeTargetMap(Mapping):
 
     def __init__(self, model_name: str, targets: Mapping[RecomputeUnit, UnitTarget]):
         if not isinstance(model_name, str) or not model_name:
-            raise TypeError(f"sac_plugin: RecomputeTargetMap: model_name must be a non-empty str, got "
-                            f"{describe_value(model_name)}")
+            raise TypeError(
+                f"sac_plugin: RecomputeTargetMap: model_name must be a non-empty str, got {describe_value(model_name)}"
+            )
         if not isinstance(targets, Mapping):
-            raise TypeError("sac_plugin: RecomputeTargetMap: targets must map units to KeptOps or KeptCallables, "
-                            f"got {describe_value(targets)}")
+            raise TypeError(
+                "sac_plugin: RecomputeTargetMap: targets must map units to KeptOps or KeptCallables, "
+                f"got {describe_value(targets)}"
+            )
         self.model_name = model_name
         self._targets = {}
         for unit, target in targets.items():
             if not isinstance(target, (KeptOps, KeptCallables)):
-                raise TypeError(f"sac_plugin: RecomputeTargetMap: targets[{unit!r}] must be KeptOps or KeptCallables, "
-                                f"got {describe_value(target)}")
+                raise TypeError(
+                    f"sac_plugin: RecomputeTargetMap: targets[{unit!r}] must be KeptOps or KeptCallables, "
+                    f"got {describe_value(target)}"
+                )
             self._targets[_unit_of(unit, "RecomputeTargetMap: targets key")] = target
 
     def __getitem__(self, unit) -> UnitTarget:
@@ -130,14 +142,17 @@ def _find(owner, segments: list[str]) -> list[tuple[object, str]]:
 
 
 # Every spelling of attention a build may have; resolve_kept_ops keeps the ones that exist.
-ATTENTION_OPS = KeptOps([
-    "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_flash_attention_forward",
-    "aten::_efficient_attention_forward",
-])
+ATTENTION_OPS = KeptOps(
+    [
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+    ]
+)
+
 
 def default_target_map(model: nn.Module) -> RecomputeTargetMap:
     """The target map a model declares as its `recompute_targets` attribute (the reference models
@@ -149,4 +164,3 @@ def default_target_map(model: nn.Module) -> RecomputeTargetMap:
         f"sac_plugin: {type(model).__name__} declares no recompute target map; pass target_map=RecomputeTargetMap(...) "
         "or give the model a `recompute_targets` attribute"
     )
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.util
 import threading
 
 import torch
@@ -11,7 +12,15 @@ import torch
 from . import _observers, _scopes, _unit_checks
 from .policy import check_unit_name, describe_value
 
-__all__ = ["RecomputeUnit", "UNIT_ANNOTATION_PREFIX", "in_recompute_unit", "open_units", "recompute_unit"]
+__all__ = [
+    "RecomputeUnit",
+    "UNIT_ANNOTATION_PREFIX",
+    "in_recompute_unit",
+    "install_remat_regions",
+    "open_units",
+    "recompute_unit",
+    "uninstall_remat_regions",
+]
 
 
 class RecomputeUnit(enum.StrEnum):
@@ -45,9 +54,9 @@ class _UnitScope:
 
     __slots__ = ("_name", "_id", "_openings")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, unit_id: int | None = None):
         self._name = name
-        self._id = _unit_id(name)
+        self._id = _unit_id(name) if unit_id is None else unit_id
         self._openings: list[tuple[int, int]] = []
 
     def __enter__(self):
@@ -122,3 +131,116 @@ def in_recompute_unit(name: str, fn=None):
 def open_units() -> list[str]:
     """The units open on this thread, outermost first."""
     return list(torch.ops.sac.open_units())
+
+
+# NOTE: [torch_remat regions are recompute units]
+# torch_remat annotates model code with `torch_remat.region(fn, name, recompute=...)`. Inside its
+# own checkpoint a region is handled by torch_remat; outside one, its wrapper just calls `fn`, and
+# torch_remat offers no hook there (its phase state is None, nothing is traced or named). So
+# sac_plugin replaces `region` on the torch_remat module (and on torch_remat._api, where the
+# package's own code finds it) with a function that asks torch_remat for its wrapper first (the
+# same validation, the compile path unchanged) and, when no torch_remat checkpoint is active, runs
+# the call inside a unit named as torch_remat names the region (with its name_scope prefixes).
+# The unit is a region opening (NOTE: [Region openings carry their flag] in
+# csrc/policy/unit_stack.h): a policy that names it decides, otherwise its recompute= flag does
+# (csrc/policy/policy.h, innermostSelectingUnit). Installed when this module is imported and
+# torch_remat is installed; uninstall_remat_regions() puts torch_remat's function back. Model
+# code that bound `region` itself (`from torch_remat import region`) before sac_plugin was
+# imported keeps torch_remat's function.
+_remat_original = None
+_remat_local = threading.local()
+
+
+def _remat_modules():
+    import torch_remat
+    import torch_remat._api
+
+    return (torch_remat, torch_remat._api)
+
+
+# The bits of kRegionOpeningBit and kRegionRecomputesBit in csrc/policy/unit_stack.h; the C ABI
+# checks each id it is given, so a mismatch is refused there rather than misread.
+_REGION_OPENING_BIT = 1 << 29
+_REGION_RECOMPUTES_BIT = 1 << 30
+
+
+def _region_opening(id_plus_one: int, recompute: bool) -> int:
+    opening = (id_plus_one - 1) | _REGION_OPENING_BIT | (_REGION_RECOMPUTES_BIT if recompute else 0)
+    return opening + 1
+
+
+def _region_flags() -> list:
+    flags = getattr(_remat_local, "flags", None)
+    if flags is None:
+        flags = _remat_local.flags = []
+    return flags
+
+
+def _open_region(name: str, recompute: bool, call):
+    from torch_remat._region import _qualified_name
+
+    qualified = _qualified_name(name)
+    flags = _region_flags()
+    # torch_remat's nesting rule: a recompute=False region skips its whole body in the replay, so
+    # a recompute=True region inside it cannot be honoured. Raised as torch_remat raises it, so an
+    # annotated model fails the same way under either checkpoint.
+    if recompute and flags and not flags[-1]:
+        raise RuntimeError(
+            f"remat.region {qualified!r} was called with recompute=True while nested inside a recompute=False "
+            "(SAVE) region. The enclosing SAVE region is never recomputed, so the inner recompute cannot be "
+            "honored. Set the inner region to recompute=False, or make the enclosing region recompute=True."
+        )
+    check_unit_name(qualified, "torch_remat.region: name")
+    opening = _region_opening(_unit_id(qualified), recompute)
+    flags.append(recompute)
+    try:
+        with _UnitScope(qualified, opening):
+            return call()
+    finally:
+        flags.pop()
+
+
+def _sac_region(function, name, *, recompute):
+    wrapper = _remat_original(function, name, recompute=recompute)
+    if torch.compiler.is_compiling():
+        return wrapper
+    from torch_remat._region import _state
+
+    @functools.wraps(function)
+    def run_in_region(*args, **kwargs):
+        if _state.get() is not None or torch.compiler.is_compiling():
+            return wrapper(*args, **kwargs)  # torch_remat's own checkpoint handles it
+        return _open_region(name, recompute, lambda: function(*args, **kwargs))
+
+    return run_in_region
+
+
+def install_remat_regions() -> bool:
+    """Makes torch_remat.region open a recompute unit (NOTE: [torch_remat regions are recompute
+    units]). Returns False when torch_remat is not installed; installing twice changes nothing."""
+    global _remat_original
+    if importlib.util.find_spec("torch_remat") is None:
+        return False
+    try:
+        modules = _remat_modules()
+    except ImportError:  # a torch_remat that cannot load with this torch: nothing to hook
+        return False
+    if _remat_original is None:
+        _remat_original = modules[1].region
+        for module in modules:
+            module.region = _sac_region
+    return True
+
+
+def uninstall_remat_regions() -> None:
+    """Puts torch_remat's own region function back."""
+    global _remat_original
+    if _remat_original is None:
+        return
+    for module in _remat_modules():
+        if module.region is _sac_region:
+            module.region = _remat_original
+    _remat_original = None
+
+
+install_remat_regions()

@@ -37,13 +37,17 @@ def problems(csrc: Path) -> list[str]:
         for included in INCLUDE.findall(path.read_text(encoding="utf-8")):
             target_layer = included.split("/", 1)[0] if "/" in included else None
             if target_layer not in RANK:
-                found.append(f'{relative}: #include "{included}" names no layer directory; '
-                             f"write it as \"<layer>/{included.rsplit('/', 1)[-1]}\" with <layer> one of {', '.join(LAYERS)}")
+                found.append(
+                    f'{relative}: #include "{included}" names no layer directory; '
+                    f'write it as "<layer>/{included.rsplit("/", 1)[-1]}" with <layer> one of {", ".join(LAYERS)}'
+                )
             elif not (csrc / included).is_file():
                 found.append(f'{relative}: #include "{included}" names no file under {csrc}')
             elif RANK[target_layer] > RANK[layer]:
-                found.append(f'{relative}: #include "{included}" reaches up from layer {layer} to layer '
-                             f"{target_layer}; a layer may include only itself and {', '.join(LAYERS[:RANK[layer]]) or 'nothing below'}")
+                found.append(
+                    f'{relative}: #include "{included}" reaches up from layer {layer} to layer '
+                    f"{target_layer}; a layer may include only itself and {', '.join(LAYERS[: RANK[layer]]) or 'nothing below'}"
+                )
     return found
 
 

@@ -32,7 +32,7 @@ Decoded decode(int64_t result) {
           ((result >> 17) & 1) != 0, result >> 32};
 }
 
-TEST(KeepRuleCApi, VersionIsFour) { EXPECT_EQ(sac_scope_c_api_version(), 4); }
+TEST(KeepRuleCApi, VersionIsSix) { EXPECT_EQ(sac_scope_c_api_version(), 6); }
 
 TEST(KeepRuleCApi, OpEntryNamesExactlyOneOverload) {
   const void* mm = entry("aten::mm.default");
@@ -110,7 +110,8 @@ TEST(KeepRuleCApi, DeciderCountsEachPassFromZero) {
   auto reason = [&](int32_t pass) { return decode(sac_call_decider_decide(decider, mm, pass, nullptr, 0, 0)).reason; };
   const int every_nth = static_cast<int>(Reason::kEveryNthCall);
   const int not_selected = static_cast<int>(Reason::kNotSelected);
-  EXPECT_EQ(std::vector<int>({reason(0), reason(0), reason(0)}), std::vector<int>({every_nth, not_selected, every_nth}));
+  EXPECT_EQ(std::vector<int>({reason(0), reason(0), reason(0)}),
+            std::vector<int>({every_nth, not_selected, every_nth}));
   EXPECT_EQ(std::vector<int>({reason(1), reason(1)}), std::vector<int>({every_nth, not_selected}));
   sac_call_decider_release(decider);
 }
@@ -123,9 +124,10 @@ TEST(KeepRuleCApi, BadArgumentsAreStatusesWithAMessage) {
   EXPECT_EQ(std::string(sac_scope_last_error()).rfind("sac: no recompute unit has id ", 0), 0u);
   EXPECT_EQ(sac_policy_decide(&policy, mm, nullptr, 0, -1, 0), -kSacScopeValueError);
   EXPECT_EQ(std::string(sac_scope_last_error()), "sac: a call index counts from 0, got -1");
-  EXPECT_EQ(sac_policy_decide(&policy, mm, nullptr, 0, 0, 4), -kSacScopeValueError);
+  EXPECT_EQ(sac_policy_decide(&policy, mm, nullptr, 0, 0, 16), -kSacScopeValueError);
   EXPECT_EQ(std::string(sac_scope_last_error()),
-            "sac: call facts are bit 0 (draws random numbers) and bit 1 (casts a parameter), got 4");
+            "sac: call facts are bit 0 (draws random numbers), bit 1 (casts a parameter), bit 2 (routes tokens) and "
+            "bit 3 (whether it routes tokens follows from the op), got 16");
   EXPECT_EQ(sac_policy_decide(&policy, nullptr, nullptr, 0, 0, 0), -kSacScopeValueError);
   EXPECT_EQ(sac_policy_decide(nullptr, mm, nullptr, 0, 0, 0), -kSacScopeValueError);
   EXPECT_EQ(sac_call_decider_new(nullptr), nullptr);
@@ -144,6 +146,33 @@ TEST(KeepRuleCApi, ReasonTextCoversEveryReason) {
   EXPECT_EQ(sac_reason_text(kNumReasons), nullptr);
   EXPECT_EQ(sac_reason_text(-1), nullptr);
   EXPECT_STREQ(sac_reason_text(static_cast<int32_t>(Reason::kMutatesInput)), "mutates an input");
+}
+
+TEST(KeepRuleCApi, RegionOpeningsAndRoutingFactsCross) {
+  PolicySpec spec;
+  spec.kept_ops = {"aten::tanh"};
+  std::shared_ptr<const Policy> policy = Policy::create(spec);
+  const int64_t core = unitIdPlusOne("attn.core");
+  // NOTE: [Region openings carry their flag]: a recompute=False region keeps; the decision names
+  // the unit, not the opening.
+  const int64_t save[] = {static_cast<int64_t>(regionOpening(static_cast<UnitId>(core - 1), false)) + 1};
+  int64_t kept = sac_policy_decide(&policy, entry("aten::sin.default"), save, 1, 0, 0);
+  EXPECT_EQ(kept & 0xFF, static_cast<int64_t>(Outcome::kKeep));
+  EXPECT_EQ(kept >> 32, core);
+  const int64_t not_an_opening[] = {(int64_t{1} << 31) + core};
+  EXPECT_EQ(sac_policy_decide(&policy, entry("aten::sin.default"), not_an_opening, 1, 0, 0), -kSacScopeValueError);
+  EXPECT_EQ(sac_unit_push(not_an_opening[0]), -kSacScopeValueError);
+  // Routing: given by the caller (bit 2), or read from the op (bit 3).
+  const void* topk = entry("aten::topk.default");
+  const void* to_copy = entry("aten::_to_copy.default");
+  EXPECT_EQ((sac_policy_decide(&policy, topk, nullptr, 0, 0, 8) >> 8) & 0xFF,
+            static_cast<int64_t>(Reason::kRoutesTokens));
+  EXPECT_EQ((sac_policy_decide(&policy, topk, nullptr, 0, 0, 0) >> 8) & 0xFF,
+            static_cast<int64_t>(Reason::kNotSelected));
+  EXPECT_EQ((sac_policy_decide(&policy, to_copy, nullptr, 0, 0, 8) >> 8) & 0xFF,
+            static_cast<int64_t>(Reason::kNotSelected));
+  EXPECT_EQ((sac_policy_decide(&policy, to_copy, nullptr, 0, 0, 4) >> 8) & 0xFF,
+            static_cast<int64_t>(Reason::kRoutesTokens));
 }
 
 }  // namespace

@@ -3,11 +3,10 @@
 // its interception: the plugin must still work, and the other owner must see exactly the calls
 // it sees without the plugin.
 
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <gtest/gtest.h>
 #include <torch/library.h>
 
 #include "diagnostics/audit.h"
@@ -20,8 +19,7 @@ namespace sac {
 namespace {
 
 void setOwnerMode(bool on) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("sac_test_foreign::set_mode", "").typed<void(bool)>();
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("sac_test_foreign::set_mode", "").typed<void(bool)>();
   op.call(on);
 }
 
@@ -125,7 +123,8 @@ TEST_F(CoexistenceTest, OpsDefinedAfterInstallAreInterceptedToo) {
     library->impl("twice", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                                            [](const at::Tensor& x) { return x * 2; }));
   }
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("sac_test_late::twice", "").typed<at::Tensor(const at::Tensor&)>();
+  auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("sac_test_late::twice", "").typed<at::Tensor(const at::Tensor&)>();
   auto region = c10::make_intrusive<Region>(Policy::create({"sac_test_late::twice"}, {}));
   at::Tensor x = at::full({2}, 0.5);
   int64_t acted = ownerActed();

@@ -1,14 +1,18 @@
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <thread>
 #include <vector>
 
 #include "diagnostics/audit.h"
-#include "ops/op_counters.h"
+#include "dispatch/call_trace.h"
 #include "dispatch/fallback.h"
 #include "dispatch/thread_state.h"
+#include "ops/op_catalog.h"
+#include "ops/op_counters.h"
+#include "policy/policy.h"
 
 namespace sac {
 namespace {
@@ -40,16 +44,88 @@ TEST(OpCountersTest, SnapshotDifference) {
   EXPECT_TRUE(counters.snapshot().minus(counters.snapshot()).empty());
 }
 
-TEST(OpCountersTest, ConcurrentIncrementsAreExact) {
+// NOTE: [Counts are their thread's]
+TEST(OpCountersTest, EachThreadSeesItsOwnCountsExactly) {
   OpCounters counters;
   std::vector<std::thread> threads;
+  std::vector<uint64_t> seen(4);
   for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&] {
-      for (int i = 0; i < 10000; ++i) counters.recordExecution(Phase::kForward);
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 10000 * (t + 1); ++i) counters.recordExecution(Phase::kForward);
+      counters.recordHit();
+      seen[t] = counters.snapshot().executions[0];
     });
   }
   for (std::thread& thread : threads) thread.join();
-  EXPECT_EQ(counters.snapshot().executions[0], 40000u);
+  EXPECT_EQ(seen, (std::vector<uint64_t>{10000, 20000, 30000, 40000}));
+  EXPECT_TRUE(counters.snapshot().empty());  // none of it was this thread's
+}
+
+TEST(OpCountersTest, AutogradDeviceThreadsCountForEveryThread) {
+  OpCounters counters;
+  counters.recordExecution(Phase::kForward);
+  std::thread device([&] {
+    pthread_setname_np(pthread_self(), "pt_autograd_0");
+    counters.recordExecution(Phase::kBackward);
+    counters.recordExecution(Phase::kRecompute);
+    counters.reclassifyRecomputeAsHit();
+  });
+  device.join();
+  CounterSnapshot here = counters.snapshot();
+  EXPECT_EQ(here.executions, (std::array<uint64_t, kNumPhases>{1, 0, 1}));
+  EXPECT_EQ(here.hits, 1u);
+  CounterSnapshot elsewhere;
+  std::thread other([&] { elsewhere = counters.snapshot(); });
+  other.join();
+  EXPECT_EQ(elsewhere.executions, (std::array<uint64_t, kNumPhases>{0, 0, 1}));
+  EXPECT_EQ(elsewhere.hits, 1u);
+}
+
+TEST(AuditTest, ABaselineCountsItsOwnThreadOnly) {
+  installInterception();
+  at::Tensor x = at::ones({4});
+  CounterBaseline baseline = CounterBaseline::capture();
+  ActivationScope audit(ActivationKind::kAudit, nullptr);
+  std::thread other([&] {
+    ActivationScope its_audit(ActivationKind::kAudit, nullptr);
+    for (int i = 0; i < 5; ++i) at::tanh(x);
+  });
+  other.join();
+  at::tanh(x);
+  std::vector<AuditRow> rows = baseline.changesSince();
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].op, "aten::tanh");
+  EXPECT_EQ(rows[0].counts.executions[0], 1u);
+}
+
+// NOTE: [The per-op trace is recorded below Python]
+TEST(CallTraceTest, RecordsOnlyWhileInstalledOnceEachAndNests) {
+  const OpEntry& tanh = lookupOp(c10::Dispatcher::singleton().findSchemaOrThrow("aten::tanh", ""));
+  auto outer = std::make_shared<CallTrace>();
+  auto inner = std::make_shared<CallTrace>();
+  traceCall(tanh, Phase::kForward, CallOutcome::kKept);  // nothing installed: not recorded
+  CallTrace::install(outer);
+  traceCall(tanh, Phase::kForward, CallOutcome::kKept);
+  CallTrace::install(inner);
+  CallTrace::install(outer);  // a nested pass of the same trace
+  traceCall(tanh, Phase::kRecompute, CallOutcome::kServed);
+  std::thread other([&] { traceCall(tanh, Phase::kForward, CallOutcome::kKept); });  // not installed there
+  other.join();
+  CallTrace::uninstall(outer.get());
+  CallTrace::uninstall(outer.get());  // out of order: the outer goes, the inner stays
+  traceCall(tanh, Phase::kRecompute, CallOutcome::kRecomputed);
+  CallTrace::uninstall(inner.get());
+  traceCall(tanh, Phase::kForward, CallOutcome::kOffloaded);
+  ASSERT_EQ(outer->size(), 2u);
+  ASSERT_EQ(inner->size(), 2u);
+  std::vector<TracedCall> calls = outer->calls();
+  EXPECT_EQ(calls[0].outcome, CallOutcome::kKept);
+  EXPECT_EQ(calls[1].outcome, CallOutcome::kServed);
+  EXPECT_EQ(calls[1].phase, Phase::kRecompute);
+  EXPECT_EQ(calls[1].op, &tanh);
+  EXPECT_EQ(calls[1].unit, kNoUnit);
+  EXPECT_EQ(inner->calls()[1].outcome, CallOutcome::kRecomputed);
+  EXPECT_STREQ(callOutcomeName(CallOutcome::kOffloaded), "offloaded");
 }
 
 TEST(AuditTest, CountsOpsRunUnderAnAuditActivation) {

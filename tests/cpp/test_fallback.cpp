@@ -1,8 +1,7 @@
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <gtest/gtest.h>
 
 #include <stdexcept>
 #include <string>
@@ -368,8 +367,8 @@ TEST_F(FallbackTest, MetaTensorsPassThroughUncounted) {
 TEST_F(FallbackTest, TensorsCarryingTheKeyPassThroughUncounted) {
   auto region = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
   at::Tensor real = at::full({3}, 0.5);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(real.storage()), real.key_set().add(kSacKey),
-                                                   real.dtype());
+  auto impl =
+      c10::make_intrusive<c10::TensorImpl>(c10::Storage(real.storage()), real.key_set().add(kSacKey), real.dtype());
   impl->set_sizes_and_strides(real.sizes(), real.strides(), real.storage_offset());
   at::Tensor carrying(std::move(impl));
   CounterBaseline baseline = CounterBaseline::capture();

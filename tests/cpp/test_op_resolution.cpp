@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,9 +1,10 @@
-#include <gtest/gtest.h>
-
+#include <ATen/Functions.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <gtest/gtest.h>
 
 #include "ops/op_catalog.h"
+#include "ops/routing.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
 
@@ -110,15 +111,6 @@ TEST(PolicyDecision, InvariantsWinInsideAKeptUnit) {
   EXPECT_FALSE(policy->decide(entryOf("aten::detach"), {attn}, CallFacts{}).held);
   // An out= op behaves like its functional twin.
   EXPECT_TRUE(policy->decide(entryOf("aten::mm", "out"), {attn}, CallFacts{}).held);
-}
-
-TEST(PolicyDecision, MutationWarningIsClaimedOncePerPolicy) {
-  auto first = Policy::create({}, {"attn"});
-  auto second = Policy::create({}, {"attn"});
-  const OpEntry& add_ = entryOf("aten::add_", "Tensor");
-  EXPECT_TRUE(first->claimWarning(add_));
-  EXPECT_FALSE(first->claimWarning(add_));
-  EXPECT_TRUE(second->claimWarning(add_));
 }
 
 TEST(OpTraitsClassification, ReadsSchemaAndTags) {
@@ -244,9 +236,9 @@ TEST(PolicyDecision, EveryNthIsStoredExactlyBeyond32Bits) {
 TEST(PolicyDeclaration, TwoEveryNthRulesForOneOverloadMustAgree) {
   PolicySpec spec;
   spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 2}};
-  EXPECT_EQ(Policy::create(spec)->everyNthOps(), (std::vector<std::pair<std::string, int64_t>>{
-                                                      {"aten::mm", 2}, {"aten::mm.dtype", 2}, {"aten::mm.dtype_out", 2},
-                                                      {"aten::mm.out", 2}}));
+  EXPECT_EQ(Policy::create(spec)->everyNthOps(),
+            (std::vector<std::pair<std::string, int64_t>>{
+                {"aten::mm", 2}, {"aten::mm.dtype", 2}, {"aten::mm.dtype_out", 2}, {"aten::mm.out", 2}}));
   spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 3}};
   try {
     Policy::create(spec);
@@ -271,8 +263,7 @@ TEST(PolicyDecision, KeptCallsKeepExactlyTheListedIndices) {
   std::vector<bool> kept;
   for (uint64_t i = 0; i < 7; ++i) kept.push_back(policy->decide(mm, {}, CallFacts{false, i}).held);
   EXPECT_EQ(kept, (std::vector<bool>{true, false, true, false, false, true, false}));
-  EXPECT_EQ(policy->keptCalls(),
-            (std::vector<std::pair<std::string, std::vector<int64_t>>>{{"aten::mm", {0, 2, 5}}}));
+  EXPECT_EQ(policy->keptCalls(), (std::vector<std::pair<std::string, std::vector<int64_t>>>{{"aten::mm", {0, 2, 5}}}));
   // A call that draws random numbers is never kept, even when listed.
   Decision random = policy->decide(mm, {}, CallFacts{true, 0});
   EXPECT_FALSE(random.held);
@@ -336,8 +327,7 @@ TEST(PolicyOffload, TheKeptVetoesApply) {
   EXPECT_TRUE(mutating.mutating_in_kept_unit);
   EXPECT_EQ(policy->decide(entryOf("aten::view"), {attn}, CallFacts{}).reason, Reason::kViewInKeptUnit);
   EXPECT_EQ(policy->decide(entryOf("aten::mm"), {attn, gate}, CallFacts{}).reason, Reason::kInsideRecomputedUnit);
-  EXPECT_EQ(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, CallFacts{}).reason,
-            Reason::kCollective);
+  EXPECT_EQ(policy->decide(entryOf("_c10d_functional::all_reduce"), {attn}, CallFacts{}).reason, Reason::kCollective);
 }
 
 TEST(PolicyOffload, TheInnermostSelectingUnitDecides) {
@@ -404,20 +394,131 @@ TEST(PolicyOffload, DeclarationsRefuseWhatCannotBeOffloaded) {
   EXPECT_EQ(messageOf(negative_floor), "sac: offload_min_bytes must be >= 0 bytes, got -1");
 }
 
-TEST(PolicyOffload, HostBytesAreReservedWithinTheLimit) {
+TEST(PolicyUnits, PatternsMatchAsTorchtitanRegionPatterns) {
+  EXPECT_TRUE(unitPatternMatches("*", "layers.0.attention"));
+  EXPECT_TRUE(unitPatternMatches("*routed_experts.w13.*", "moe.routed_experts.w13.linear"));
+  EXPECT_FALSE(unitPatternMatches("*routed_experts.w13.*", "moe.routed_experts.w13"));
+  EXPECT_TRUE(unitPatternMatches("block/*.core", "block/attn.x.core"));
+  EXPECT_FALSE(unitPatternMatches("attn", "attn.core"));
+  EXPECT_TRUE(unitPatternMatches("a*b*c", "aXbYbZc"));
+  EXPECT_FALSE(unitPatternMatches("a*b*c", "aXbYbZ"));
+}
+
+TEST(PolicyUnits, PatternsSelectInEveryList) {
   PolicySpec spec;
-  spec.offloaded_ops = {"aten::mm.default"};
-  spec.host_memory_limit = 100;
+  spec.kept_units = {"*.attention*"};
+  spec.recomputed_units = {"*routed_experts.w13.*"};
+  spec.offloaded_units = {"mlp*"};
   auto policy = Policy::create(spec);
-  EXPECT_TRUE(policy->reserveHostBytes(60));
-  EXPECT_FALSE(policy->reserveHostBytes(41));
-  EXPECT_TRUE(policy->reserveHostBytes(40));
-  EXPECT_EQ(policy->hostBytesHeld(), 100);
-  policy->releaseHostBytes(100);
-  EXPECT_EQ(policy->hostBytesHeld(), 0);
-  EXPECT_TRUE(policy->claimOffloadNotice(Policy::OffloadNotice::kHostLimitReached));
-  EXPECT_FALSE(policy->claimOffloadNotice(Policy::OffloadNotice::kHostLimitReached));
-  EXPECT_TRUE(policy->claimOffloadNotice(Policy::OffloadNotice::kRunsOnCpu));
+  const OpEntry& tanh = entryOf("aten::tanh");
+  UnitId attention = internUnit("layers.0.attention.core");
+  UnitId w13 = internUnit("moe.routed_experts.w13.mm");
+  UnitId mlp = internUnit("mlp.up");
+  Decision kept = policy->decide(tanh, {attention}, CallFacts{});
+  EXPECT_EQ(kept.reason, Reason::kKeptUnit);
+  EXPECT_EQ(kept.unit, attention);
+  EXPECT_EQ(policy->decide(tanh, {attention, w13}, CallFacts{}).reason, Reason::kInsideRecomputedUnit);
+  EXPECT_EQ(policy->decide(tanh, {mlp}, CallFacts{}).reason, Reason::kOffloadedUnit);
+  EXPECT_EQ(policy->keptUnitNames(), std::vector<std::string>{"*.attention*"});
+  // A pattern is not interned: it names no unit of its own.
+  size_t interned = internedUnitCount();
+  Policy::create({}, {"never.opened.*"});
+  EXPECT_EQ(internedUnitCount(), interned);
+}
+
+TEST(PolicyUnits, APatternBothKeptAndOffloadedIsRefused) {
+  PolicySpec spec;
+  spec.kept_units = {"layers.*"};
+  spec.offloaded_units = {"layers.*"};
+  EXPECT_EQ(messageOf(spec),
+            "sac: offloaded_units: 'layers.*' is in kept_units too; a unit is kept or offloaded, not both");
+}
+
+// NOTE: [Region openings carry their flag]: a region that no list names follows its flag; the
+// innermost region that decides for itself decides; the lists override the flag.
+TEST(PolicyUnits, RegionsFollowTheirFlagUnlessAListNamesThem) {
+  PolicySpec spec;
+  spec.kept_ops = {"aten::mm"};  // a policy that selects something
+  spec.kept_units = {"layers.0.moe"};
+  spec.recomputed_units = {"*.w13"};
+  auto policy = Policy::create(spec);
+  const OpEntry& tanh = entryOf("aten::tanh");
+  UnitId core = internUnit("attn.core");
+  UnitId rope = internUnit("attn.rope");
+  UnitId moe = internUnit("layers.0.moe");
+  UnitId w13 = internUnit("experts.w13");
+  UnitId save_core = regionOpening(core, /*recompute=*/false);
+  UnitId recompute_rope = regionOpening(rope, /*recompute=*/true);
+  EXPECT_EQ(unitName(save_core), "attn.core");
+  Decision saved = policy->decide(tanh, {save_core}, CallFacts{});
+  EXPECT_EQ(saved.reason, Reason::kKeptUnit);
+  EXPECT_EQ(saved.unit, core);
+  EXPECT_EQ(policy->decide(tanh, {recompute_rope}, CallFacts{}).reason, Reason::kNotSelected);
+  // torch_remat's nesting: inside a recompute=True region an inner region keeps its own policy.
+  EXPECT_TRUE(policy->decide(tanh, {recompute_rope, save_core}, CallFacts{}).held);
+  // The innermost region decides: a recompute=True region inside a kept unit recomputes.
+  EXPECT_FALSE(policy->decide(tanh, {moe, recompute_rope}, CallFacts{}).held);
+  // The lists override the flag: kept_units keeps a recompute=True region, recomputed_units
+  // recomputes a recompute=False one.
+  EXPECT_TRUE(policy->decide(tanh, {regionOpening(moe, true)}, CallFacts{}).held);
+  EXPECT_EQ(policy->decide(tanh, {save_core, regionOpening(w13, false)}, CallFacts{}).reason,
+            Reason::kInsideRecomputedUnit);
+  // A plain unit inside a region is no region: the region decides.
+  EXPECT_TRUE(policy->decide(tanh, {save_core, internUnit("inner")}, CallFacts{}).held);
+}
+
+TEST(PolicyRouting, RoutingCallsAreKeptUnderASelectivePolicy) {
+  auto policy = Policy::create({}, {"attn"});
+  UnitId router = internUnit("router");
+  CallFacts routes;
+  routes.routes_tokens = true;
+  Decision topk = policy->decide(entryOf("aten::topk"), {router}, routes);
+  EXPECT_EQ(topk.outcome, Outcome::kKeep);
+  EXPECT_EQ(topk.reason, Reason::kRoutesTokens);
+  EXPECT_STREQ(reasonText(Reason::kRoutesTokens), "routes tokens");
+  // Before the units: a recomputed unit recomputes the experts, not the choice of them.
+  PolicySpec spec;
+  spec.kept_units = {"attn"};
+  spec.recomputed_units = {"router"};
+  EXPECT_EQ(Policy::create(spec)->decide(entryOf("aten::topk"), {router}, routes).reason, Reason::kRoutesTokens);
+  // A policy that selects nothing is full recompute.
+  EXPECT_FALSE(Policy::create({}, {})->decide(entryOf("aten::topk"), {}, routes).held);
+  // The opt-out.
+  PolicySpec opt_out;
+  opt_out.kept_units = {"attn"};
+  opt_out.pin_routing = false;
+  auto unpinned = Policy::create(opt_out);
+  EXPECT_FALSE(unpinned->pinsRouting());
+  EXPECT_EQ(unpinned->decide(entryOf("aten::topk"), {router}, routes).reason, Reason::kNotSelected);
+}
+
+TEST(PolicyRouting, RoutesTokensReadsTheOpAndItsArguments) {
+  EXPECT_TRUE(routesTokens(entryOf("aten::topk").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::argsort").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::argmax").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::sort").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::_local_scalar_dense").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::nonzero").traits, nullptr));
+  EXPECT_TRUE(routesTokens(entryOf("aten::_unique2").traits, nullptr));
+  EXPECT_FALSE(routesTokens(entryOf("aten::mm").traits, nullptr));
+  EXPECT_FALSE(routesTokens(entryOf("aten::_to_copy").traits, nullptr));
+  // The op-only half is read once, when the op is classified.
+  EXPECT_TRUE(entryOf("aten::topk").traits.is_routing);
+  EXPECT_TRUE(entryOf("aten::_local_scalar_dense").traits.is_routing);
+  EXPECT_FALSE(entryOf("aten::mm").traits.is_routing);
+  EXPECT_FALSE(entryOf("aten::_to_copy").traits.is_routing);
+  // A copy from the CPU to the CPU is no device->host copy.
+  std::vector<c10::IValue> cpu_copy{at::ones({4}), c10::IValue(), c10::IValue(), c10::Device(c10::kCPU),
+                                    c10::IValue(), false,         c10::IValue()};
+  EXPECT_FALSE(routesTokens(entryOf("aten::_to_copy").traits, cpu_copy.data()));
+  std::vector<c10::IValue> meta_copy{at::ones({4}, at::TensorOptions().device(c10::kMeta)),
+                                     c10::IValue(),
+                                     c10::IValue(),
+                                     c10::Device(c10::kCPU),
+                                     c10::IValue(),
+                                     false,
+                                     c10::IValue()};
+  EXPECT_FALSE(routesTokens(entryOf("aten::_to_copy").traits, meta_copy.data()));
 }
 
 }  // namespace

@@ -2,10 +2,9 @@
 // facts and open units, and the two places that ask it rather than restating it: a policy's
 // refusal of a named op, and a call profile's keepability.
 
-#include <gtest/gtest.h>
-
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
@@ -37,7 +36,8 @@ const std::vector<RegisteredOp>& everyRegisteredOp() {
     for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
       auto handle = dispatcher.findOp(name);
       if (!handle.has_value() || !handle->hasSchema()) continue;
-      all.push_back({&lookupOp(*handle), name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name)});
+      all.push_back(
+          {&lookupOp(*handle), name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name)});
     }
     return all;
   }();
@@ -76,8 +76,8 @@ TEST(KeepRule, UnitsPolicyOverTheOpCatalog) {
   const UnitId attn = internUnit("attn");
   const UnitId gate = internUnit("gate");
   const UnitId other = internUnit("other");
-  const std::vector<std::vector<UnitId>> stacks = {{}, {other}, {attn}, {other, attn}, {attn, other}, {gate},
-                                                   {attn, gate}};
+  const std::vector<std::vector<UnitId>> stacks = {{},     {other},     {attn}, {other, attn}, {attn, other},
+                                                   {gate}, {attn, gate}};
   std::vector<int> seen(kNumReasons, 0);
   size_t ops = 0;
   for (const RegisteredOp& op : everyRegisteredOp()) {
@@ -88,16 +88,16 @@ TEST(KeepRule, UnitsPolicyOverTheOpCatalog) {
       const bool in_attn = std::find(units.begin(), units.end(), attn) != units.end();
       for (bool draws : {false, true}) {
         for (bool casts : {false, true}) {
-          Reason expected = traits.is_collective             ? Reason::kCollective
-                            : traits.never_counts            ? Reason::kNeverCounted
+          Reason expected = traits.is_collective                 ? Reason::kCollective
+                            : traits.never_counts                ? Reason::kNeverCounted
                             : traits.is_uninitialised_allocation ? Reason::kUninitialisedAllocation
-                            : casts                          ? Reason::kParameterCast
-                            : in_gate                        ? Reason::kInsideRecomputedUnit
-                            : !in_attn                       ? Reason::kNotSelected
-                            : draws                          ? Reason::kRandomDraw
-                            : traits.mutates_inputs          ? Reason::kMutatesInput
-                            : traits.is_view                 ? Reason::kViewInKeptUnit
-                                                             : Reason::kKeptUnit;
+                            : casts                              ? Reason::kParameterCast
+                            : in_gate                            ? Reason::kInsideRecomputedUnit
+                            : !in_attn                           ? Reason::kNotSelected
+                            : draws                              ? Reason::kRandomDraw
+                            : traits.mutates_inputs              ? Reason::kMutatesInput
+                            : traits.is_view                     ? Reason::kViewInKeptUnit
+                                                                 : Reason::kKeptUnit;
           Decision decision = policy->decide(*op.entry, units, facts(draws, casts));
           ASSERT_EQ(decision.reason, expected)
               << op.spelling << " draws=" << draws << " casts=" << casts << " units=" << units.size() << ": got '"
@@ -165,8 +165,8 @@ TEST(KeepRule, SelectionByOpAndItsVetoes) {
 }
 
 TEST(KeepRule, UninitialisedAllocationsAreFlaggedByOverload) {
-  for (const char* name : {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
-                           "aten::new_empty_strided"}) {
+  for (const char* name :
+       {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}) {
     for (const c10::OperatorHandle& handle : resolveOpSpelling(name)) {
       EXPECT_TRUE(lookupOp(handle).traits.is_uninitialised_allocation) << name;
     }
@@ -196,7 +196,8 @@ TEST(KeepRule, RefusingANamedOpAgreesWithDecide) {
       continue;
     }
     ++refused;
-    ASSERT_FALSE(error.empty()) << op.spelling << " is never kept (" << reasonText(named.reason) << ") but naming it is accepted";
+    ASSERT_FALSE(error.empty()) << op.spelling << " is never kept (" << reasonText(named.reason)
+                                << ") but naming it is accepted";
     EXPECT_NE(error.find("which " + std::string(whyNeverKeptText(named.reason))), std::string::npos)
         << op.spelling << ": " << error;
   }

@@ -1,10 +1,8 @@
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
-#include <string>
-
-#include <c10/util/Exception.h>
-
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "policy/unit_stack.h"
@@ -82,10 +80,12 @@ TEST(UnitNames, LengthIsBounded) {
   size_t before = internedUnitCount();
   EXPECT_EQ(valueErrorOfIntern(std::string(kMaxUnitNameLength + 1, 'u')),
             "sac: a recompute unit name has at most 256 characters (names are kept for the life of the process), got "
-            "one of 257: '" + std::string(80, 'u') + "... (257 characters)'");
+            "one of 257: '" +
+                std::string(80, 'u') + "... (257 characters)'");
   EXPECT_EQ(valueErrorOfIntern(std::string(10'000'000, 'u')),
             "sac: a recompute unit name has at most 256 characters (names are kept for the life of the process), got "
-            "one of 10000000: '" + std::string(80, 'u') + "... (10000000 characters)'");
+            "one of 10000000: '" +
+                std::string(80, 'u') + "... (10000000 characters)'");
   EXPECT_EQ(valueErrorOfIntern(std::string("at\0tn", 5)),
             "sac: a recompute unit name cannot contain a NUL character, got 'at\\x00tn'");
   EXPECT_EQ(internedUnitCount(), before);  // refused names are not interned

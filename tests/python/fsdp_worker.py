@@ -57,13 +57,23 @@ def main(rank, world_size, init_file, result_file):
             "dense: attn + mlp units": (Llama, RecomputeConfig(units=["attn", "mlp"]), False),
             "dense: every other mm": (Llama, RecomputeConfig(units=["attn"], every_nth_op={"aten::mm": 2}), False),
             "moe, nested fully_shard: routing units": (
-                MoEModel, RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch"]), True),
+                MoEModel,
+                RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch"]),
+                True,
+            ),
             "moe, nested fully_shard: ops FSDP2 calls in one pass kept": (
-                MoEModel, RecomputeConfig(units=["attn", "moe_gate"], ops=fsdp_ops), True),
+                MoEModel,
+                RecomputeConfig(units=["attn", "moe_gate"], ops=fsdp_ops),
+                True,
+            ),
             # On the CPU offloading is keeping: the same served calls through the offload rules.
             "moe, nested fully_shard: units offloaded": (
-                MoEModel, RecomputeConfig(units=["attn"], offloaded_units=["moe_gate", "moe_dispatch"],
-                                          offload_min_bytes=0), True),
+                MoEModel,
+                RecomputeConfig(units=["attn"], offloaded_units=["moe_gate", "moe_dispatch"], offload_min_bytes=0),
+                True,
+            ),
+            # On the CPU the layers' inputs stay where torch's checkpoint holds them: the same run.
+            "dense: attn unit, inputs offloaded": (Llama, RecomputeConfig(units=["attn"], offload_inputs=True), False),
         }
         results = {name: run_case(*case) for name, case in cases.items()}
         if rank == 0:

@@ -179,3 +179,43 @@ def test_an_audit_around_the_backward_alone_counts_the_served_calls():
     assert audit.hits("aten::tanh") == 2  # one kept tanh per layer, served in each recompute
     assert audit.count("aten::tanh", phase="forward") == 0
     assert audit.count("aten::addmm", phase="recompute") == 2  # the out projection, outside the unit
+
+
+# --- nested audits, and each thread's own counts -------------------------------------------------
+
+
+def test_nested_audits_count_what_ran_inside_each():
+    x = torch.randn(8, requires_grad=True)
+    with sac_plugin.audit() as outer:
+        torch.tanh(x).sum().backward()
+        with sac_plugin.audit() as inner:
+            torch.tanh(x).sum().backward()
+    assert (outer.count("aten::tanh", phase="forward"), outer.count("aten::tanh_backward", phase="backward")) == (2, 2)
+    assert (inner.count("aten::tanh", phase="forward"), inner.count("aten::tanh_backward", phase="backward")) == (1, 1)
+
+
+def test_audits_on_two_threads_at_once_count_their_own_thread_s_calls():
+    import threading
+
+    steps = 200
+    start = threading.Barrier(2)
+    counts, errors = {}, []
+
+    def train(i):
+        try:
+            x = torch.randn(64, requires_grad=True)
+            start.wait()
+            with sac_plugin.audit() as a:
+                for _ in range(steps * (i + 1)):
+                    torch.tanh(x).sum().backward()
+            counts[i] = (a.count("aten::tanh", phase="forward"), a.count("aten::tanh_backward", phase="backward"))
+        except BaseException as error:  # noqa: BLE001 (handed to the main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert counts == {0: (steps, steps), 1: (2 * steps, 2 * steps)}

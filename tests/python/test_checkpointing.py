@@ -130,9 +130,13 @@ def test_torch_policy_fn_keeps_the_same_calls():
     x = torch.randn(2, 2)
     for recompute in (False, True):
         decisions = [decide(_Ctx(recompute), torch.ops.aten.mm.default, x, x) for _ in range(5)]
-        assert decisions == [CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE,
-                             CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE,
-                             CheckpointPolicy.PREFER_RECOMPUTE]
+        assert decisions == [
+            CheckpointPolicy.PREFER_RECOMPUTE,
+            CheckpointPolicy.MUST_SAVE,
+            CheckpointPolicy.PREFER_RECOMPUTE,
+            CheckpointPolicy.MUST_SAVE,
+            CheckpointPolicy.PREFER_RECOMPUTE,
+        ]
     assert decide(_Ctx(False), torch.ops.aten.tanh.default, x) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -146,8 +150,18 @@ class _KeywordLayer(nn.Module):
         super().__init__()
         self.linear = nn.Linear(8, 8)
 
-    def forward(self, x, *, early_stop=False, determinism_check="none", debug=False, context_fn=None,
-                use_reentrant=None, preserve_rng_state=None, scale=1.0):
+    def forward(
+        self,
+        x,
+        *,
+        early_stop=False,
+        determinism_check="none",
+        debug=False,
+        context_fn=None,
+        use_reentrant=None,
+        preserve_rng_state=None,
+        scale=1.0,
+    ):
         y = torch.tanh(self.linear(x)) * scale
         if early_stop:
             y = y * 2
@@ -162,10 +176,19 @@ class _KeywordLayer(nn.Module):
         return y
 
 
-@pytest.mark.parametrize("keywords", [
-    {"early_stop": True}, {"determinism_check": "default"}, {"debug": True}, {"context_fn": torch.cos},
-    {"use_reentrant": True}, {"preserve_rng_state": False}, {"scale": 0.5, "early_stop": True},
-], ids=lambda k: ",".join(k))
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"early_stop": True},
+        {"determinism_check": "default"},
+        {"debug": True},
+        {"context_fn": torch.cos},
+        {"use_reentrant": True},
+        {"preserve_rng_state": False},
+        {"scale": 0.5, "early_stop": True},
+    ],
+    ids=lambda k: ",".join(k),
+)
 def test_every_keyword_reaches_the_checkpointed_module(keywords):
     torch.manual_seed(0)
     layer = _KeywordLayer()
@@ -215,8 +238,11 @@ def test_remove_checkpointing_undoes_a_config_with_units_installed_on_submodules
 
 
 def test_remove_checkpointing_of_an_untouched_module_says_so():
-    with pytest.raises(ValueError, match=r"^sac_plugin: remove_checkpointing: sac_plugin installed nothing on "
-                                         r"Linear or its submodules; there is nothing to remove$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sac_plugin: remove_checkpointing: sac_plugin installed nothing on "
+        r"Linear or its submodules; there is nothing to remove$",
+    ):
         sac_plugin.remove_checkpointing(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got 3 \(int\)"):
         sac_plugin.remove_checkpointing(3)

@@ -65,11 +65,11 @@ def capture_graphs():
         def compiler(graph, inputs):
             seen[kind] = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
             return make_boxed_func(graph.forward)
+
         return compiler
 
     def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
-                                     partition_fn=partition)
+        return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition)
 
     return backend, seen
 
@@ -91,8 +91,11 @@ def test_full_recompute_recomputes_everything():
 
 
 @pytest.mark.parametrize("layer_class", [Layer, DecoratedLayer])
-@pytest.mark.parametrize("policy", [Policy(kept_ops=["aten::tanh", "aten::addmm"]), Policy(kept_units=["attn"])],
-                         ids=["kept_ops", "kept_units"])
+@pytest.mark.parametrize(
+    "policy",
+    [Policy(kept_ops=["aten::tanh", "aten::addmm"]), Policy(kept_units=["attn"])],
+    ids=["kept_ops", "kept_units"],
+)
 def test_kept_selection_is_saved_in_the_partitioned_graph(layer_class, policy):
     seen = compiled_graphs(layer_class, policy)
     assert CheckpointPolicy.MUST_SAVE in seen["tags"]["aten.tanh.default"]
@@ -106,8 +109,11 @@ def test_kept_selection_is_saved_in_the_partitioned_graph(layer_class, policy):
     assert "aten.sin.default" not in seen["fw"] or "aten.cos.default" in seen["bw"]
 
 
-@pytest.mark.parametrize("policy", [Policy(offloaded_ops=["aten::tanh"]), Policy(offloaded_units=["attn"])],
-                         ids=["offloaded_ops", "offloaded_units"])
+@pytest.mark.parametrize(
+    "policy",
+    [Policy(offloaded_ops=["aten::tanh"]), Policy(offloaded_units=["attn"])],
+    ids=["offloaded_ops", "offloaded_units"],
+)
 def test_offloaded_calls_are_saved_where_the_compiler_does_not_offload(policy):
     # NOTE: [Offloaded calls under torch.compile]: without torch's activation offloading, an
     # offloaded call is tagged MUST_SAVE, as kept.
@@ -134,8 +140,13 @@ def test_offloaded_calls_are_tagged_for_offload_where_the_compiler_offloads():
                     tags.setdefault(str(node.target), set()).add(node.meta["recompute"])
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-        return aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: make_boxed_func(g.forward),
-                                     bw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=partition)
+        return aot_module_simplified(
+            gm,
+            inputs,
+            fw_compiler=lambda g, _: make_boxed_func(g.forward),
+            bw_compiler=lambda g, _: make_boxed_func(g.forward),
+            partition_fn=partition,
+        )
 
     torch._dynamo.reset()
     with functorch_config.patch(enable_activation_offloading=True):
@@ -173,8 +184,11 @@ def test_same_selection_as_eager():
     with sac_plugin.audit() as audit:
         layer(torch.randn(4, 16, requires_grad=True)).sum().backward()
     eager_recomputed = {row.op for row in audit.rows() if row.recompute and row.op in ("aten::addmm", "aten::tanh")}
-    compiled_recomputed = {op.replace("aten.", "aten::").replace(".default", "") for op in seen["bw"]
-                           if op in ("aten.addmm.default", "aten.tanh.default")}
+    compiled_recomputed = {
+        op.replace("aten.", "aten::").replace(".default", "")
+        for op in seen["bw"]
+        if op in ("aten.addmm.default", "aten.tanh.default")
+    }
     assert eager_recomputed == compiled_recomputed == {"aten::addmm"}
 
 

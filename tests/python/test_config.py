@@ -60,19 +60,31 @@ def test_json_and_yaml_say_the_same():
 @pytest.mark.parametrize(
     "data,message",
     [
-        ({"unit": ["attn"]}, "recompute config: unknown key 'unit'; known keys: units, ops, every_nth_op, "
-                             "every_nth_layer, first_layer, layer_ratio, force_recompute_modules, preserve_rng_state, budget, "
-                             "offloaded_units, offloaded_ops, offload_min_bytes, host_memory_limit"),
-        ({"units": ["attn", "atn"]}, "recompute config: units[1]: unknown unit 'atn'; known units: attn, mlp, "
-                                     "moe_gate, moe_dispatch, norm"),
+        (
+            {"unit": ["attn"]},
+            "recompute config: unknown key 'unit'; known keys: units, ops, every_nth_op, "
+            "every_nth_layer, first_layer, layer_ratio, force_recompute_modules, preserve_rng_state, budget, "
+            "peak_bytes, offloaded_units, offloaded_ops, offload_min_bytes, host_memory_limit, regions, "
+            "recomputed_regions, offloaded_regions, pin_routing, offload_inputs",
+        ),
+        (
+            {"units": ["attn", "atn"]},
+            "recompute config: units[1]: unknown unit 'atn'; known units: attn, mlp, moe_gate, moe_dispatch, norm",
+        ),
         ({"units": "attn"}, "recompute config: units must be a list, got 'attn'"),
         ({"ops": [""]}, "recompute config: ops[0] must be a non-empty string, got ''"),
-        ({"every_nth_op": {"aten::mm": 0}}, "recompute config: every_nth_op['aten::mm']: n must be an int from 1 to 2**63 - 1, got 0"),
+        (
+            {"every_nth_op": {"aten::mm": 0}},
+            "recompute config: every_nth_op['aten::mm']: n must be an int from 1 to 2**63 - 1, got 0",
+        ),
         ({"every_nth_layer": 0}, "recompute config: every_nth_layer must be an int >= 1, got 0"),
         ({"layer_ratio": 1.5}, "recompute config: layer_ratio must be in (0, 1], got 1.5"),
-        ({"layer_ratio": 0.5, "every_nth_layer": 2},
-         "recompute config: layer_ratio and every_nth_layer both select layers; set one"),
+        (
+            {"layer_ratio": 0.5, "every_nth_layer": 2},
+            "recompute config: layer_ratio and every_nth_layer both select layers; set one",
+        ),
         ({"preserve_rng_state": "yes"}, "recompute config: preserve_rng_state must be true or false, got 'yes'"),
+        ({"offload_inputs": 1}, "recompute config: offload_inputs must be true or false, got 1"),
     ],
 )
 def test_bad_fields_are_named(data, message):
@@ -90,12 +102,18 @@ def test_unit_the_model_does_not_declare():
 
 
 def test_collective_in_a_config_or_a_unit_is_refused():
-    with pytest.raises(ConfigError, match=r"^recompute config: ops: sac: kept_ops: 'c10d::allreduce_' names "
-                                          r"c10d::allreduce_, which is a collective"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^recompute config: ops: sac: kept_ops: 'c10d::allreduce_' names "
+        r"c10d::allreduce_, which is a collective",
+    ):
         apply_recompute_config(Llama(), RecomputeConfig(ops=["c10d::allreduce_"]))
     targets = RecomputeTargetMap("Custom", {RecomputeUnit.ATTN: KeptOps(["_c10d_functional::all_reduce"])})
-    with pytest.raises(ConfigError, match=r"^target map of Custom: unit 'attn': sac: kept_ops: "
-                                          r"'_c10d_functional::all_reduce' names .*which is a collective"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^target map of Custom: unit 'attn': sac: kept_ops: "
+        r"'_c10d_functional::all_reduce' names .*which is a collective",
+    ):
         apply_recompute_config(Llama(), RecomputeConfig(units=["attn"]), target_map=targets)
 
 
@@ -120,12 +138,15 @@ def test_layer_selection():
     assert RecomputeConfig(layer_ratio=1 / 3).selected_layers(6) == [0, 3]
 
 
-@pytest.mark.parametrize("model_class,config", [
-    (Llama, RecomputeConfig(units=["attn", "mlp", "norm"], every_nth_op={"aten::mm": 2})),
-    (Llama, RecomputeConfig(every_nth_layer=2)),
-    (MoEModel, RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch", "mlp"])),
-    (MoEModel, RecomputeConfig(units=["moe_gate"], force_recompute_modules=["moe.router.gate"])),
-])
+@pytest.mark.parametrize(
+    "model_class,config",
+    [
+        (Llama, RecomputeConfig(units=["attn", "mlp", "norm"], every_nth_op={"aten::mm": 2})),
+        (Llama, RecomputeConfig(every_nth_layer=2)),
+        (MoEModel, RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch", "mlp"])),
+        (MoEModel, RecomputeConfig(units=["moe_gate"], force_recompute_modules=["moe.router.gate"])),
+    ],
+)
 def test_applied_config_keeps_gradients_bitwise(model_class, config):
     torch.manual_seed(0)
     model = model_class(layers=3)
@@ -234,16 +255,21 @@ def test_first_layer_round_trips_and_is_checked():
     assert config.to_dict()["first_layer"] == 1
     with pytest.raises(ConfigError) as error:
         RecomputeConfig(first_layer=-1)
-    assert str(error.value) == ("recompute config: first_layer must be an int >= 0 (the index of the first "
-                                "checkpointed layer), got -1")
+    assert str(error.value) == (
+        "recompute config: first_layer must be an int >= 0 (the index of the first checkpointed layer), got -1"
+    )
     with pytest.raises(ConfigError) as error:
         RecomputeConfig(layer_ratio=0.5, first_layer=1)
-    assert str(error.value) == ("recompute config: first_layer applies to every_nth_layer; layer_ratio spreads its "
-                                "layers from layer 0. Set every_nth_layer and first_layer, or layer_ratio alone")
+    assert str(error.value) == (
+        "recompute config: first_layer applies to every_nth_layer; layer_ratio spreads its "
+        "layers from layer 0. Set every_nth_layer and first_layer, or layer_ratio alone"
+    )
     with pytest.raises(ConfigError) as error:
         apply_recompute_config(Llama(vocab=64, dim=32, layers=2, seq=16), RecomputeConfig(first_layer=2))
-    assert str(error.value) == ("recompute config: first_layer is 2, but the model has 2 wrap sites (layers 0 to 1); "
-                                "first_layer must be one of them")
+    assert str(error.value) == (
+        "recompute config: first_layer is 2, but the model has 2 wrap sites (layers 0 to 1); "
+        "first_layer must be one of them"
+    )
 
 
 # --- refusals that leave the model untouched, round trips, files ----------------------------------
@@ -287,7 +313,9 @@ def test_config_files_that_are_not_utf8_or_missing_are_config_errors(tmp_path):
     )
     with pytest.raises(ConfigError) as error:
         RecomputeConfig.load(tmp_path / "missing.json")
-    assert str(error.value) == f"recompute config: {tmp_path / 'missing.json'}: cannot read it: No such file or directory"
+    assert (
+        str(error.value) == f"recompute config: {tmp_path / 'missing.json'}: cannot read it: No such file or directory"
+    )
     deep = tmp_path / "deep.yaml"
     deep.write_text("units:\n" + "".join(" " * i + "- \n" for i in range(1, 3000)))
     with pytest.raises(ConfigError, match="nested too deeply"):
@@ -295,7 +323,9 @@ def test_config_files_that_are_not_utf8_or_missing_are_config_errors(tmp_path):
 
 
 def test_config_still_refuses_a_unit_the_target_map_does_not_declare():
-    with pytest.raises(sac_plugin.ConfigError, match=r"^recompute config: units\[0\]: Llama declares no unit 'moe_gate'"):
+    with pytest.raises(
+        sac_plugin.ConfigError, match=r"^recompute config: units\[0\]: Llama declares no unit 'moe_gate'"
+    ):
         apply_recompute_config(Llama(vocab=64, dim=32, layers=1, seq=16), RecomputeConfig(units=["moe_gate"]))
 
 
@@ -309,11 +339,22 @@ def _alias_bomb() -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-@pytest.mark.parametrize("text", [
-    "units: {bomb}", "ops: {bomb}", "force_recompute_modules: {bomb}", "every_nth_layer: {bomb}",
-    "first_layer: {bomb}", "layer_ratio: {bomb}", "preserve_rng_state: {bomb}", "budget: {bomb}",
-    "every_nth_op: {{x: {bomb}}}", "{bomb}",
-], ids=lambda t: t.split(":")[0] if ":" in t else "top level")
+@pytest.mark.parametrize(
+    "text",
+    [
+        "units: {bomb}",
+        "ops: {bomb}",
+        "force_recompute_modules: {bomb}",
+        "every_nth_layer: {bomb}",
+        "first_layer: {bomb}",
+        "layer_ratio: {bomb}",
+        "preserve_rng_state: {bomb}",
+        "budget: {bomb}",
+        "every_nth_op: {{x: {bomb}}}",
+        "{bomb}",
+    ],
+    ids=lambda t: t.split(":")[0] if ":" in t else "top level",
+)
 def test_a_yaml_alias_bomb_is_refused_with_a_bounded_message(text):
     pytest.importorskip("yaml")
     with pytest.raises(ConfigError) as raised:
@@ -325,7 +366,9 @@ def test_configs_bound_list_sizes_and_text_length():
     with pytest.raises(ConfigError, match=r"^recompute config: ops has 5000 entries; at most 4096 are accepted$"):
         RecomputeConfig.from_dict({"ops": ["aten::mm"] * 5000})
     limit = sac_plugin.config.MAX_TEXT_CHARACTERS
-    with pytest.raises(ConfigError, match=rf"the text has {limit + 1} characters; a recompute config has at most {limit}$"):
+    with pytest.raises(
+        ConfigError, match=rf"the text has {limit + 1} characters; a recompute config has at most {limit}$"
+    ):
         RecomputeConfig.from_json(" " * (limit + 1))
 
 
@@ -348,7 +391,63 @@ def test_a_unit_that_matches_no_selected_layer_is_an_error_naming_it():
     from sac_plugin.models import Llama, MOE_TARGETS
 
     model = Llama(layers=2)
-    with pytest.raises(ConfigError, match=r"target map of MoEModel: unit 'moe_gate': \[.moe.router.\] "
-                                          r"match nothing in LlamaBlock$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"target map of MoEModel: unit 'moe_gate': \[.moe.router.\] "
+        r"match nothing in LlamaBlock$",
+    ):
         apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]), target_map=MOE_TARGETS)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+DUPLICATE = (
+    "recompute config: key 'units' is given twice{where}; each key may be given once (a parser would keep "
+    "the last one silently)"
+)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "where"),
+    [
+        ("json", '{"units": ["attn"], "units": []}', ""),
+        ("json", '{"units": ["attn"], "every_nth_op": {"aten::mm": 2, "aten::mm": 3}}', None),
+        ("yaml", "units: [attn]\nops: []\nunits: []\n", " (line 3)"),
+        ("yaml", "units: [attn]\nevery_nth_op:\n  aten::mm: 2\n  aten::mm: 3\n", None),
+    ],
+    ids=["json", "json nested", "yaml", "yaml nested"],
+)
+def test_a_key_given_twice_is_refused_naming_it(fmt, text, where, tmp_path):
+    if fmt == "yaml":
+        pytest.importorskip("yaml")
+    if where is None:  # a nested mapping's key
+        key = "aten::mm"
+        where = " (line 4)" if fmt == "yaml" else ""
+        expected = DUPLICATE.replace("'units'", f"'{key}'").format(where=where)
+    else:
+        expected = DUPLICATE.format(where=where)
+    with pytest.raises(ConfigError) as error:
+        getattr(RecomputeConfig, "from_" + fmt)(text)
+    assert str(error.value) == expected
+    path = tmp_path / f"config.{fmt}"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        RecomputeConfig.load(path)
+    assert str(error.value) == expected
+
+
+def test_yaml_merge_keys_are_not_duplicates():
+    pytest.importorskip("yaml")
+    # A merge supplies keys that the mapping's own keys override, as YAML says.
+    config = RecomputeConfig.from_yaml("<<: {units: [attn], ops: [aten::addmm]}\nops: []\n")
+    assert config.units == (RecomputeUnit.ATTN,) and config.ops == ()
+
+
+def test_an_op_typo_suggests_the_closest_names_first():
+    # aten::mH, aten::mT, aten::min and aten::mm are each one edit from aten::mn; mm is the one a
+    # finger slipped to (n is next to m), and a change of case is the least likely typo.
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown op 'aten::mn'; closest registered names: aten::mm, aten::min, "
+        r"aten::mv$",
+    ):
+        policy_for(RecomputeConfig(ops=["aten::mn"]), RecomputeTargetMap("none", {}))

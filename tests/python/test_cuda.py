@@ -13,9 +13,9 @@ from sac_plugin.targets import ATTENTION_OPS
 from torch.utils.checkpoint import checkpoint
 from toy_models import assert_same_gradients, make_pair, run_step
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-
-
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+)
 
 
 @pytest.mark.parametrize("policy", [Policy(kept_units=["attn"]), Policy(kept_ops=["aten::addmm", "aten::tanh"])])
@@ -59,7 +59,9 @@ def test_cuda_state_does_not_leak_to_the_device_thread():
     before = repr(torch._C._dispatch_tls_local_include_set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        checkpoint(fn, x, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"]))).sum().backward()
+        checkpoint(
+            fn, x, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"]))
+        ).sum().backward()
     assert len(seen) == 2 and all("Fake" in s for s in seen)
     assert repr(torch._C._dispatch_tls_local_include_set()) == before
 
@@ -69,8 +71,12 @@ def test_cuda_offloaded_outputs_leave_the_device_and_gradients_equal_keeping():
     # and the gradients are those of keeping the same calls, bitwise.
     def run(policy):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                                          torch.nn.Linear(4096, 1024)) for _ in range(2)]).cuda()
+        model = torch.nn.Sequential(
+            *[
+                torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+                for _ in range(2)
+            ]
+        ).cuda()
         for layer in model:
             sac_plugin.apply_selective_checkpointing(layer, policy)
         x = torch.randn(2048, 1024, device="cuda", requires_grad=True)

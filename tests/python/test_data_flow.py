@@ -14,7 +14,8 @@ from torch import nn
 
 pytestmark = pytest.mark.native_engine(
     "matching by data flow is the native engine's; the dispatch-mode engine matches kept calls per op in order, "
-    "as torch's SAC does")
+    "as torch's SAC does"
+)
 
 
 class LazyCacheLayer(nn.Module):
@@ -66,7 +67,8 @@ def train_pair(policy, steps=3, **layer_kwargs):
         for name in ("w1", "w2"):
             got, expected = getattr(model, name).grad, getattr(reference, name).grad
             assert torch.equal(got, expected), (
-                f"step {step}: gradient of {name} differs by {(got - expected).abs().max().item()}")
+                f"step {step}: gradient of {name} differs by {(got - expected).abs().max().item()}"
+            )
     return audits
 
 
@@ -136,8 +138,10 @@ def test_a_value_read_before_and_after_an_in_place_write_is_not_confused():
     assert audit.hits("aten::tanh") == 2
 
 
-@pytest.mark.native_engine("matching by data flow is the native engine's; the dispatch-mode engine matches kept "
-                           "calls per op in order, as torch's SAC does")
+@pytest.mark.native_engine(
+    "matching by data flow is the native engine's; the dispatch-mode engine matches kept "
+    "calls per op in order, as torch's SAC does"
+)
 @pytest.mark.parametrize("cache_shape", [(4, 8), "other"], ids=["same_shapes", "other_shapes"])
 def test_kept_calls_with_a_call_made_in_the_forward_only(cache_shape):
     """Step 1's forward makes an extra mm (a no_grad cache) first: it is call 0, so kept call 1 is

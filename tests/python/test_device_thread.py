@@ -56,5 +56,12 @@ def test_backward_on_the_device_thread_recomputes_serves_and_audits_exactly(engi
         values = run_on_accelerator(BODY)
     finally:
         del os.environ["SAC_PLUGIN_ENGINE"]
-    assert values == {"engine": engine, "backward_on_another_thread": True, "same_gradients": True,
-                      "tanh_hits": 2, "tanh_recomputed": 0, "addmm_recomputed": 2, "units_left": []}
+    assert values == {
+        "engine": engine,
+        "backward_on_another_thread": True,
+        "same_gradients": True,
+        "tanh_hits": 2,
+        "tanh_recomputed": 0,
+        "addmm_recomputed": 2,
+        "units_left": [],
+    }

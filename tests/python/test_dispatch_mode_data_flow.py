@@ -97,14 +97,17 @@ def _run_case(case: str, engine: str) -> list:
     """The case's counts in `engine`: in this process when it runs that engine, else in a fresh one."""
     if sac_plugin.engine() == engine:
         return CASES[case]()
-    code = ("import json, sys, test_dispatch_mode_data_flow as t, sac_plugin; "
-            f"assert sac_plugin.engine() == {engine!r}, sac_plugin.engine(); "
-            f"print(json.dumps(t.CASES[{case!r}]()))")
+    code = (
+        "import json, sys, test_dispatch_mode_data_flow as t, sac_plugin; "
+        f"assert sac_plugin.engine() == {engine!r}, sac_plugin.engine(); "
+        f"print(json.dumps(t.CASES[{case!r}]()))"
+    )
     environment = {k: v for k, v in os.environ.items() if k != "SAC_PLUGIN_ENGINE"}
     environment["SAC_PLUGIN_ENGINE"] = engine
     environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment,
-                          cwd=HERE)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment, cwd=HERE
+    )
     assert done.returncode == 0, f"{case} in the {engine} engine failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -143,4 +146,5 @@ except RuntimeError as error:
     assert done.stdout.strip() == (
         "sac: a tensor kept for backward was mutated after it was saved: the output of aten::mm (kept by the op "
         "list), call 1 of this region, changed version from 0 to 1. The recompute would read the mutated value; "
-        "clone it before mutating in place, or do not keep aten::mm")
+        "clone it before mutating in place, or do not keep aten::mm"
+    )

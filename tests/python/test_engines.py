@@ -10,7 +10,7 @@ import warnings
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import Policy, _engine, _library
+from sac_plugin import _engine, _library
 
 
 def run_python(code, **env):
@@ -43,8 +43,10 @@ print(sac_plugin.engine(), audit.hits("aten::tanh"), audit.count("aten::tanh", p
 def test_an_unknown_engine_is_refused_by_name():
     done = run_python("import sac_plugin", SAC_PLUGIN_ENGINE="cuda")
     assert done.returncode != 0
-    assert ("ImportError: sac_plugin: SAC_PLUGIN_ENGINE='cuda' is not an engine; expected one of native, "
-            "dispatch_mode (or unset, to let the plugin choose)") in done.stderr
+    assert (
+        "ImportError: sac_plugin: SAC_PLUGIN_ENGINE='cuda' is not an engine; expected one of native, "
+        "dispatch_mode (or unset, to let the plugin choose)"
+    ) in done.stderr
 
 
 @pytest.fixture
@@ -77,8 +79,11 @@ def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatc
 
     monkeypatch.setenv("SAC_PLUGIN_ENGINE", "native")
     monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
-    with pytest.raises(ImportError, match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
-                                          r"here: no key$"):
+    with pytest.raises(
+        ImportError,
+        match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
+        r"here: no key$",
+    ):
         _engine.choose_engine(_library.load())
 
 
@@ -96,5 +101,3 @@ def test_never_counted_ops_skip_the_key_only_on_the_native_path():
         assert "never counted" not in entry, entry
     # Counted ops keep reaching the fallback (native) or the plugin's per-op kernel (coexisting).
     assert "fallthrough" not in _fake_key_entry("aten::mm")
-
-

@@ -9,7 +9,6 @@ unmodified model's, and the audit serves and runs the same calls as without the 
 """
 
 import collections
-import copy
 import functools
 
 import pytest
@@ -19,13 +18,6 @@ from sac_plugin.models import Llama
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
-
-# On torch 2.11 the `Python` key is below the plugin's: a call made under a dispatch mode reaches
-# the plugin first and is never served (NOTE: [Python below our key (torch 2.11)]), so a mode sees
-# the whole recompute run, and that is what it counts (test_on_torch_2_11_a_mode_sees_a_full_recompute).
-MODES_BELOW_THE_PLUGIN = sac_plugin._compat.python_handlers_run_below_the_plugin()
-modes_above_the_plugin = pytest.mark.skipif(MODES_BELOW_THE_PLUGIN, reason="torch 2.11: dispatch modes sit below the plugin's "
-                                "key, so nothing is served under one (the 2.11 test below checks that)")
 
 MM = "aten::mm"
 ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -61,8 +53,12 @@ def _with_torch_sac(model, kept: list[str]):
         forward = layer.forward
 
         def checkpointed(*args, forward=forward):
-            return checkpoint(forward, *args, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+            return checkpoint(
+                forward,
+                *args,
+                use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+            )
 
         layer.forward = checkpointed
     return model
@@ -110,11 +106,11 @@ def _every_op_of_a_layer() -> list[str]:
     tokens, _ = _batch()
     with sac_plugin.audit() as audit:
         model(tokens)
-    return sorted({row.op for row in audit.rows() if row.forward})
+    # Uninitialised allocations (empty, empty_like) are refused by a policy: garbage until written.
+    return sorted({row.op for row in audit.rows() if row.forward and not row.op.startswith("aten::empty")})
 
 
 # On CPU the layers' ops with a FLOP formula are mm and, from torch 2.15, the CPU flash attention.
-@modes_above_the_plugin
 @pytest.mark.parametrize("kept", [[MM], [MM, ATTENTION], "everything"], ids=["mm", "mm and attention", "everything"])
 def test_flop_counter_counts_what_torchs_sac_counts(kept):
     kept = _every_op_of_a_layer() if kept == "everything" else kept
@@ -157,7 +153,6 @@ def _with_torch_sac_every_second_mm(model):
     return model
 
 
-@modes_above_the_plugin
 def test_flop_counter_counts_the_matmuls_that_ran_again():
     """Keeping every second matmul, the counter counts the recompute's other half, as under torch's
     own SAC: between the unmodified model and full recompute (which both count alike)."""
@@ -185,7 +180,6 @@ class _CallCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@modes_above_the_plugin
 def test_a_mode_changes_neither_what_is_served_nor_what_runs():
     """Under a mode the recompute names its calls as the forward did: the same calls are served
     (exact hits) and the same run, the mode sees the recompute calls that ran, and gradients stay
@@ -232,11 +226,15 @@ class _Unusual(torch.nn.Module):
 def _kept_ops_of(module, x) -> list[str]:
     with sac_plugin.audit() as audit:
         module(x)
-    # empty_like is refused by a policy: its output is garbage until written.
-    return sorted({row.op for row in audit.rows() if row.forward and row.op != "aten::empty_like"})
+    # Uninitialised allocations (empty, empty_like) are refused by a policy: garbage until written.
+    return sorted({row.op for row in audit.rows() if row.forward and not row.op.startswith("aten::empty")})
 
 
-@modes_above_the_plugin
+@pytest.mark.skipif(
+    sac_plugin._compat.python_handlers_run_below_the_plugin(),
+    reason="torch 2.11 decomposes one of these calls differently under a dispatch mode (two more "
+    "aten::empty.memory_format in the forward), so the audits with and without a mode differ by those",
+)
 def test_every_kind_of_argument_names_the_call_as_the_forward_did():
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
     reference = _Unusual()
@@ -261,23 +259,23 @@ def test_every_kind_of_argument_names_the_call_as_the_forward_did():
     assert under == without
     # Every kept call is served (the out= sin copies its kept value into the fresh buffer); only
     # the empty_like that makes that buffer runs again, and the loss's ones_like runs once.
-    assert under == {**{op: (without[op][0], 0, without[op][0]) for op in kept},
-                     "aten::empty_like": (1, 1, 0), "aten::ones_like": (1, 0, 0)}
+    assert under == {
+        **{op: (without[op][0], 0, without[op][0]) for op in kept},
+        "aten::empty_like": (1, 1, 0),
+        "aten::ones_like": (1, 0, 0),
+    }
     # The mode saw each kept op as often as around the unmodified model: none in the recompute.
     assert {op: counter.calls[op] for op in kept} == {op: unmodified.calls[op] for op in kept}
     assert all(unmodified.calls[op] for op in kept)
-    assert set(kept) >= {"aten::mm", "aten::mul.Tensor", "aten::add.Tensor", "aten::_to_copy", "aten::clone",
-                         "aten::pow.Tensor_Scalar", "aten::sum.dim_IntList", "aten::cat", "aten::flip", "aten::sin.out"}
-
-
-@pytest.mark.skipif(not MODES_BELOW_THE_PLUGIN, reason="torch >= 2.13: modes sit above the plugin's key (the tests "
-                    "above check what they count)")
-@pytest.mark.native_engine("the dispatch-mode engine's region mode is pushed above an outer mode and serves before "
-                           "it, so there the outer mode counts what torch's SAC counts")
-def test_on_torch_2_11_a_mode_sees_a_full_recompute():
-    reference = _llama()
-    plain = _flops_of_a_step(reference)
-    ours_model = _with_plugin(_llama(), [MM], early_stop=False)
-    full = _flops_of_a_step(_with_plugin(_llama(), [], early_stop=False))
-    assert plain < _flops_of_a_step(ours_model) == full
-    _assert_same_gradients(ours_model, reference)
+    assert set(kept) >= {
+        "aten::mm",
+        "aten::mul.Tensor",
+        "aten::add.Tensor",
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::pow.Tensor_Scalar",
+        "aten::sum.dim_IntList",
+        "aten::cat",
+        "aten::flip",
+        "aten::sin.out",
+    }

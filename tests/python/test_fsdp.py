@@ -12,7 +12,9 @@ import torch.multiprocessing as mp
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
 ]
 
 
@@ -22,8 +24,9 @@ def fsdp_results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fsdp")
     result_file = tmp / "results.json"
-    context = mp.start_processes(fsdp_worker.main, args=(2, str(tmp / "init"), str(result_file)), nprocs=2,
-                                 start_method="spawn", join=False)
+    context = mp.start_processes(
+        fsdp_worker.main, args=(2, str(tmp / "init"), str(result_file)), nprocs=2, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + 300  # a hung collective fails this test instead of stalling CI
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -39,6 +42,7 @@ CASES = [
     "moe, nested fully_shard: routing units",
     "moe, nested fully_shard: ops FSDP2 calls in one pass kept",
     "moe, nested fully_shard: units offloaded",
+    "dense: attn unit, inputs offloaded",
 ]
 
 

@@ -179,8 +179,11 @@ def test_torch_policy_fn_matches_the_plugin_selection():
     x = torch.randn(4, 8)
     counts = {}
     for engine in ("plugin", "torch"):
-        fn = (sac_plugin.context_fn(policy) if engine == "plugin"
-              else functools.partial(lambda: create_selective_checkpoint_contexts(torch_policy_fn(policy))))
+        fn = (
+            sac_plugin.context_fn(policy)
+            if engine == "plugin"
+            else functools.partial(lambda: create_selective_checkpoint_contexts(torch_policy_fn(policy)))
+        )
         with sac_plugin.audit() as audit:
             checkpoint(_four_matmuls, weights, x, use_reentrant=False, context_fn=fn).sum().backward()
         # torch's recompute runs inside backward with no plugin region to label it, so compare
@@ -193,7 +196,9 @@ def test_torch_policy_fn_matches_the_plugin_selection():
     assert counts["torch"] == ((15, 8) if _compat.python_handlers_run_below_the_plugin() else (13, 4))
 
 
-@pytest.mark.native_engine("a cast made in one pass only shifts torch's per-op order matching, which fails to find its cache entry")
+@pytest.mark.native_engine(
+    "a cast made in one pass only shifts torch's per-op order matching, which fails to find its cache entry"
+)
 def test_autocast_weight_cast_cached_in_the_forward_only():
     """A weight cast before the region hits autocast's cache in the forward but not in the
     recompute; a kept cast would be served to another weight of the same shape."""
@@ -210,8 +215,16 @@ def test_autocast_weight_cast_cached_in_the_forward_only():
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             first = (x @ w1).float()  # caches w1's cast before the region
-            fn = region if not checkpointed else functools.partial(
-                checkpoint, region, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])))
+            fn = (
+                region
+                if not checkpointed
+                else functools.partial(
+                    checkpoint,
+                    region,
+                    use_reentrant=False,
+                    context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])),
+                )
+            )
             out = fn(first)
         out.float().sum().backward()
         return w1.grad.clone(), w2.grad.clone()

@@ -2,6 +2,7 @@
 download) with loss and every gradient bitwise equal to the unmodified model's, and keep exactly
 what their units name (audit hits)."""
 
+import collections
 import copy
 import re
 import warnings
@@ -15,15 +16,23 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from sac_plugin.integrations import huggingface  # noqa: E402
 
 LAYERS = 2
-_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=32)
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 CONFIGS = {
     "llama": _COMMON,
     "mistral": _COMMON,
     "qwen2": _COMMON,
     "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=32),
+    "qwen2_moe": dict(
+        _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
     "gpt2": dict(vocab_size=64, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0),
 }
 # Calls of mm/addmm in one layer's attention module: the q, k, v and output projections (GPT-2
@@ -101,11 +110,15 @@ def test_attn_unit_is_bitwise_and_keeps_the_attention(model_type, attention, dro
         # With dropout, CPU SDPA takes its math path (no fused op to keep).
         assert sdpa_hits == (0 if dropout else LAYERS)
     if dropout:
-        # The dropout's in-place writes in the kept unit are recomputed, each said once.
-        assert sac_warnings and len(set(sac_warnings)) == len(sac_warnings)
+        # The dropout's in-place writes in the kept unit are recomputed, each said once per
+        # checkpointed layer (a checkpoint site each; Python's default filter shows it once).
+        assert sac_warnings and set(collections.Counter(sac_warnings).values()) == {LAYERS}
         for message in sac_warnings:
-            assert re.fullmatch(r"sac: aten::\w+\.?\w* mutates an input inside kept unit 'attn'; it is recomputed "
-                                r"rather than kept \(warned once per policy\)", message), message
+            assert re.fullmatch(
+                r"sac: aten::\w+\.?\w* mutates an input inside kept unit 'attn'; it is recomputed "
+                r"rather than kept \(warned once per checkpoint site\)",
+                message,
+            ), message
     else:
         assert sac_warnings == []
 
@@ -154,7 +167,8 @@ def test_gradient_checkpointing_kwargs_recipe(model_type):
     model = build(model_type, "sdpa", dropout=True)
     reference = copy.deepcopy(model)
     enable_transformers_checkpointing(
-        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["mlp"])))
+        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["mlp"]))
+    )
     audit = assert_bitwise_equal(model, reference)
     assert audit.hits("aten::silu") == LAYERS  # the MLP's (the experts') activation, one call per layer
 
@@ -162,23 +176,32 @@ def test_gradient_checkpointing_kwargs_recipe(model_type):
 def test_bad_input_is_named():
     with pytest.raises(ConfigError) as error:
         huggingface.target_map_for(torch.nn.Linear(2, 2))
-    assert str(error.value) == ("Linear has no layers sac_plugin can find (no GradientCheckpointingLayer, no ModuleList "
-                                "of one class); pass wrap_sites=[the layers to checkpoint]")
+    assert str(error.value) == (
+        "Linear has no layers sac_plugin can find (no GradientCheckpointingLayer, no ModuleList "
+        "of one class); pass wrap_sites=[the layers to checkpoint]"
+    )
     model = build("llama", "sdpa", False)
     with pytest.raises(ConfigError) as error:
         huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(every_nth_layer=2))
-    assert str(error.value).startswith("recompute config: transformers' gradient checkpointing checkpoints every "
-                                       "decoder layer")
-    with pytest.raises(ConfigError, match=r"^recompute config: units\[0\]: llama \(Hugging Face\) declares no unit "
-                                          r"'moe_gate' \(it declares attn, mlp, norm\)$"):
+    assert str(error.value).startswith(
+        "recompute config: transformers' gradient checkpointing checkpoints every decoder layer"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^recompute config: units\[0\]: llama \(Hugging Face\) declares no unit "
+        r"'moe_gate' \(it declares attn, mlp, norm\)$",
+    ):
         huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]))
     huggingface.apply_recompute_config(model)
     with pytest.raises(ValueError, match="is already checkpointed by sac_plugin; apply a config once per model$"):
         huggingface.apply_recompute_config(model)
     other = build("llama", "sdpa", False)
     enable_transformers_checkpointing(other, {"use_reentrant": False})
-    with pytest.raises(ValueError, match="has transformers' gradient checkpointing enabled; call "
-                                         r"model.gradient_checkpointing_disable\(\) first"):
+    with pytest.raises(
+        ValueError,
+        match="has transformers' gradient checkpointing enabled; call "
+        r"model.gradient_checkpointing_disable\(\) first",
+    ):
         huggingface.apply_recompute_config(other)
 
 
@@ -186,8 +209,9 @@ def test_a_budget_through_the_core_entry_point_is_planned_and_bitwise():
     model = build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(model)
     tokens = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
-    sac_plugin.apply_recompute_config(model, RecomputeConfig(budget=0.3),
-                                      example_inputs={"input_ids": tokens, "labels": tokens})
+    sac_plugin.apply_recompute_config(
+        model, RecomputeConfig(budget=0.3), example_inputs={"input_ids": tokens, "labels": tokens}
+    )
     layers = huggingface.decoder_layers(model)
     assert all(layer._sac_policy is layer._sac_plan.policy for layer in layers)
     assert_bitwise_equal(model, reference)
@@ -197,8 +221,9 @@ def test_a_budget_is_refused_by_gradient_checkpointing_kwargs():
     model = build("llama", "sdpa", dropout=False)
     with pytest.raises(ConfigError) as error:
         huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(budget=0.3))
-    assert str(error.value).startswith("recompute config: gradient_checkpointing_kwargs hands every layer one policy, "
-                                       "and a budget plans one per layer")
+    assert str(error.value).startswith(
+        "recompute config: gradient_checkpointing_kwargs hands every layer one policy, and a budget plans one per layer"
+    )
     assert not any("_sac_policy" in vars(module) for module in model.modules())
 
 
@@ -216,6 +241,198 @@ def test_offloaded_units_pass_through_and_serve_what_kept_units_serve(model_type
             warnings.simplefilter("ignore")
             audit = assert_bitwise_equal(model, reference)
         policy = huggingface.decoder_layers(model)[0]._sac_policy
-        assert (policy.offloaded_units or policy.offloaded_ops) if field == "offloaded_units" else policy.offloads_nothing
+        assert (
+            (policy.offloaded_units or policy.offloaded_ops) if field == "offloaded_units" else policy.offloads_nothing
+        )
         served[field] = {row.op: row.hits for row in audit.rows() if row.hits}
     assert served["units"] and served["offloaded_units"] == served["units"]
+
+
+# --- instance forwards already installed (accelerate's hooks, a user's patch) ----------------------
+
+
+def _scaling_hook():
+    """An accelerate hook that changes what its module computes (its input scaled by 2), counting
+    its calls: accelerate's add_hook_to_module installs it as the module's instance forward, as
+    device_map and CPU offload do."""
+    from accelerate.hooks import ModelHook
+
+    class Scale(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Scale.calls += 1
+            return tuple(a * 2 if torch.is_tensor(a) and a.is_floating_point() else a for a in args), kwargs
+
+    return Scale()
+
+
+def _patched(module, how: str):
+    if how == "accelerate":
+        from accelerate.hooks import add_hook_to_module
+
+        hook = _scaling_hook()
+        add_hook_to_module(module, hook)
+        return hook
+    forward = module.forward
+    module.forward = lambda x: forward(x * 2)  # a user's patch
+    return None
+
+
+@pytest.mark.parametrize("how", ["accelerate", "patch"])
+def test_an_instance_forward_runs_inside_the_checkpoint_and_is_restored(how):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/setup.sh installs it)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    hook, _ = _patched(model, how), _patched(reference, how)
+    installed = vars(model)["forward"]
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = reference(x)
+    expected.sum().backward()
+    sac_plugin.apply_selective_checkpointing(model, sac_plugin.Policy(kept_ops=["aten::addmm"]))
+    calls_before = type(hook).calls if hook else 0
+    with sac_plugin.audit() as audit:
+        out = model(x)
+        out.sum().backward()
+    assert torch.equal(out, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    # The first Linear's kept output is served; the recompute stops before the second (early stop).
+    assert audit.hits("aten::addmm") == 1
+    if hook:  # inside the checkpoint: it runs again in the recompute
+        assert type(hook).calls - calls_before == 2
+    sac_plugin.remove_checkpointing(model)
+    assert vars(model)["forward"] is installed
+    assert torch.equal(model(x), expected)
+
+
+def test_an_accelerate_hook_on_a_unit_runs_inside_it():
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/setup.sh installs it)")
+    model = build("llama", "sdpa", dropout=False)
+    for layer in huggingface.decoder_layers(model):
+        _patched(layer.self_attn, "accelerate")
+    reference = copy.deepcopy(model)
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS
+    sac_plugin.remove_checkpointing(model)
+    assert all(
+        type(vars(layer.self_attn)["forward"]).__name__ == "partial" for layer in huggingface.decoder_layers(model)
+    )
+
+
+# --- transformers' entry point: activation_checkpointing_enable(kwargs, every_n_layers, offload) ---
+
+
+def test_apply_recompute_config_goes_through_transformers_entry_point(monkeypatch):
+    model = build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(model)
+    calls = []
+    enable = type(model).activation_checkpointing_enable
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("every_n_layers"))
+        return enable(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "activation_checkpointing_enable", spy)
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
+    assert calls == [2]
+    layers = huggingface.decoder_layers(model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert "_gradient_checkpointing_func" not in vars(layers[1])
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == 1
+    sac_plugin.remove_checkpointing(model)
+    assert not model.is_activation_checkpointing and "_require_grads_hook" not in vars(model)
+    assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
+
+
+def _refuse_save_on_cpu(monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers' save_on_cpu wrapped the plugin's checkpoint")
+
+    monkeypatch.setattr(modeling_utils, "save_on_cpu", refuse)
+
+
+@pytest.mark.parametrize("every_n_layers", [1, 2])
+def test_offload_true_offloads_through_the_plugin_and_every_n_layers_is_honoured(every_n_layers, monkeypatch):
+    _refuse_save_on_cpu(monkeypatch)
+    model = build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(model)
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers, offload=True
+    )
+    layers = huggingface.decoder_layers(model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, every_n_layers == 1]
+    policy = layers[0]._gradient_checkpointing_func.keywords["context_fn"].policy
+    assert policy.offloaded_units == frozenset({"attn"}) and not policy.kept_units
+    # The layers' inputs are offloaded too, through the plugin's checkpoint (on the CPU a no-op).
+    assert policy.offload_inputs and layers[0]._gradient_checkpointing_func.func is huggingface._checkpoint_layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on the CPU offloading is keeping, said once
+        audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS // every_n_layers
+    # Without offload the same kwargs keep.
+    model = build("llama", "sdpa", dropout=False)
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    policy = huggingface.decoder_layers(model)[0]._gradient_checkpointing_func.keywords["context_fn"].policy
+    assert policy.kept_units == frozenset({"attn"}) and not policy.offloaded_units and not policy.offload_inputs
+
+
+def test_kwargs_built_on_one_instance_keep_their_selection_on_another():
+    built_on, used_on = build("llama", "sdpa", dropout=False), build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(used_on)
+    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(units=["attn"]))
+    used_on.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    audit = assert_bitwise_equal(used_on, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS
+
+
+def test_transformers_offload_on_another_instance_offloads_through_the_plugin():
+    # Trainer(model_init=...): the kwargs were built on one instance, and transformers' own
+    # activation_checkpointing_enable(..., offload=True) runs on the one it trains.
+    built_on, used_on = build("llama", "sdpa", dropout=False), build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(used_on)
+    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(units=["attn"]))
+    type(used_on).activation_checkpointing_enable(used_on, activation_checkpointing_kwargs=kwargs)
+
+    def transformers_offload(checkpoint_func):
+        # What transformers' offload=True makes of a layer's checkpoint (save_on_cpu on the compute
+        # stream; it pins only where there is an accelerator, so unpinned here).
+        def offloaded(function, *args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=False):
+                return checkpoint_func(function, *args, **kwargs)
+
+        return offloaded
+
+    for layer in huggingface.decoder_layers(used_on):
+        layer._gradient_checkpointing_func = transformers_offload(layer._gradient_checkpointing_func)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on the CPU offloading is keeping, said once
+        audit = assert_bitwise_equal(used_on, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS  # the units' selection holds, offloaded
+    for layer in huggingface.decoder_layers(used_on):
+        func = layer._gradient_checkpointing_func
+        assert func.func is huggingface._checkpoint_layer  # no save_on_cpu from the second step on
+        policy = func.keywords["context_fn"].policy
+        assert policy.offloaded_units == frozenset({"attn"}) and not policy.kept_units and policy.offload_inputs
+
+
+def test_kwargs_on_a_model_without_their_units_raise_naming_it():
+    kwargs = huggingface.gradient_checkpointing_kwargs(
+        build("llama", "sdpa", dropout=False), RecomputeConfig(units=["attn"])
+    )
+    other = build("gpt2", "sdpa", dropout=False)  # its attention is `attn`, not `self_attn`
+    other.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    with pytest.raises(ConfigError) as error:
+        step(other)
+    assert str(error.value) == (
+        "recompute config: gradient_checkpointing_kwargs were built for llama (Hugging Face), "
+        "and the layer checkpointed now (GPT2Block) has none of the units ['attn']; build the "
+        "kwargs on the model they are used with"
+    )

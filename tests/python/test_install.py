@@ -18,12 +18,24 @@ def test_an_install_under_a_pin_that_excludes_the_installed_torch_leaves_torch_a
     pin = tmp_path / "constraints.txt"
     pin.write_text("torch==2.0.0\n")  # a company pin or a lock file naming another torch
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet",
-               "--disable-pip-version-check", "--report", str(report), str(ROOT)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--no-build-isolation",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--report",
+        str(report),
+        str(ROOT),
+    ]
     if no_deps:
         command.insert(-1, "--no-deps")
-    done = subprocess.run(command, env={**os.environ, "PIP_CONSTRAINT": str(pin)}, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        command, env={**os.environ, "PIP_CONSTRAINT": str(pin)}, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert installed == ["sac_plugin"], installed

@@ -67,7 +67,7 @@ def test_mutating_op_in_kept_unit_warns_once_and_is_recomputed():
     assert len(messages) == 1
     assert messages[0].startswith(
         "sac: aten::mul_.Tensor mutates an input inside kept unit 'attn'; it is recomputed rather than kept "
-        "(warned once per policy)"
+        "(warned once per checkpoint site)"
     )
     h_ref = x
     for _ in range(2):
@@ -139,7 +139,7 @@ def test_the_mutating_op_warning_is_exactly_its_sentence():
     messages = [str(w.message) for w in ours]
     assert messages == [
         "sac: aten::add_.Tensor mutates an input inside kept unit 'write'; it is recomputed rather than kept "
-        "(warned once per policy)"
+        "(warned once per checkpoint site)"
     ]
     reference = weight.detach().clone().requires_grad_()
     _writes_in_kept_unit(reference, x).sum().backward()
@@ -175,7 +175,9 @@ def test_collectives_inside_a_kept_unit_run_again_in_the_recompute(gloo_one_rank
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # allreduce_ mutates its input: warned, tested above
         with sac_plugin.audit() as audit:
-            checkpoint(_layer_with_collectives, weight, x, gloo_one_rank, use_reentrant=False, context_fn=fn).sum().backward()
+            checkpoint(
+                _layer_with_collectives, weight, x, gloo_one_rank, use_reentrant=False, context_fn=fn
+            ).sum().backward()
     _layer_with_collectives(weight_ref, x, gloo_one_rank).sum().backward()
     assert torch.equal(weight.grad, weight_ref.grad)
     # The wait runs inside AsyncCollectiveTensor's handler, unseen where that is below the plugin.
@@ -204,7 +206,9 @@ def test_key_is_included_only_inside_the_region():
 
     before = _include_set()
     checkpoint(
-        layer, torch.randn(3, requires_grad=True), use_reentrant=False,
+        layer,
+        torch.randn(3, requires_grad=True),
+        use_reentrant=False,
         context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"])),
     ).sum().backward()
     assert "Fake" not in before
@@ -219,8 +223,9 @@ def test_nothing_kept_installs_no_interception():
         seen.append(_include_set())
         return torch.tanh(x)
 
-    checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
-               context_fn=sac_plugin.context_fn(Policy())).sum().backward()
+    checkpoint(
+        layer, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=sac_plugin.context_fn(Policy())
+    ).sum().backward()
     assert len(seen) == 2 and not any("Fake" in s for s in seen)
 
 
@@ -233,8 +238,12 @@ def test_state_is_restored_after_an_exception_inside_a_unit_inside_a_region():
             raise KeyError("boom")
 
     with pytest.raises(KeyError):
-        checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
-                   context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])))
+        checkpoint(
+            layer,
+            torch.randn(3, requires_grad=True),
+            use_reentrant=False,
+            context_fn=sac_plugin.context_fn(Policy(kept_units=["attn"])),
+        )
     assert (_include_set(), sac_plugin.open_units()) == before
 
 
@@ -246,8 +255,12 @@ def test_other_threads_are_untouched_while_a_region_is_active(other_thread_state
         inside.append(other_thread_state())
         return torch.tanh(x)
 
-    checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False,
-               context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"])))
+    checkpoint(
+        layer,
+        torch.randn(3, requires_grad=True),
+        use_reentrant=False,
+        context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::tanh"])),
+    )
     assert inside == [outside]
 
 
@@ -342,12 +355,16 @@ def test_checkpointed_steps_free_their_regions_without_the_cycle_collector():
         gc.enable()
 
 
-@pytest.mark.parametrize("write", [
-    lambda y: torch.add(y, 1, out=y),
-    lambda y: torch.sin(y, out=y),
-    lambda y: y.add_(1),
-    lambda y: y.copy_(y * 3),
-], ids=["add out=", "sin out=", "add_", "copy_"])
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda y: torch.add(y, 1, out=y),
+        lambda y: torch.sin(y, out=y),
+        lambda y: y.add_(1),
+        lambda y: y.copy_(y * 3),
+    ],
+    ids=["add out=", "sin out=", "add_", "copy_"],
+)
 def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(write):
     # NOTE: [Kept outputs written in the forward]: an out= argument is written as surely as an
     # in-place op's self, so both demote the kept output they write.

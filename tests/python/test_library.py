@@ -29,7 +29,9 @@ def test_version_mismatch_names_both_versions(monkeypatch):
 
 def test_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("SAC_PLUGIN_LIBRARY", str(tmp_path / "libsac_plugin.so"))
-    with pytest.raises(ImportError, match=r"compiled library not found at .*; rebuild it .*`pip install --no-build-isolation"):
+    with pytest.raises(
+        ImportError, match=r"compiled library not found at .*; rebuild it .*`pip install --no-build-isolation"
+    ):
         _library.load()
 
 
@@ -46,6 +48,10 @@ def test_the_cpp_tests_pass_as_one_process_in_any_order():
         pytest.skip("needs SAC_TEST_BUILD_DIR, the build tree with sac_cpp_tests (tools/test.sh sets it)")
     binary = Path(build) / "sac_cpp_tests"
     # --gtest_repeat=2: the second round runs every test after the fallback was installed.
-    result = subprocess.run([str(binary), "--gtest_repeat=2", "--gtest_shuffle", "--gtest_brief=1"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(binary), "--gtest_repeat=2", "--gtest_shuffle", "--gtest_brief=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

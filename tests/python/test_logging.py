@@ -13,11 +13,13 @@ def test_one_info_line_per_model(caplog):
     with caplog.at_level(logging.INFO, logger="sac_plugin"):
         apply_recompute_config(model, RecomputeConfig(units=["mlp"], every_nth_layer=2))
     records = [r for r in caplog.records if r.name == "sac_plugin"]
-    assert [(r.levelname, r.getMessage()) for r in records] == [(
-        "INFO",
-        "Llama: checkpointed 2 of 4 (0, 2) wrap sites (every_nth_layer=2, first_layer=0) with "
-        "Policy(kept_ops=[], kept_units=['mlp']); units: mlp -> feed_forward",
-    )]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        (
+            "INFO",
+            "Llama: checkpointed 2 of 4 (0, 2) wrap sites (every_nth_layer=2, first_layer=0) with "
+            "Policy(kept_ops=[], kept_units=['mlp']); units: mlp -> feed_forward",
+        )
+    ]
 
 
 def test_full_recompute_is_said_so(caplog):

@@ -74,7 +74,8 @@ def _on_accelerator(body, engine="native"):
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
 @pytest.mark.parametrize("copy_delay", [0.0, 0.02])
 def test_offloaded_bytes_leave_the_device_and_gradients_are_bitwise(engine, copy_delay):
-    values = _on_accelerator(f"""
+    values = _on_accelerator(
+        f"""
 sac_test_accelerator.set_copy_delay({copy_delay})
 reference, rx = model_and_input()
 reference(rx).square().mean().backward()
@@ -100,11 +101,22 @@ report(
     recomputed=[kept_audit.count("aten::addmm", phase="recompute"),
                 offload_audit.count("aten::addmm", phase="recompute")],
 )
-""", engine)
+""",
+        engine,
+    )
     one_output = 256 * 1024 * 4  # each layer's up projection; the down projection (512 KiB) stays kept
-    assert values == {"engine": engine, "drop": 2 * one_output, "bytes_to_host": 2 * one_output,
-                      "copies_to_host": 2, "copies_to_device": 2, "pool_in_use": 0, "same_as_kept": True,
-                      "same_as_reference": True, "hits": [4, 4], "recomputed": [0, 0]}
+    assert values == {
+        "engine": engine,
+        "drop": 2 * one_output,
+        "bytes_to_host": 2 * one_output,
+        "copies_to_host": 2,
+        "copies_to_device": 2,
+        "pool_in_use": 0,
+        "same_as_kept": True,
+        "same_as_reference": True,
+        "hits": [4, 4],
+        "recomputed": [0, 0],
+    }
 
 
 @pytest.mark.slow
@@ -155,7 +167,8 @@ report(message=message, pool_in_use=stats()["pool_bytes_in_use"])
     assert values["message"] == (
         "sac: a tensor kept for backward was mutated after it was saved: the output of aten::addmm (offloaded by the "
         "op list), call 1 of this region, changed version from 0 to 1. The recompute would read the mutated value; "
-        "clone it before mutating in place, or do not keep aten::addmm")
+        "clone it before mutating in place, or do not keep aten::addmm"
+    )
 
 
 @pytest.mark.slow
@@ -213,9 +226,15 @@ report(copies=after["copies_to_host"] - before["copies_to_host"],
        floor_copies=floor_after["copies_to_host"] - floor_before["copies_to_host"],
        messages=[str(w.message) for w in caught if "host_memory_limit" in str(w.message)])
 """)
-    assert values == {"copies": 1, "floor_copies": 0, "messages": [
-        "sac: the policy's host_memory_limit of 1048576 bytes is reached: aten::addmm and later offloaded calls whose "
-        "outputs do not fit are kept on the device (said once per policy)"]}
+    assert values == {
+        "copies": 1,
+        "floor_copies": 0,
+        "messages": [
+            "sac: the policy's host_memory_limit of 1048576 bytes is reached: the offload pool cannot hold the outputs of "
+            "aten::addmm as well, so they and later offloaded outputs that do not fit are kept on the device (said once "
+            "per checkpoint site)"
+        ],
+    }
 
 
 @pytest.mark.slow
@@ -256,46 +275,78 @@ def test_on_the_cpu_offloading_is_keeping_said_once():
         for _ in range(2):
             model(x).sum().backward()
     messages = [str(w.message) for w in caught if "offloaded by the policy" in str(w.message)]
-    assert messages == ["sac: aten::addmm is offloaded by the policy but runs on the CPU, so its outputs are kept "
-                        "where they are, in host memory already; offloading moves outputs off an accelerator (said "
-                        "once per policy)"]
+    assert messages == [
+        "sac: aten::addmm is offloaded by the policy but runs on the CPU, so its outputs are kept "
+        "where they are, in host memory already; offloading moves outputs off an accelerator (said "
+        "once per checkpoint site)"
+    ]
     # The second projection runs after the last save, where the recompute stops: one hit per step.
     assert audit.hits("aten::addmm") == 2
     assert all(torch.equal(a.grad / 2, b) for a, b in zip(list(model.parameters()) + [x], expected))
 
 
 def test_policy_offload_fields_round_trip():
-    policy = Policy(kept_calls={"aten::mm.default": [0]}, offloaded_calls={"aten::mm.default": [1, 1, 3]},
-                    offloaded_ops=["aten::bmm.default"], offloaded_units=["attn"], offload_min_bytes=4096,
-                    host_memory_limit=1 << 30)
+    policy = Policy(
+        kept_calls={"aten::mm.default": [0]},
+        offloaded_calls={"aten::mm.default": [1, 1, 3]},
+        offloaded_ops=["aten::bmm.default"],
+        offloaded_units=["attn"],
+        offload_min_bytes=4096,
+        host_memory_limit=1 << 30,
+    )
     assert policy.offloaded_calls == {"aten::mm": (1, 3)}
     assert policy.offloaded_ops == frozenset({"aten::bmm"})
     assert policy.offloaded_units == frozenset({"attn"})
     assert (policy.offload_min_bytes, policy.host_memory_limit) == (4096, 1 << 30)
     assert not policy.keeps_nothing and not policy.offloads_nothing
     assert pickle.loads(pickle.dumps(policy)) == policy
-    assert policy != Policy(kept_calls={"aten::mm.default": [0]}, offloaded_calls={"aten::mm.default": [1, 3]},
-                            offloaded_ops=["aten::bmm.default"], offloaded_units=["attn"], offload_min_bytes=4096)
-    assert repr(policy) == ("Policy(kept_ops=[], kept_units=[], kept_calls={'aten::mm.default': [0]}, "
-                            "offloaded_ops=['aten::bmm.default'], offloaded_units=['attn'], "
-                            "offloaded_calls={'aten::mm.default': [1, 3]}, offload_min_bytes=4096, "
-                            "host_memory_limit=1073741824)")
+    assert policy != Policy(
+        kept_calls={"aten::mm.default": [0]},
+        offloaded_calls={"aten::mm.default": [1, 3]},
+        offloaded_ops=["aten::bmm.default"],
+        offloaded_units=["attn"],
+        offload_min_bytes=4096,
+    )
+    assert repr(policy) == (
+        "Policy(kept_ops=[], kept_units=[], kept_calls={'aten::mm.default': [0]}, "
+        "offloaded_ops=['aten::bmm.default'], offloaded_units=['attn'], "
+        "offloaded_calls={'aten::mm.default': [1, 3]}, offload_min_bytes=4096, "
+        "host_memory_limit=1073741824)"
+    )
 
 
-@pytest.mark.parametrize("arguments, error, message", [
-    ({"offload_min_bytes": "1MiB"}, TypeError,
-     "sac_plugin: offload_min_bytes is a byte count, an int from 0 to 2**63 - 1; got '1MiB' (str)"),
-    ({"host_memory_limit": -1}, ValueError,
-     "sac_plugin: host_memory_limit is a byte count, an int from 0 to 2**63 - 1, or None for no limit; got -1 (int)"),
-    ({"offloaded_ops": "aten::mm"}, TypeError,
-     "sac_plugin: offloaded_ops must be a collection of names, not a single str: 'aten::mm'; write ['aten::mm']"),
-    ({"offloaded_calls": {"aten::mm": [-1]}}, ValueError,
-     "sac_plugin: offloaded_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call "
-     "in the region), got -1 (int)"),
-    ({"offloaded_ops": ["aten::add_.Tensor"]}, ValueError,
-     "sac: offloaded_ops: 'aten::add_.Tensor' names aten::add_.Tensor, which mutates an input; only functional (or "
-     "out=) ops can be kept, because the recompute must apply the mutation again"),
-])
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        (
+            {"offload_min_bytes": "1MiB"},
+            TypeError,
+            "sac_plugin: offload_min_bytes is a byte count, an int from 0 to 2**63 - 1; got '1MiB' (str)",
+        ),
+        (
+            {"host_memory_limit": -1},
+            ValueError,
+            "sac_plugin: host_memory_limit is a byte count, an int from 0 to 2**63 - 1, or None for no limit; got -1 (int)",
+        ),
+        (
+            {"offloaded_ops": "aten::mm"},
+            TypeError,
+            "sac_plugin: offloaded_ops must be a collection of names, not a single str: 'aten::mm'; write ['aten::mm']",
+        ),
+        (
+            {"offloaded_calls": {"aten::mm": [-1]}},
+            ValueError,
+            "sac_plugin: offloaded_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call "
+            "in the region), got -1 (int)",
+        ),
+        (
+            {"offloaded_ops": ["aten::add_.Tensor"]},
+            ValueError,
+            "sac: offloaded_ops: 'aten::add_.Tensor' names aten::add_.Tensor, which mutates an input; only functional (or "
+            "out=) ops can be kept, because the recompute must apply the mutation again",
+        ),
+    ],
+)
 def test_bad_offload_arguments_are_named(arguments, error, message):
     with pytest.raises(error) as raised:
         Policy(**arguments)
@@ -306,8 +357,9 @@ def test_recompute_config_offloads_units_and_ops():
     from sac_plugin.config import policy_for
     from sac_plugin.models import LLAMA_TARGETS
 
-    config = RecomputeConfig.from_dict({"units": ["mlp"], "offloaded_units": ["attn"],
-                                        "offloaded_ops": ["aten::bmm"], "host_memory_limit": 1 << 20})
+    config = RecomputeConfig.from_dict(
+        {"units": ["mlp"], "offloaded_units": ["attn"], "offloaded_ops": ["aten::bmm"], "host_memory_limit": 1 << 20}
+    )
     assert RecomputeConfig.from_json(config.to_json()) == config
     policy = policy_for(config, LLAMA_TARGETS)
     assert "aten::bmm" in policy.offloaded_ops
@@ -315,12 +367,15 @@ def test_recompute_config_offloads_units_and_ops():
     assert (policy.offloaded_units | policy.kept_units | policy.offloaded_ops) != frozenset()
     with pytest.raises(ConfigError) as raised:
         RecomputeConfig(units=["attn"], offloaded_units=["attn"])
-    assert str(raised.value) == ("recompute config: units and offloaded_units both list ['attn']; a unit is kept or "
-                                 "offloaded, not both")
+    assert str(raised.value) == (
+        "recompute config: units and offloaded_units both list ['attn']; a unit is kept or offloaded, not both"
+    )
     with pytest.raises(ConfigError) as raised:
         RecomputeConfig(budget=0.5, offloaded_ops=["aten::mm"])
-    assert str(raised.value) == ("recompute config: budget chooses what to keep by measurement; leave offloaded_ops "
-                                 "unset (or drop budget to choose by hand)")
+    assert str(raised.value) == (
+        "recompute config: budget chooses what to keep by measurement; leave offloaded_ops "
+        "unset (or drop budget to choose by hand)"
+    )
 
 
 def test_torch_policy_fn_tags_offloaded_calls_must_save_outside_an_offloading_compiler(caplog, monkeypatch):
@@ -336,16 +391,20 @@ def test_torch_policy_fn_tags_offloaded_calls_must_save_outside_an_offloading_co
     model = _cpu_layer()
     with caplog.at_level("WARNING", logger="sac_plugin"):
         for _ in range(2):
-            checkpoint(model, x, use_reentrant=False,
-                       context_fn=lambda: create_selective_checkpoint_contexts(sac_plugin.torch_policy_fn(policy))
-                       ).sum().backward()
+            checkpoint(
+                model,
+                x,
+                use_reentrant=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(sac_plugin.torch_policy_fn(policy)),
+            ).sum().backward()
         decide = sac_plugin.torch_policy_fn(policy)
         ctx = type("Ctx", (), {"is_recompute": False})()
         tag = decide(ctx, torch.ops.aten.addmm.default, torch.zeros(4), torch.zeros(2, 3), torch.zeros(3, 4))
     assert tag == CheckpointPolicy.MUST_SAVE
     assert all(torch.equal(a.grad, 2 * b.grad) for a, b in zip(model.parameters(), reference.parameters()))
     assert [r.getMessage() for r in caplog.records if "offloaded calls are kept" in r.getMessage()] == [
-        "sac_plugin: offloaded calls are kept on the device here (MUST_SAVE): torch's eager checkpoint does not offload"]
+        "sac_plugin: offloaded calls are kept on the device here (MUST_SAVE): torch's eager checkpoint does not offload"
+    ]
 
 
 @pytest.mark.slow
@@ -372,11 +431,18 @@ report(layers=[(l["name"], l["calls"], l["kept_calls"], l["kept_bytes"], l["offl
     # down projection (512 KiB, under the floor) kept on the device.
     assert values == {
         "layers": [[name, 2, 6, 2 * (one_output + one_output // 2), 2, 2 * one_output] for name in ("0", "1")],
-        "copies": {"copies_to_host": 4, "bytes_to_host": 4 * one_output, "copies_to_device": 4,
-                   "bytes_to_device": 4 * one_output},
+        "copies": {
+            "copies_to_host": 4,
+            "bytes_to_host": 4 * one_output,
+            "copies_to_device": 4,
+            "bytes_to_device": 4 * one_output,
+        },
         "waited": True,
-        "line": ["offloaded over 2 steps: 4 calls holding 4.00 MiB of pinned host memory (not in kept bytes); 4 copies "
-                 "to the host (4.00 MiB), 4 back (4.00 MiB); compute waited W ms for copies back"]}
+        "line": [
+            "offloaded over 2 steps: 4 calls holding 4.00 MiB of pinned host memory (not in kept bytes); 4 copies "
+            "to the host (4.00 MiB), 4 back (4.00 MiB); compute waited W ms for copies back"
+        ],
+    }
 
 
 @pytest.mark.slow
@@ -412,12 +478,33 @@ def test_the_offload_benchmark_runs_on_the_test_accelerator():
     env = dict(os.environ)
     if _DIRECTORY:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_DIRECTORY, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "benchmarks/bench_offload.py", "--device", "sac_accel", "--dim", "64",
-                           "--heads", "4", "--seq", "64", "--steps", "1"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_offload.py",
+            "--device",
+            "sac_accel",
+            "--dim",
+            "64",
+            "--heads",
+            "4",
+            "--seq",
+            "64",
+            "--steps",
+            "1",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {line[:36].strip(): line[36:].split() for line in done.stdout.splitlines()
-            if line[:36].strip() in ("no checkpointing", "keep attention + matmuls", "offload attention + matmuls")}
+    rows = {
+        line[:36].strip(): line[36:].split()
+        for line in done.stdout.splitlines()
+        if line[:36].strip() in ("no checkpointing", "keep attention + matmuls", "offload attention + matmuls")
+    }
     assert set(rows) == {"no checkpointing", "keep attention + matmuls", "offload attention + matmuls"}
     assert all(row[-1] == "True" for row in rows.values()), done.stdout  # bitwise gradients
     held = {name: float(row[0]) for name, row in rows.items()}
@@ -428,7 +515,8 @@ def test_the_offload_benchmark_runs_on_the_test_accelerator():
 @pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
 def test_a_recompute_fetches_its_outputs_and_the_next_regions_on_the_device_thread(engine):
-    values = _on_accelerator("""
+    values = _on_accelerator(
+        """
 model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
 seen = []
 
@@ -444,7 +532,9 @@ start = stats()["copies_to_device"]
 with sac_plugin.audit() as audit:
     step(model, x)
 report(seen=seen, hits=audit.hits("aten::addmm"), units_left=sac_plugin.open_units())
-""", engine)
+""",
+        engine,
+    )
     # The last layer's recompute runs first: its own output and the first layer's are on their way
     # back before either recompute reaches the call.
     assert values == {"seen": [[True, 2], [True, 2]], "hits": 4, "units_left": []}

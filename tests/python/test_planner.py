@@ -16,6 +16,7 @@ import sac_plugin
 import torch
 from sac_plugin import ConfigError, Plan, PlanError, RecomputeConfig
 from sac_plugin import Policy, _scopes
+from sac_plugin.policy import bounded_repr
 from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import Llama, LlamaBlock, MoEBlock, rotary_tables
@@ -38,10 +39,38 @@ def llama_inputs(dim=32, heads=4, seq=16, batch=2, moe=False):
     return block, (x, cos, sin)
 
 
-def measured_bytes(module, args, policy):
+class _RngStatesTaken:
+    """The RNG states torch.get_rng_state hands out inside the block (the checkpoint saves the
+    one it takes until the backward): their bytes are part of what a checkpointed forward holds."""
+
+    def __init__(self, monkeypatch):
+        self.states = []
+        taken = torch.get_rng_state
+
+        def get_rng_state():
+            state = taken()
+            self.states.append(state)
+            return state
+
+        monkeypatch.setattr(torch, "get_rng_state", get_rng_state)
+
+    def bytes(self) -> int:
+        return sum(state.untyped_storage().nbytes() for state in self.states)
+
+
+def measured_bytes(module, args, policy, monkeypatch=None):
+    """What a checkpointed forward holds until its backward: the tensors saved for backward and
+    the kept outputs (sac_plugin.memory's count), less the storages of the layer's own output
+    (the caller holds those anyway), plus the RNG state the checkpoint saved (with monkeypatch)."""
+    rng = _RngStatesTaken(monkeypatch) if monkeypatch is not None else None
     with track_activation_memory(module.parameters()) as memory:
         out = checkpoint(module, *args, use_reentrant=False, context_fn=sac_plugin.context_fn(policy))
+        returned = {out.untyped_storage().data_ptr()}
+        memory._parameter_storages |= returned
         held = memory.bytes()
+    if rng is not None:
+        monkeypatch.undo()
+        held += rng.bytes()
     out.sum().backward()
     return held
 
@@ -74,16 +103,144 @@ def test_plan_policy_gives_bitwise_gradients_and_keeps_exactly_the_planned_calls
     assert sum(row.hits for row in audit.rows()) == len(plan.kept)
 
 
-@pytest.mark.native_engine("track_activation_memory counts the native engine's regions, which hold exactly the "
-                           "planned outputs")
+@pytest.mark.native_engine(
+    "track_activation_memory counts the native engine's regions, which hold exactly the planned outputs"
+)
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "moe"])
-def test_measured_bytes_are_the_predicted_bytes(moe):
+def test_measured_bytes_are_the_predicted_bytes(moe, monkeypatch):
     block, args = llama_inputs(moe=moe)
     for budget in (0.0, 0.2, 0.5, 1.0):
         plan = sac_plugin.plan(block, *args, budget=budget, runs=1)
-        held = measured_bytes(block, args, plan.policy)
+        held = measured_bytes(block, args, plan.policy, monkeypatch)
         assert held == plan.held_bytes, budget
         assert held <= max(plan.budget_bytes, plan.profile.full_recompute_bytes), budget
+
+
+# --- a plan serves exactly its kept calls, at the bytes it predicts ----------------------------------
+
+BUDGETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+
+def docs_layer():
+    """The planning example of docs/memory-budget.md."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True)
+    return layer, (torch.randn(2, 32, 64, requires_grad=True),)
+
+
+@pytest.mark.parametrize("model", ["docs", "llama"])
+def test_every_plan_serves_exactly_its_kept_calls(model):
+    """At every budget: the audit counts one hit per kept call, op by op (F.linear on a 3-D input
+    writes its bias into its mm's output in place: that mm is never offered)."""
+    layer, args = docs_layer() if model == "docs" else llama_inputs()
+    plan = sac_plugin.plan(layer, *args, budget=1.0, runs=1)
+    for budget in BUDGETS:
+        budgeted = plan.with_budget(budget)
+        checkpointed = sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), budgeted.policy)
+        inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+        with sac_plugin.audit() as audit:
+            checkpointed(*inputs).sum().backward()
+        planned = {}
+        for op, _ in budgeted.kept:
+            planned[op] = planned.get(op, 0) + 1
+        assert {op: audit.hits(op) for op in planned} == planned, budget
+        assert sum(row.hits for row in audit.rows()) == len(budgeted.kept), budget
+
+
+@pytest.mark.native_engine(
+    "track_activation_memory counts the native engine's regions, which hold exactly the planned outputs"
+)
+def test_the_docs_example_holds_the_predicted_bytes_at_every_budget(monkeypatch):
+    layer, args = docs_layer()
+    plan = sac_plugin.plan(layer, *args, budget=1.0, runs=1)
+    for budget in (0.0, *BUDGETS):
+        budgeted = plan.with_budget(budget)
+        assert measured_bytes(layer, args, budgeted.policy, monkeypatch) == budgeted.held_bytes, budget
+
+
+def test_the_profile_prices_calls_as_the_runtime_holds_them(monkeypatch):
+    """The mm F.linear writes its bias into is not offered; the last layer norm, whose output is
+    the layer's, costs only its mean and rstd; the floor counts the RNG state the checkpoint
+    saves (measured here as the checkpoint takes it)."""
+    layer, args = docs_layer()
+    plan = sac_plugin.plan(layer, *args, budget=0.3, runs=1)
+    calls = {(c.op, c.index): c for c in plan.profile.calls}
+    assert calls["aten::mm", 0].why_not_keepable == "written later in the forward"
+    assert calls["aten::mm", 0].bytes > 0
+    output_bytes = layer(*args).untyped_storage().nbytes()
+    first, last = calls["aten::native_layer_norm", 0], calls["aten::native_layer_norm", 1]
+    assert first.bytes - last.bytes == output_bytes
+    rng = _RngStatesTaken(monkeypatch)
+    with track_activation_memory(layer.parameters()) as memory:
+        out = checkpoint(layer, *args, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy()))
+        saved = memory.bytes()
+    monkeypatch.undo()
+    out.sum().backward()
+    assert len(rng.states) == 1 and rng.bytes() > 0
+    assert plan.profile.rng_state_bytes == rng.bytes()
+    assert plan.profile.full_recompute_bytes == saved + rng.bytes()
+
+
+def test_a_policy_keeping_a_call_the_forward_writes_is_predicted_to_hold_nothing_for_it():
+    """Plan.evaluate prices a hand-written policy as the runtime runs it: the mm F.linear writes its
+    bias into is decided kept (calls_kept_by, as a trace of the forward shows), then demoted at the
+    write, so it holds no bytes and saves no time; the audit serves it 0 times."""
+    layer, args = docs_layer()
+    plan = sac_plugin.plan(layer, *args, budget=0.3, runs=1)
+    policy = Policy(kept_calls={"aten::mm.default": [0]})
+    assert plan.calls_kept_by(policy) == {("aten::mm", 0)}
+    predicted = plan.evaluate(policy)
+    assert predicted["held_bytes"] == plan.profile.full_recompute_bytes
+    assert predicted["recompute_seconds"] == plan.with_budget(0.0).recompute_seconds
+    checkpointed = sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), policy)
+    with sac_plugin.audit() as audit:
+        checkpointed(*args).sum().backward()
+    if sac_plugin.engine() == "native":  # under the dispatch-mode engine's mode, F.linear adds out of place
+        assert audit.hits("aten::mm") == 0
+
+
+ACCELERATOR_BYTES = """
+import copy, warnings
+warnings.simplefilter("ignore")
+import sac_plugin
+from torch import nn
+torch.manual_seed(0)
+layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256, dropout=0.0,
+                                   batch_first=True).to("sac_accel")
+x = torch.randn(2, 32, 64, requires_grad=True, device="sac_accel")
+plan = sac_plugin.plan(layer, x, budget=1.0, runs=1)
+rows = []
+for budget in [i / 10 for i in range(11)]:
+    budgeted = plan.with_budget(budget)
+    checkpointed = sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), budgeted.policy)
+    inputs = x.detach().clone().requires_grad_()
+    checkpointed(inputs).sum().backward()
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated()
+    with sac_plugin.audit() as audit:
+        out = checkpointed(inputs)
+        torch.accelerator.synchronize()
+        # The allocator's bytes from the forward, less its output (the caller's), plus the input
+        # it saves (allocated before): what the plan calls held.
+        held = (torch.accelerator.memory_allocated() - before - out.untyped_storage().nbytes()
+                + inputs.untyped_storage().nbytes())
+        out.sum().backward()
+    del out
+    rows.append([budget, budgeted.held_bytes, held, len(budgeted.kept), sum(r.hits for r in audit.rows())])
+report(rows=rows)
+"""
+
+
+@pytest.mark.slow
+def test_the_docs_example_predicts_the_allocators_bytes():
+    from test_test_accelerator import _SKIP_REASON, run_on_accelerator
+
+    if _SKIP_REASON is not None:
+        pytest.skip(_SKIP_REASON)
+    rows = run_on_accelerator(ACCELERATOR_BYTES)["rows"]
+    for budget, predicted, allocated, kept, hits in rows:
+        assert (allocated, hits) == (predicted, kept), budget
+    assert len({predicted for _, predicted, *_ in rows}) > 5
 
 
 @examples(25, shrink=False)
@@ -132,9 +289,15 @@ def test_knapsack_is_optimal_and_within_capacity(items, capacity):
     values = [v for _, v in items]
     chosen = knapsack.solve(weights, values, capacity * 4096)
     assert sum(weights[i] for i in chosen) <= capacity * 4096
-    best = max((sum(values[i] for i in subset) for r in range(len(items) + 1)
-                for subset in itertools.combinations(range(len(items)), r)
-                if sum(weights[i] for i in subset) <= capacity * 4096), default=0.0)
+    best = max(
+        (
+            sum(values[i] for i in subset)
+            for r in range(len(items) + 1)
+            for subset in itertools.combinations(range(len(items)), r)
+            if sum(weights[i] for i in subset) <= capacity * 4096
+        ),
+        default=0.0,
+    )
     assert math.isclose(sum(values[i] for i in chosen), best, rel_tol=1e-9, abs_tol=1e-12)
 
 
@@ -174,8 +337,8 @@ def test_profiling_changes_no_result_and_plan_leaves_no_trace():
 
 def test_profile_counts_bytes_by_unique_storage():
     def layer(a):
-        b = a * 2           # new storage: 4 * 8 * 4 bytes
-        c = b.view(8, 4)    # a view: 0, not keepable
+        b = a * 2  # new storage: 4 * 8 * 4 bytes
+        c = b.view(8, 4)  # a view: 0, not keepable
         d, e = torch.split(c, 4)  # views of b
         f = torch.cat([d, e])  # new storage: 128 bytes
         return torch.tanh(f.add_(1))  # add_: in place, 0, mutates; tanh saves its output
@@ -190,7 +353,9 @@ def test_profile_counts_bytes_by_unique_storage():
 
     nothing = sac_plugin.plan(SavesNothing(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=1)
     assert [(c.op, c.why_not_keepable, c.recomputed) for c in nothing.profile.calls] == [
-        ("aten::add.Tensor", "after the recompute stops", False), ("aten::sum", "after the recompute stops", False)]
+        ("aten::add.Tensor", "after the recompute stops", False),
+        ("aten::sum", "after the recompute stops", False),
+    ]
     assert nothing.kept == frozenset() and nothing.recompute_seconds == 0
 
     plan = sac_plugin.plan(Layer(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=2)
@@ -214,17 +379,39 @@ def test_save_and_load_give_the_same_plan(tmp_path):
     assert loaded.table() == plan.table()
 
 
-@pytest.mark.parametrize("budget, error, message", [
-    (-0.1, PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got -0.1; pass an int for a byte count"),
-    (1.5, PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count"),
-    (float("nan"), PlanError, "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int for a "
-                              "byte count"),
-    (-5, PlanError, "sac_plugin: budget as a byte count must be >= 0, got -5"),
-    ("0.3", TypeError, "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
-                       "from 0.0 to 1.0) or a byte count (an int >= 0), got '0.3' (str)"),
-    (True, TypeError, "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
-                      "from 0.0 to 1.0) or a byte count (an int >= 0), got True (bool)"),
-])
+@pytest.mark.parametrize(
+    "budget, error, message",
+    [
+        (
+            -0.1,
+            PlanError,
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got -0.1; pass an int for a byte count",
+        ),
+        (
+            1.5,
+            PlanError,
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count",
+        ),
+        (
+            float("nan"),
+            PlanError,
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int for a byte count",
+        ),
+        (-5, PlanError, "sac_plugin: budget as a byte count must be >= 0, got -5"),
+        (
+            "0.3",
+            TypeError,
+            "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
+            "from 0.0 to 1.0) or a byte count (an int >= 0), got '0.3' (str)",
+        ),
+        (
+            True,
+            TypeError,
+            "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
+            "from 0.0 to 1.0) or a byte count (an int >= 0), got True (bool)",
+        ),
+    ],
+)
 def test_bad_budgets_are_refused_by_name(budget, error, message):
     block, args = llama_inputs()
     with pytest.raises(error) as raised:
@@ -248,21 +435,45 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
     cases = [
         ("[]", "expected a JSON object, got list"),
         ("{", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-        (json.dumps(_edit(good, format="other")), "'format' must be 'sac_plugin.plan', got 'other': not a sac_plugin plan"),
-        (json.dumps(_edit(good, version=3)), "version 3 is not supported; this sac_plugin reads versions 1, 2"),
-        (json.dumps(_edit(good, version=True)), "version True is not supported; this sac_plugin reads versions 1, 2"),
-        (json.dumps(_edit(good, budget=2.0)), "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int for a "
-                                              "byte count"),
+        (
+            json.dumps(_edit(good, format="other")),
+            "'format' must be 'sac_plugin.plan', got 'other': not a sac_plugin plan",
+        ),
+        (json.dumps(_edit(good, version=4)), "version 4 is not supported; this sac_plugin reads versions 1, 2, 3"),
+        (
+            json.dumps(_edit(good, version=True)),
+            "version True is not supported; this sac_plugin reads versions 1, 2, 3",
+        ),
+        (
+            json.dumps(_edit(good, budget=2.0)),
+            "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int for a byte count",
+        ),
         (json.dumps(_edit(good, kept=[["aten::mm", 999]])), "kept[0] = ['aten::mm', 999] is not a profiled call"),
-        (json.dumps(_edit(good, kept=[[not_keepable["op"], not_keepable["index"]]])),
-         f"kept[0] = {[not_keepable['op'], not_keepable['index']]!r} cannot be kept: {not_keepable['not_keepable']}"),
-        (json.dumps(_edit(good, extra=1)), "unknown key 'extra'; known keys in version 2: budget, calls, format, "
-                                           "full_recompute_bytes, kept, no_checkpoint_bytes, offload, offloaded, runs, "
-                                           "torch, version"),
-        (json.dumps(_edit(good, version=1)), "unknown key 'offload'; known keys in version 1: budget, calls, format, "
-                                             "full_recompute_bytes, kept, no_checkpoint_bytes, runs, torch, version"),
-        (json.dumps(_edit(good, offloaded=[good["kept"][0]])),
-         "'offloaded' lists calls but 'offload' is null: an offloaded call needs the offload model"),
+        (
+            json.dumps(_edit(good, kept=[[not_keepable["op"], not_keepable["index"]]])),
+            f"kept[0] = {[not_keepable['op'], not_keepable['index']]!r} cannot be kept: {not_keepable['not_keepable']}",
+        ),
+        (
+            json.dumps(_edit(good, extra=1)),
+            "unknown key 'extra'; known keys in version 3: budget, calls, format, "
+            "full_recompute_bytes, kept, no_checkpoint_bytes, offload, offloaded, "
+            "rng_state_bytes, runs, torch, version",
+        ),
+        (
+            json.dumps(_edit(good, version=2)),
+            "unknown key 'rng_state_bytes'; known keys in version 2: budget, calls, "
+            "format, full_recompute_bytes, kept, no_checkpoint_bytes, offload, "
+            "offloaded, runs, torch, version",
+        ),
+        (
+            json.dumps({k: v for k, v in _edit(good, version=1).items() if k != "rng_state_bytes"}),
+            "unknown key 'offload'; known keys in version 1: budget, calls, format, full_recompute_bytes, kept, "
+            "no_checkpoint_bytes, runs, torch, version",
+        ),
+        (
+            json.dumps(_edit(good, offloaded=[good["kept"][0]])),
+            "'offloaded' lists calls but 'offload' is null: an offloaded call needs the offload model",
+        ),
     ]
     path = tmp_path / "plan.json"
     for text, message in cases:
@@ -274,6 +485,130 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
     path.write_text(json.dumps(over))
     with pytest.raises(PlanError, match=r"so it holds \d+, over its budget of 0 bytes"):
         Plan.load(path)
+
+
+def _nested(depth: int):
+    value = ["aten::mm", 0]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _malformed_plan_files(good):
+    """(file text, the message after "plan file PATH: ") for files malformed in nesting, size
+    and type, field by field."""
+    call = good["calls"][0]
+    huge = 10**400
+
+    def with_call(**changes):
+        return json.dumps(_edit(good, calls=[_edit(call, **changes), *good["calls"][1:]]))
+
+    offload = {"d2h_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e9, "min_bytes": 0, "host_memory_limit": None}
+    return [
+        (
+            "[" * 100_000 + "]" * 100_000,
+            "not valid JSON for a plan: nested too deeply to read (a plan file nests 3 "
+            "levels: the plan, its lists, their entries)",
+        ),
+        (
+            json.dumps(_edit(good, kept=[])).replace('"kept": []', '"kept": ' + "[" * 100_000 + "]" * 100_000),
+            "not valid JSON for a plan: nested too deeply to read (a plan file nests 3 levels: the plan, its lists, "
+            "their entries)",
+        ),
+        (
+            json.dumps(_edit(good, kept=[_nested(500)])),
+            f"kept[0] must be an [op, index] pair (a string and an int from 0 to 2**63 - 1), got "
+            f"{bounded_repr(_nested(500))}",
+        ),
+        (
+            json.dumps(_edit(good, runs=0)).replace('"runs": 0', '"runs": 1' + "0" * 5000),
+            "not valid JSON for a plan: Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
+            "digits; use sys.set_int_max_str_digits() to increase the limit",
+        ),
+        (with_call(bytes=2**64), "calls[0].bytes must be an int from 0 to 2**63 - 1, got 18446744073709551616"),
+        (with_call(index=-1), "calls[0].index must be an int from 0 to 2**63 - 1, got -1"),
+        (with_call(seconds=huge), f"calls[0].seconds must be a finite number >= 0, got {bounded_repr(huge)}"),
+        (with_call(seconds="1"), "calls[0].seconds must be a finite number >= 0, got '1'"),
+        (with_call(recomputed=1), "calls[0].recomputed must be true or false, got 1"),
+        (with_call(op=["aten::mm"]), "calls[0].op must be a string, got ['aten::mm']"),
+        (
+            json.dumps(_edit(good, calls=[{k: v for k, v in call.items() if k != "bytes"}])),
+            "missing key 'bytes' in calls[0]",
+        ),
+        (
+            json.dumps(_edit(good, calls=[_edit(call, size=1)])),
+            "unknown key 'size' in calls[0]; known keys in version 3: bytes, index, not_keepable, op, recomputed, "
+            "seconds, unit",
+        ),
+        (json.dumps(_edit(good, calls=[5])), "calls[0] must be an object, got 5"),
+        (json.dumps(_edit(good, calls={})), "calls must be a list, got {}"),
+        (json.dumps(_edit(good, runs="2")), "runs must be an int from 0 to 2**63 - 1, got '2'"),
+        (
+            json.dumps(_edit(good, full_recompute_bytes=huge)),
+            f"full_recompute_bytes must be an int from 0 to 2**63 - 1, got {bounded_repr(huge)}",
+        ),
+        (
+            json.dumps(_edit(good, rng_state_bytes=good["full_recompute_bytes"] + 1)),
+            f"rng_state_bytes ({good['full_recompute_bytes'] + 1}) is part of full_recompute_bytes "
+            f"({good['full_recompute_bytes']}), so it cannot be larger",
+        ),
+        (
+            json.dumps(_edit(good, budget="0.3")),
+            "budget must be a fraction (a float from 0.0 to 1.0) or a byte count (an int >= 0), got '0.3'",
+        ),
+        (
+            json.dumps(_edit(good, budget=1e300)).replace("1e+300", "1e400"),
+            "budget as a fraction must be from 0.0 to 1.0, got inf; pass an int for a byte count",
+        ),
+        (
+            json.dumps(_edit(good, kept=[[1, 2]])),
+            "kept[0] must be an [op, index] pair (a string and an int from 0 to 2**63 - 1), got [1, 2]",
+        ),
+        (
+            json.dumps(_edit(good, kept=[["aten::mm", 2**70]])),
+            f"kept[0] must be an [op, index] pair (a string and an int from 0 to 2**63 - 1), got ['aten::mm', {2**70}]",
+        ),
+        (json.dumps(_edit(good, offload=3)), "offload must be null or an object, got 3"),
+        (
+            json.dumps(_edit(good, offload=_edit(offload, d2h_bytes_per_s=-1))),
+            "offload.d2h_bytes_per_s must be a finite number of bytes per second > 0, got -1",
+        ),
+        (
+            json.dumps(_edit(good, offload=_edit(offload, h2d_bytes_per_s=huge))),
+            f"offload.h2d_bytes_per_s must be a finite number of bytes per second > 0, got {bounded_repr(huge)}",
+        ),
+        (
+            json.dumps(_edit(good, offload=_edit(offload, host_memory_limit=2**63))),
+            f"offload.host_memory_limit must be null or an int from 0 to 2**63 - 1, got {2**63}",
+        ),
+        (json.dumps(_edit(good, offload={"d2h_bytes_per_s": 1e9})), "missing key 'h2d_bytes_per_s' in offload"),
+        (json.dumps(_edit(good, torch=2)), "torch must be a string, got 2"),
+    ]
+
+
+def test_malformed_plan_files_are_plan_errors_naming_the_field(tmp_path):
+    """Nesting deeper than the JSON parser recurses, numbers too large for int64 or a float, and
+    values of the wrong type: each is a PlanError with the field, what it holds and what it
+    accepts; none escapes as another exception."""
+    block, args = llama_inputs()
+    good = sac_plugin.plan(block, *args, budget=0.3, runs=1).to_dict()
+    path = tmp_path / "plan.json"
+    for text, message in _malformed_plan_files(good):
+        path.write_text(text)
+        with pytest.raises(PlanError) as raised:
+            Plan.load(path)
+        assert str(raised.value) == f"sac_plugin: plan file {path}: {message}"
+
+
+def test_plan_files_of_earlier_versions_load_with_no_rng_state(tmp_path):
+    block, args = llama_inputs()
+    plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
+    data = plan.to_dict()
+    assert data["version"] == 3 and data["rng_state_bytes"] == plan.profile.rng_state_bytes > 0
+    del data["rng_state_bytes"]
+    old = Plan.from_dict(_edit(data, version=2))
+    assert old.profile.rng_state_bytes == 0
+    assert old.kept == plan.kept and old.held_bytes == plan.held_bytes
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
@@ -291,8 +626,10 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ImportError) as raised:
         plan.plot(tmp_path / "plan.png")
-    assert str(raised.value) == ("sac_plugin: Plan.plot needs matplotlib, which is not installed; install the extra: "
-                                 "pip install 'sac_plugin[plot]' (or pip install matplotlib)")
+    assert str(raised.value) == (
+        "sac_plugin: Plan.plot needs matplotlib, which is not installed; install the extra: "
+        "pip install 'sac_plugin[plot]' (or pip install matplotlib)"
+    )
 
 
 def test_pareto_is_monotone_and_within_each_budget():
@@ -354,15 +691,19 @@ def test_budget_from_an_example_batch_plans_identical_layers_once(caplog):
     with caplog.at_level(logging.INFO, logger="sac_plugin"):
         sac_plugin.apply_recompute_config(model, RecomputeConfig(budget=0.3), example_inputs=(tokens,))
     messages = [r.getMessage() for r in caplog.records if r.name == "sac_plugin"]
-    assert [m.split(":")[1].strip() for m in messages[:3]] == ["layer 0 (LlamaBlock)", "layer 1 (LlamaBlock)",
-                                                                "layer 2 (LlamaBlock)"]
+    assert [m.split(":")[1].strip() for m in messages[:3]] == [
+        "layer 0 (LlamaBlock)",
+        "layer 1 (LlamaBlock)",
+        "layer 2 (LlamaBlock)",
+    ]
     assert "over 3 layers (1 distinct)" in messages[3]
     assert all(layer._sac_policy.kept_calls for layer in model.layers)
     assert all(p.grad is None for p in model.parameters())
     with sac_plugin.audit() as audit:
         _train_pair(model, reference, tokens, targets)
     assert sum(row.hits for row in audit.rows()) == sum(
-        sum(len(v) for v in layer._sac_policy.kept_calls.values()) for layer in model.layers)
+        sum(len(v) for v in layer._sac_policy.kept_calls.values()) for layer in model.layers
+    )
 
 
 def test_budget_without_an_example_plans_on_the_first_call(caplog):
@@ -391,15 +732,25 @@ def test_split_saves_at_least_what_an_even_split_saves():
         assert saved >= 3 * (even.full_recompute_seconds - even.recompute_seconds) - 1e-12
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"budget": 1.5}, "recompute config: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a "
-                      "byte count"),
-    ({"budget": "lots"}, "recompute config: budget must be a fraction of the layer's no-checkpointing activation bytes "
-                         "(a float from 0.0 to 1.0) or a byte count (an int >= 0), got 'lots' (str)"),
-    ({"budget": 0.3, "units": ["attn"], "every_nth_op": {"aten::mm": 2}},
-     "recompute config: budget chooses what to keep by measurement; leave units, every_nth_op unset (or drop budget "
-     "to choose by hand)"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"budget": 1.5},
+            "recompute config: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count",
+        ),
+        (
+            {"budget": "lots"},
+            "recompute config: budget must be a fraction of the layer's no-checkpointing activation bytes "
+            "(a float from 0.0 to 1.0) or a byte count (an int >= 0), got 'lots' (str)",
+        ),
+        (
+            {"budget": 0.3, "units": ["attn"], "every_nth_op": {"aten::mm": 2}},
+            "recompute config: budget chooses what to keep by measurement; leave units, every_nth_op unset (or drop budget "
+            "to choose by hand)",
+        ),
+    ],
+)
 def test_bad_budget_configs_are_named(data, message):
     with pytest.raises(ConfigError) as raised:
         RecomputeConfig.from_dict(data)
@@ -420,8 +771,26 @@ def test_example_inputs_without_a_budget_are_refused():
 
 
 def test_cli_prints_the_table_and_the_curve(capsys, tmp_path):
-    assert main(["plan", "--model", "moe", "--budget", "0.3", "--dim", "32", "--seq", "16", "--runs", "1",
-                 "--save", str(tmp_path / "plan.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "moe",
+                "--budget",
+                "0.3",
+                "--dim",
+                "32",
+                "--seq",
+                "16",
+                "--runs",
+                "1",
+                "--save",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("moe layer: dim 32, heads 4, seq 16, batch 2, cpu\nPlan(budget=0.3: ")
     assert "Pareto curve (budget: fraction of no-checkpointing bytes):" in out
@@ -429,19 +798,49 @@ def test_cli_prints_the_table_and_the_curve(capsys, tmp_path):
 
 
 def test_cli_plans_three_ways_with_given_bandwidths(capsys, tmp_path):
-    assert main(["plan", "--model", "llama", "--budget", "0.1", "--dim", "32", "--seq", "16", "--runs", "1",
-                 "--offload", "--offload-bandwidth", "1e12", "2e12", "--save", str(tmp_path / "plan.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama",
+                "--budget",
+                "0.1",
+                "--dim",
+                "32",
+                "--seq",
+                "16",
+                "--runs",
+                "1",
+                "--offload",
+                "--offload-bandwidth",
+                "1e12",
+                "2e12",
+                "--save",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 0
+    )
     plan = sac_plugin.Plan.load(tmp_path / "plan.json")
     assert plan.offload is not None
     assert "policy: Policy(" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--offload-bandwidth", "1e9", "1e9"], "--offload-bandwidth and --host-memory-limit need --offload"),
-    (["--offload", "--offload-bandwidth", "0", "1e9"], "argument --offload-bandwidth: bytes per second, a number > 0, "
-                                                        "got '0'"),
-    (["--offload", "--host-memory-limit", "-5"], "argument --host-memory-limit: a byte count, an int >= 0, got '-5'"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--offload-bandwidth", "1e9", "1e9"], "--offload-bandwidth and --host-memory-limit need --offload"),
+        (
+            ["--offload", "--offload-bandwidth", "0", "1e9"],
+            "argument --offload-bandwidth: bytes per second, a number > 0, got '0'",
+        ),
+        (
+            ["--offload", "--host-memory-limit", "-5"],
+            "argument --host-memory-limit: a byte count, an int >= 0, got '-5'",
+        ),
+    ],
+)
 def test_cli_offload_arguments_are_checked(arguments, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["plan", "--model", "llama", *arguments])
@@ -451,8 +850,24 @@ def test_cli_offload_arguments_are_checked(arguments, message, capsys):
 
 def test_cli_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    assert main(["plan", "--model", "llama", "--dim", "32", "--seq", "16", "--runs", "1",
-                 "--plot", str(tmp_path / "plan.png")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama",
+                "--dim",
+                "32",
+                "--seq",
+                "16",
+                "--runs",
+                "1",
+                "--plot",
+                str(tmp_path / "plan.png"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -475,8 +890,9 @@ def test_a_plan_made_under_no_grad_or_inference_mode_measures_with_grad(mode):
     with getattr(torch, mode)():
         planned = sac_plugin.plan(block, torch.randn(2, 16, 64), cos, sin, budget=0.3, runs=1)
     assert planned.profile.no_checkpoint_bytes == expected.profile.no_checkpoint_bytes > 0
-    assert [(c.op, c.index, c.bytes) for c in planned.profile.calls] == \
-        [(c.op, c.index, c.bytes) for c in expected.profile.calls]
+    assert [(c.op, c.index, c.bytes) for c in planned.profile.calls] == [
+        (c.op, c.index, c.bytes) for c in expected.profile.calls
+    ]
     assert planned.kept and planned.held_bytes <= planned.budget_bytes
 
 
@@ -497,8 +913,11 @@ def test_a_plan_file_with_non_finite_seconds_is_a_plan_error_naming_the_field(tm
     data = json.loads(path.read_text())
     data["calls"][2]["seconds"] = "__BAD__"
     path.write_text(json.dumps(data).replace('"__BAD__"', bad))
-    with pytest.raises(sac_plugin.PlanError, match=rf"calls\[2\]\.seconds must be a finite non-negative number, "
-                                                    rf"got -?(nan|inf)"):
+    with pytest.raises(
+        sac_plugin.PlanError,
+        match=r"calls\[2\]\.seconds must be a finite number >= 0, "
+        r"got -?(nan|inf)",
+    ):
         sac_plugin.Plan.load(path)
 
 
@@ -581,16 +1000,21 @@ def test_a_layer_whose_profiling_raises_falls_back_to_full_recompute():
     _assert_full_recompute_with_one_warning(model, record, "profiling it raised")
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--dim", "30", "--heads", "4"], "--dim 30 must be a multiple of --heads 4 (each head gets dim / heads)"),
-    (["--dim", "12", "--heads", "4"], "--dim / --heads must be even (rotary embeddings rotate pairs), got 3"),
-    (["--batch", "-1"], "argument --batch: an int >= 1, got -1"),
-    (["--seq", "x"], "argument --seq: an int >= 1, got 'x'"),
-    (["--device", "not-a-device"], "--device 'not-a-device' is not a device (cpu, cuda, cuda:1, ...)"),
-    (["--save", "/nonexistent-folder/plan.json"], "--save '/nonexistent-folder/plan.json': the folder "
-                                                   "/nonexistent-folder does not exist"),
-    (["--plot", "/nonexistent-folder/plan.png"], "the folder /nonexistent-folder does not exist"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--dim", "30", "--heads", "4"], "--dim 30 must be a multiple of --heads 4 (each head gets dim / heads)"),
+        (["--dim", "12", "--heads", "4"], "--dim / --heads must be even (rotary embeddings rotate pairs), got 3"),
+        (["--batch", "-1"], "argument --batch: an int >= 1, got -1"),
+        (["--seq", "x"], "argument --seq: an int >= 1, got 'x'"),
+        (["--device", "not-a-device"], "--device 'not-a-device' is not a device (cpu, cuda, cuda:1, ...)"),
+        (
+            ["--save", "/nonexistent-folder/plan.json"],
+            "--save '/nonexistent-folder/plan.json': the folder /nonexistent-folder does not exist",
+        ),
+        (["--plot", "/nonexistent-folder/plan.png"], "the folder /nonexistent-folder does not exist"),
+    ],
+)
 def test_the_plan_command_checks_its_arguments_before_profiling(arguments, message, capsys):
     from sac_plugin.__main__ import main
 
@@ -608,3 +1032,13 @@ def test_the_plan_command_refuses_a_device_this_torch_lacks(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama", "--device", "cuda"])
     assert f"--device cuda: this torch ({torch.__version__}) has no cuda device available" in capsys.readouterr().err
+
+
+def test_a_plan_that_keeps_anything_counts_the_routing_its_policy_serves():
+    # Under a policy that selects anything the rule serves the router's top-k and the sort that
+    # groups tokens by expert (docs/semantics.md): a plan counts them among its kept calls.
+    block, (x, cos, sin) = llama_inputs(moe=True)
+    for budget in (0.1, 0.5):
+        plan = sac_plugin.plan(block, x, cos, sin, budget=budget, runs=1)
+        assert plan.kept and {("aten::topk", 0), ("aten::sort.stable", 0)} <= plan.kept
+        assert plan.held_bytes <= plan.budget_bytes

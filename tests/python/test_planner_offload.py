@@ -56,7 +56,9 @@ def test_a_copy_that_hides_is_chosen_over_a_recompute():
     assert nothing_kept.overhead_seconds == nothing_kept.copy_seconds == 2**-10
     assert nothing_kept.without_offload().overhead_seconds == pytest.approx(11e-3, rel=1e-12)
     assert [(r["op"], r["index"], r["outcome"], r["copy"].hides) for r in nothing_kept.call_rows()] == [
-        ("aten::mm", 0, "offload", True), ("aten::mm", 1, "offload", False)]
+        ("aten::mm", 0, "offload", True),
+        ("aten::mm", 1, "offload", False),
+    ]
 
 
 def test_a_recompute_is_chosen_over_copies_that_cannot_hide():
@@ -80,8 +82,12 @@ def test_the_directions_are_priced_with_their_own_bandwidths():
 
 
 def test_the_host_memory_limit_binds():
-    profile = profile_of(("aten::mm", 4 * MiB, 3.0), ("aten::mm", 4 * MiB, 2.0), ("aten::mm", 4 * MiB, 1.0),
-                         ("aten::sum", 0, 20.0, AFTER))
+    profile = profile_of(
+        ("aten::mm", 4 * MiB, 3.0),
+        ("aten::mm", 4 * MiB, 2.0),
+        ("aten::mm", 4 * MiB, 1.0),
+        ("aten::sum", 0, 20.0, AFTER),
+    )
     unlimited = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
     assert (len(unlimited.offloaded), unlimited.overhead_seconds) == (3, 0.0)
     capped = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK, host_memory_limit=8 * MiB))
@@ -90,7 +96,10 @@ def test_the_host_memory_limit_binds():
     # Room for one call on the device: one is kept, which leaves the host room for both others.
     roomier = capped.with_budget(4 * MiB)
     assert (len(roomier.kept), len(roomier.offloaded), roomier.kept | roomier.offloaded) == (
-        1, 2, {("aten::mm", 0), ("aten::mm", 1), ("aten::mm", 2)})
+        1,
+        2,
+        {("aten::mm", 0), ("aten::mm", 1), ("aten::mm", 2)},
+    )
     assert (roomier.held_bytes, roomier.offloaded_bytes, roomier.overhead_seconds) == (4 * MiB, 8 * MiB, 0.0)
     none_on_the_host = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK, host_memory_limit=0))
     assert (none_on_the_host.offloaded, none_on_the_host.overhead_seconds) == (frozenset(), 6e-3)
@@ -111,8 +120,10 @@ def test_the_table_curve_and_pareto_show_both_models():
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), floor=MiB)
     plan = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK))
     table = plan.table().splitlines()
-    assert table[0] == ("Plan(budget=9437184: 9.00 MiB, keeps 1 of 2 calls, offloads 1 (8.00 MiB on the host, copies "
-                        "0.000 ms exposed), holds 9.00 MiB of 17.00, recompute 0.000 ms of 11.000)")
+    assert table[0] == (
+        "Plan(budget=9437184: 9.00 MiB, keeps 1 of 2 calls, offloads 1 (8.00 MiB on the host, copies "
+        "0.000 ms exposed), holds 9.00 MiB of 17.00, recompute 0.000 ms of 11.000)"
+    )
     assert table[-4:] == [
         "per call (copies: 17.180 GB/s to the host, 17.180 GB/s back; each hides behind the kernel time of the calls "
         "after it)",
@@ -121,7 +132,8 @@ def test_the_table_curve_and_pareto_show_both_models():
         "aten::mm #0                                     -                 8.000    1.000  offload       0.488    0.488"
         "     10.000       0.000  yes",
         "aten::mm #1                                     -                 8.000   10.000  keep          0.488    0.488"
-        "      0.000       0.977  no"]
+        "      0.000       0.977  no",
+    ]
     points = plan.pareto()
     assert [p["offloaded_calls"] for p in points[:3]] == [2, 2, 2] and points[-1]["offloaded_calls"] == 0
     assert all(p["overhead_seconds"] <= p["two_way_overhead_seconds"] for p in points)
@@ -147,32 +159,49 @@ def test_the_plot_draws_the_three_way_curve_beside_the_two_way_one(tmp_path, mon
 
 
 def test_the_policy_offloads_exactly_the_planned_calls():
-    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::addmm", 2 * MiB, 5.0),
-                         floor=MiB)
+    profile = profile_of(
+        ("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::addmm", 2 * MiB, 5.0), floor=MiB
+    )
     plan = Plan.from_profile(profile, MiB, offload=OffloadModel(LINK, LINK, MiB // 2, 64 * MiB))
     assert plan.offloaded == {("aten::mm", 0), ("aten::mm", 1), ("aten::addmm", 0)}
-    assert plan.policy == Policy(kept_calls={},
-                                 offloaded_calls={"aten::mm.default": [0, 1], "aten::addmm.default": [0]},
-                                 offload_min_bytes=MiB // 2, host_memory_limit=64 * MiB)
+    assert plan.policy == Policy(
+        kept_calls={},
+        offloaded_calls={"aten::mm.default": [0, 1], "aten::addmm.default": [0]},
+        offload_min_bytes=MiB // 2,
+        host_memory_limit=64 * MiB,
+    )
     assert plan.policy.offloaded_calls == {"aten::addmm": (0,), "aten::mm": (0, 1)}
 
 
 def test_a_plan_predicts_its_own_policy_and_hand_written_offloading_ones():
-    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::addmm", MiB // 2, 5.0),
-                         ("aten::sum", 0, 20.0, AFTER), floor=MiB)
+    profile = profile_of(
+        ("aten::mm", 8 * MiB, 1.0),
+        ("aten::mm", 8 * MiB, 10.0),
+        ("aten::addmm", MiB // 2, 5.0),
+        ("aten::sum", 0, 20.0, AFTER),
+        floor=MiB,
+    )
     plan = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK, host_memory_limit=32 * MiB))
     assert (plan.calls_kept_by(plan.policy), plan.calls_offloaded_by(plan.policy)) == (plan.kept, plan.offloaded)
-    assert plan.evaluate(plan.policy) == {"held_bytes": plan.held_bytes, "kept_bytes": plan.kept_bytes,
-                                          "offloaded_bytes": plan.offloaded_bytes,
-                                          "recompute_seconds": plan.recompute_seconds,
-                                          "overhead_seconds": plan.overhead_seconds}
+    assert plan.evaluate(plan.policy) == {
+        "held_bytes": plan.held_bytes,
+        "kept_bytes": plan.kept_bytes,
+        "offloaded_bytes": plan.offloaded_bytes,
+        "recompute_seconds": plan.recompute_seconds,
+        "overhead_seconds": plan.overhead_seconds,
+    }
     # As the runtime does: an output under offload_min_bytes stays on the device, and so does one
     # that would take the host past host_memory_limit.
     policy = Policy(offloaded_ops=["aten::mm", "aten::addmm"], host_memory_limit=8 * MiB)
     assert plan.calls_offloaded_by(policy) == {("aten::mm", 0)}
     assert plan.calls_kept_by(policy) == {("aten::mm", 1), ("aten::addmm", 0)}
-    assert plan.evaluate(policy) == {"held_bytes": MiB + 8 * MiB + MiB // 2, "kept_bytes": 8 * MiB + MiB // 2,
-                                     "offloaded_bytes": 8 * MiB, "recompute_seconds": 0.0, "overhead_seconds": 0.0}
+    assert plan.evaluate(policy) == {
+        "held_bytes": MiB + 8 * MiB + MiB // 2,
+        "kept_bytes": 8 * MiB + MiB // 2,
+        "offloaded_bytes": 8 * MiB,
+        "recompute_seconds": 0.0,
+        "overhead_seconds": 0.0,
+    }
 
 
 def test_save_and_load_keep_the_offloads(tmp_path):
@@ -180,26 +209,33 @@ def test_save_and_load_keep_the_offloads(tmp_path):
     plan = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK / 2, MiB, 32 * MiB))
     loaded = Plan.load(plan.save(tmp_path / "plan.json"))
     assert (loaded.kept, loaded.offloaded, loaded.offload, loaded.profile) == (
-        plan.kept, plan.offloaded, plan.offload, plan.profile)
+        plan.kept,
+        plan.offloaded,
+        plan.offload,
+        plan.profile,
+    )
     assert loaded.policy == plan.policy and loaded.table() == plan.table()
 
 
 def test_bad_offloads_in_a_plan_file_are_refused_by_name(tmp_path):
-    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::mm", MiB // 2, 1.0),
-                         floor=MiB)
+    profile = profile_of(
+        ("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::mm", MiB // 2, 1.0), floor=MiB
+    )
     good = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK, host_memory_limit=8 * MiB)).to_dict()
-    assert (good["version"], good["offloaded"]) == (2, [["aten::mm", 0]])
+    assert (good["version"], good["offloaded"]) == (3, [["aten::mm", 0]])
     model = good["offload"]
     cases = [
-        ({"offload": {**model, "h2d_bytes_per_s": 0}},
-         "'offload': OffloadModel.h2d_bytes_per_s must be a finite number of bytes per second > 0, got 0"),
-        ({"offload": {"d2h_bytes_per_s": LINK}},
-         "'offload' must be null or an object with keys d2h_bytes_per_s, h2d_bytes_per_s, min_bytes, "
-         "host_memory_limit, got {'d2h_bytes_per_s': 17179869184}"),
+        (
+            {"offload": {**model, "h2d_bytes_per_s": 0}},
+            "offload.h2d_bytes_per_s must be a finite number of bytes per second > 0, got 0",
+        ),
+        ({"offload": {"d2h_bytes_per_s": LINK}}, "missing key 'h2d_bytes_per_s' in offload"),
         ({"offloaded": [["aten::mm", 1]]}, "['aten::mm', 1] is both kept and offloaded"),
         ({"offloaded": [["aten::mm", 2]]}, "offloaded ['aten::mm', 2] cannot be offloaded: under 1048576 bytes"),
-        ({"offloaded": [["aten::mm", 0]], "kept": [], "offload": {**model, "host_memory_limit": 4 * MiB}},
-         f"it offloads {8 * MiB} bytes, over its host_memory_limit of {4 * MiB} bytes"),
+        (
+            {"offloaded": [["aten::mm", 0]], "kept": [], "offload": {**model, "host_memory_limit": 4 * MiB}},
+            f"it offloads {8 * MiB} bytes, over its host_memory_limit of {4 * MiB} bytes",
+        ),
         ({"offloaded": [["aten::mm", 7]]}, "offloaded[0] = ['aten::mm', 7] is not a profiled call"),
     ]
     path = tmp_path / "plan.json"
@@ -214,10 +250,9 @@ def test_a_version_1_file_loads_as_a_two_way_plan(tmp_path):
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), floor=MiB)
     plan = Plan.from_profile(profile, 9 * MiB)
     data = plan.to_dict()
-    del data["offload"], data["offloaded"]
+    del data["offload"], data["offloaded"], data["rng_state_bytes"]
     loaded = Plan.from_dict({**data, "version": 1})
-    assert (loaded.kept, loaded.offloaded, loaded.offload, loaded.policy) == (
-        plan.kept, frozenset(), None, plan.policy)
+    assert (loaded.kept, loaded.offloaded, loaded.offload, loaded.policy) == (plan.kept, frozenset(), None, plan.policy)
 
 
 # --- random profiles -------------------------------------------------------------------------------
@@ -231,12 +266,21 @@ def offload_problems(draw, max_calls=8):
     size floor and host cap."""
     sizes = draw(st.lists(st.integers(0, 24), max_size=max_calls))
     recomputed = draw(st.integers(0, len(sizes)))  # the recompute stops after this many calls
-    calls = [(f"aten::op{i % 3}", size * GRAIN, draw(st.floats(0.0, 5.0)),
-              *(() if i < recomputed and draw(st.integers(0, 4)) else ("view",) if i < recomputed else (AFTER,)))
-             for i, size in enumerate(sizes)]
-    model = OffloadModel(draw(st.floats(2e9, 1e11)), draw(st.floats(2e9, 1e11)),
-                         draw(st.sampled_from([0, GRAIN, MiB, 4 * MiB])),
-                         draw(st.one_of(st.none(), st.integers(0, 40).map(lambda n: n * GRAIN))))
+    calls = [
+        (
+            f"aten::op{i % 3}",
+            size * GRAIN,
+            draw(st.floats(0.0, 5.0)),
+            *(() if i < recomputed and draw(st.integers(0, 4)) else ("view",) if i < recomputed else (AFTER,)),
+        )
+        for i, size in enumerate(sizes)
+    ]
+    model = OffloadModel(
+        draw(st.floats(2e9, 1e11)),
+        draw(st.floats(2e9, 1e11)),
+        draw(st.sampled_from([0, GRAIN, MiB, 4 * MiB])),
+        draw(st.one_of(st.none(), st.integers(0, 40).map(lambda n: n * GRAIN))),
+    )
     return profile_of(*calls, floor=draw(st.integers(0, 8)) * GRAIN), model
 
 
@@ -256,14 +300,17 @@ def test_three_way_plans_are_never_slower_than_two_way_plans(problem):
         plan = three_way.with_budget(budget)
         two_way = Plan.from_profile(profile, budget)
         assert (plan.without_offload().kept, plan.without_offload().overhead_seconds) == (
-            two_way.kept, two_way.overhead_seconds)
+            two_way.kept,
+            two_way.overhead_seconds,
+        )
         assert plan.overhead_seconds <= two_way.overhead_seconds, budget
         assert plan.held_bytes <= max(plan.budget_bytes, profile.full_recompute_bytes)
         assert not plan.kept & plan.offloaded
         assert model.host_memory_limit is None or plan.offloaded_bytes <= model.host_memory_limit
         by_key = {(c.op, c.index): c for c in profile.calls}
-        assert all(not model.why_not_offloadable(by_key[k]) and by_key[k].bytes >= model.min_bytes
-                   for k in plan.offloaded)
+        assert all(
+            not model.why_not_offloadable(by_key[k]) and by_key[k].bytes >= model.min_bytes for k in plan.offloaded
+        )
 
 
 def _fastest_step(profile, model, budget):
@@ -276,13 +323,17 @@ def _fastest_step(profile, model, budget):
     for choice in itertools.product("kor", repeat=len(items)):
         if sum(c.bytes for c, o in zip(items, choice) if o == "k") > max(capacity, 0):
             continue
-        if model.host_memory_limit is not None and \
-                sum(c.bytes for c, o in zip(items, choice) if o == "o") > model.host_memory_limit:
+        if (
+            model.host_memory_limit is not None
+            and sum(c.bytes for c, o in zip(items, choice) if o == "o") > model.host_memory_limit
+        ):
             continue
         if any(o == "o" and (c.op, c.index) not in plan.copies for c, o in zip(items, choice)):
             continue
-        cost = sum(c.seconds if o == "r" else plan.copies[(c.op, c.index)].exposed if o == "o" else 0.0
-                   for c, o in zip(items, choice))
+        cost = sum(
+            c.seconds if o == "r" else plan.copies[(c.op, c.index)].exposed if o == "o" else 0.0
+            for c, o in zip(items, choice)
+        )
         best = min(best, cost + always)
     return best
 
@@ -295,8 +346,9 @@ def test_the_three_way_plan_is_the_fastest_step(problem):
     profile, model = problem
     for budget in (0.0, 0.25, 0.5, 0.75, 1.0):
         plan = Plan.from_profile(profile, budget, offload=model)
-        assert math.isclose(plan.overhead_seconds, _fastest_step(profile, model, budget), rel_tol=1e-9,
-                            abs_tol=1e-15), budget
+        assert math.isclose(
+            plan.overhead_seconds, _fastest_step(profile, model, budget), rel_tol=1e-9, abs_tol=1e-15
+        ), budget
 
 
 # --- plan() ----------------------------------------------------------------------------------------
@@ -318,13 +370,22 @@ def test_offload_without_an_accelerator_or_bandwidths_plans_two_way_and_says_why
     assert [r.getMessage() for r in caplog.records] == [
         "sac_plugin: plan: offload=True, but no accelerator is available and no offload_bandwidth was given: the plan "
         "keeps or recomputes each call (pass offload_bandwidth=(device_to_host, host_to_device) bytes per second to "
-        "plan offload for another machine)"]
+        "plan offload for another machine)"
+    ]
 
 
 def test_offload_with_given_bandwidths_plans_three_way_on_cpu():
     block, args = llama()
-    plan = sac_plugin.plan(block, *args, budget=0.1, runs=1, offload=True, offload_bandwidth=(2e9, 3e9),
-                           offload_min_bytes=0, host_memory_limit=1 << 30)
+    plan = sac_plugin.plan(
+        block,
+        *args,
+        budget=0.1,
+        runs=1,
+        offload=True,
+        offload_bandwidth=(2e9, 3e9),
+        offload_min_bytes=0,
+        host_memory_limit=1 << 30,
+    )
     assert plan.offload == OffloadModel(2e9, 3e9, 0, 1 << 30)
     assert plan.offloaded and plan.overhead_seconds <= plan.without_offload().overhead_seconds
     assert plan.held_bytes <= plan.budget_bytes
@@ -332,8 +393,9 @@ def test_offload_with_given_bandwidths_plans_three_way_on_cpu():
 
 def test_a_three_way_plans_policy_serves_every_planned_call_and_gives_bitwise_gradients():
     block, (x, cos, sin) = llama()
-    plan = sac_plugin.plan(block, x, cos, sin, budget=0.2, runs=1, offload=True, offload_bandwidth=(2e9, 3e9),
-                           offload_min_bytes=0)
+    plan = sac_plugin.plan(
+        block, x, cos, sin, budget=0.2, runs=1, offload=True, offload_bandwidth=(2e9, 3e9), offload_min_bytes=0
+    )
     assert plan.offloaded and plan.kept
     reference = copy.deepcopy(block)
     sac_plugin.apply_selective_checkpointing(block, plan.policy)
@@ -355,23 +417,44 @@ def test_offload_times_the_copies_on_the_layers_accelerator(monkeypatch):
     assert (timed, plan.offload) == ([torch.device("cuda", 0)], OffloadModel(4e9, 5e9))
 
 
-@pytest.mark.parametrize("arguments, error, message", [
-    ({"offload": "yes"}, TypeError, "sac_plugin: plan: offload must be True or False, got 'yes' (str)"),
-    ({"offload_bandwidth": (1e9, 1e9)}, ValueError,
-     "sac_plugin: plan: offload_bandwidth only apply with offload=True"),
-    ({"host_memory_limit": 0, "offload_min_bytes": 0}, ValueError,
-     "sac_plugin: plan: host_memory_limit, offload_min_bytes only apply with offload=True"),
-    ({"offload": True, "offload_bandwidth": (1e9,)}, ValueError,
-     "sac_plugin: plan: offload_bandwidth must be (device_to_host, host_to_device) bytes per second, two finite "
-     "numbers > 0, got (1000000000.0,)"),
-    ({"offload": True, "offload_bandwidth": (1e9, float("inf"))}, ValueError,
-     "sac_plugin: plan: offload_bandwidth must be (device_to_host, host_to_device) bytes per second, two finite "
-     "numbers > 0, got (1000000000.0, inf)"),
-    ({"offload": True, "host_memory_limit": -1}, ValueError,
-     "sac_plugin: plan: host_memory_limit must be None (no cap) or an int >= 0 (bytes), got -1"),
-    ({"offload": True, "offload_min_bytes": 0.5}, ValueError,
-     "sac_plugin: plan: offload_min_bytes must be an int >= 0 (bytes), got 0.5"),
-])
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        ({"offload": "yes"}, TypeError, "sac_plugin: plan: offload must be True or False, got 'yes' (str)"),
+        (
+            {"offload_bandwidth": (1e9, 1e9)},
+            ValueError,
+            "sac_plugin: plan: offload_bandwidth only apply with offload=True",
+        ),
+        (
+            {"host_memory_limit": 0, "offload_min_bytes": 0},
+            ValueError,
+            "sac_plugin: plan: host_memory_limit, offload_min_bytes only apply with offload=True",
+        ),
+        (
+            {"offload": True, "offload_bandwidth": (1e9,)},
+            ValueError,
+            "sac_plugin: plan: offload_bandwidth must be (device_to_host, host_to_device) bytes per second, two finite "
+            "numbers > 0, got (1000000000.0,)",
+        ),
+        (
+            {"offload": True, "offload_bandwidth": (1e9, float("inf"))},
+            ValueError,
+            "sac_plugin: plan: offload_bandwidth must be (device_to_host, host_to_device) bytes per second, two finite "
+            "numbers > 0, got (1000000000.0, inf)",
+        ),
+        (
+            {"offload": True, "host_memory_limit": -1},
+            ValueError,
+            "sac_plugin: plan: host_memory_limit must be None (no cap) or an int from 0 to 2**63 - 1 (bytes), got -1",
+        ),
+        (
+            {"offload": True, "offload_min_bytes": 0.5},
+            ValueError,
+            "sac_plugin: plan: offload_min_bytes must be an int from 0 to 2**63 - 1 (bytes), got 0.5",
+        ),
+    ],
+)
 def test_bad_offload_arguments_are_refused_by_name_before_profiling(arguments, error, message, monkeypatch):
     block, args = llama()
     monkeypatch.setattr(_plan, "profile_layer", lambda *a, **k: pytest.fail("profiled"))
@@ -383,8 +466,13 @@ def test_bad_offload_arguments_are_refused_by_name_before_profiling(arguments, e
 def test_a_coarse_pair_table_never_goes_over_either_capacity():
     """Tables beyond the exact grid round weights up: possibly less value, never more bytes."""
     weights = [3 * MiB + 7 * i + 1 for i in range(40)]
-    table = knapsack.PairKnapsack(weights, [float(i % 7 + 1) for i in range(40)],
-                                  [float(i % 5) or None for i in range(40)], 50 * MiB + 13, 30 * MiB + 5)
+    table = knapsack.PairKnapsack(
+        weights,
+        [float(i % 7 + 1) for i in range(40)],
+        [float(i % 5) or None for i in range(40)],
+        50 * MiB + 13,
+        30 * MiB + 5,
+    )
     assert table.device_grid > 1 and table.host_grid > 1
     for capacity in (0, 4 * MiB, 50 * MiB + 13):
         device, host = table.solve(capacity)
@@ -398,9 +486,56 @@ def test_a_plan_refuses_offloads_it_cannot_price():
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", MiB // 2, 1.0))
     with pytest.raises(ValueError) as raised:
         Plan(profile, 1.0, frozenset(), {("aten::mm", 0)})
-    assert str(raised.value) == ("sac_plugin: Plan: ('aten::mm', 0) cannot be offloaded: there is no OffloadModel "
-                                 "(offload=...)")
+    assert str(raised.value) == (
+        "sac_plugin: Plan: ('aten::mm', 0) cannot be offloaded: there is no OffloadModel (offload=...)"
+    )
     with pytest.raises(ValueError) as raised:
         Plan(profile, 1.0, frozenset(), {("aten::mm", 1)}, offload=OffloadModel(LINK, LINK))
-    assert str(raised.value) == ("sac_plugin: Plan: ('aten::mm', 1) cannot be offloaded: not a profiled call a plan "
-                                 "may offload")
+    assert str(raised.value) == (
+        "sac_plugin: Plan: ('aten::mm', 1) cannot be offloaded: not a profiled call a plan may offload"
+    )
+
+
+@pytest.mark.parametrize(
+    "nbytes, reserved, floor, limit, placement",
+    [
+        (MiB, 0, MiB, None, "HOST"),
+        (MiB - 1, 0, MiB, None, "DEVICE_BELOW_FLOOR"),
+        (MiB - 1, 0, MiB, 0, "DEVICE_BELOW_FLOOR"),  # the floor first: a small output takes no host room
+        (MiB, 3 * MiB, MiB, 4 * MiB, "HOST"),  # reserved + bytes == limit fits
+        (MiB, 3 * MiB + 1, MiB, 4 * MiB, "DEVICE_HOST_LIMIT"),
+        (5 * MiB, 0, MiB, 4 * MiB, "DEVICE_HOST_LIMIT"),
+        (2**62, 2**62 - 1, 0, 2**63 - 1, "HOST"),  # no sum overflows int64
+        (2**62, 2**62, 0, 2**63 - 1, "DEVICE_HOST_LIMIT"),
+        (0, 0, 0, None, "HOST"),
+    ],
+)
+def test_the_offload_rule_is_the_librarys(nbytes, reserved, floor, limit, placement):
+    from sac_plugin.planner._plan import Placement, offload_placement
+
+    assert offload_placement(nbytes, reserved, floor, limit) == Placement[placement]
+
+
+def test_a_policys_offloads_are_placed_by_the_librarys_rule(monkeypatch):
+    """Plan.calls_offloaded_by asks the library where each offloaded call lives, in forward order
+    with the host bytes taken so far: the calls it says stay on the device are kept there."""
+    from sac_plugin.planner import _plan
+
+    profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 2 * MiB, 1.0), ("aten::mm", MiB // 2, 1.0), floor=MiB)
+    plan = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
+    policy = Policy(offloaded_ops=["aten::mm"], host_memory_limit=9 * MiB)
+    asked = []
+    rule = _plan.offload_placement
+
+    def spy(*arguments):
+        asked.append(arguments)
+        return rule(*arguments)
+
+    monkeypatch.setattr(_plan, "offload_placement", spy)
+    offloaded, kept = plan.calls_offloaded_by(policy), plan.calls_kept_by(policy)
+    assert offloaded == {("aten::mm", 0)} and kept == {("aten::mm", 1), ("aten::mm", 2)}
+    assert asked[:3] == [
+        (8 * MiB, 0, MiB, 9 * MiB),
+        (2 * MiB, 8 * MiB, MiB, 9 * MiB),
+        (MiB // 2, 8 * MiB, MiB, 9 * MiB),
+    ]

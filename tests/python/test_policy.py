@@ -54,9 +54,7 @@ def test_bad_arguments_are_type_errors():
 
 def test_resolve_kept_ops_skips_unregistered_spellings():
     names = ["aten::_flash_attention_forward_v3", "aten::_scaled_dot_product_flash_attention", "aten::mm"]
-    assert sac_plugin.resolve_kept_ops(names) == frozenset(
-        {"aten::_scaled_dot_product_flash_attention", "aten::mm"}
-    )
+    assert sac_plugin.resolve_kept_ops(names) == frozenset({"aten::_scaled_dot_product_flash_attention", "aten::mm"})
     with pytest.raises(ValueError, match=r"none of the op names resolves to a registered op: \[aten::nope_v3\]"):
         sac_plugin.resolve_kept_ops(["aten::nope_v3"])
 
@@ -163,7 +161,9 @@ def _run(policy):
     reference = [w.detach().clone().requires_grad_() for w in weights]
     x = torch.randn(4, 8)
     with sac_plugin.audit() as audit:
-        checkpoint(_five_matmuls, weights, x, use_reentrant=False, context_fn=sac_plugin.context_fn(policy)).sum().backward()
+        checkpoint(
+            _five_matmuls, weights, x, use_reentrant=False, context_fn=sac_plugin.context_fn(policy)
+        ).sum().backward()
     _five_matmuls(reference, x).sum().backward()
     for w, r in zip(weights, reference):
         assert torch.equal(w.grad, r.grad)
@@ -191,30 +191,57 @@ def test_kept_calls_are_read_back_sorted_and_merged():
     assert repr(policy) == "Policy(kept_ops=[], kept_units=[], kept_calls={'aten::mm.default': [0, 2, 5]})"
 
 
-@pytest.mark.parametrize("make, error, message", [
-    (lambda: Policy(kept_calls=[("aten::mm", [0])]), TypeError,
-     "sac_plugin: kept_calls must be a mapping from op to call indices such as {'aten::mm.default': [0, 2]}, got "
-     "[('aten::mm', [...])] (list)"),
-    (lambda: Policy(kept_calls={"aten::mm": 0}), TypeError,
-     "sac_plugin: kept_calls['aten::mm'] must be a collection of 0-based call indices such as [0, 2], got 0 (int)"),
-    (lambda: Policy(kept_calls={"aten::mm": [-1]}), ValueError,
-     "sac_plugin: kept_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call in "
-     "the region), got -1 (int)"),
-    (lambda: Policy(kept_calls={"aten::mm": [1.0]}), TypeError,
-     "sac_plugin: kept_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call in "
-     "the region), got 1.0 (float)"),
-    (lambda: Policy(kept_calls={"aten::not_an_op": [0]}), ValueError, "sac: kept_calls: "),
-    (lambda: Policy(kept_calls={"aten::add_.Tensor": [0]}), ValueError,
-     "sac: kept_calls: 'aten::add_.Tensor' names aten::add_.Tensor, which mutates an input"),
-    (lambda: Policy(kept_calls={"aten::bernoulli.default": [0]}), ValueError,
-     "sac: kept_calls: 'aten::bernoulli.default' names aten::bernoulli, which is a random op"),
-    (lambda: Policy(kept_ops=["aten::mm"], kept_calls={"aten::mm.default": [0]}), ValueError,
-     "sac: kept_calls: 'aten::mm.default' names aten::mm, which kept_ops already names; give each op one rule "
-     "(kept_ops, every_nth_op or kept_calls)"),
-    (lambda: Policy(every_nth_op={"aten::mm": 2}, kept_calls={"aten::mm.default": [0]}), ValueError,
-     "sac: kept_calls: 'aten::mm.default' names aten::mm, which every_nth_op already names; give each op one rule "
-     "(kept_ops, every_nth_op or kept_calls)"),
-])
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: Policy(kept_calls=[("aten::mm", [0])]),
+            TypeError,
+            "sac_plugin: kept_calls must be a mapping from op to call indices such as {'aten::mm.default': [0, 2]}, got "
+            "[('aten::mm', [...])] (list)",
+        ),
+        (
+            lambda: Policy(kept_calls={"aten::mm": 0}),
+            TypeError,
+            "sac_plugin: kept_calls['aten::mm'] must be a collection of 0-based call indices such as [0, 2], got 0 (int)",
+        ),
+        (
+            lambda: Policy(kept_calls={"aten::mm": [-1]}),
+            ValueError,
+            "sac_plugin: kept_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call in "
+            "the region), got -1 (int)",
+        ),
+        (
+            lambda: Policy(kept_calls={"aten::mm": [1.0]}),
+            TypeError,
+            "sac_plugin: kept_calls['aten::mm']: a call index is an int from 0 to 2**63 - 1 (0 is the op's first call in "
+            "the region), got 1.0 (float)",
+        ),
+        (lambda: Policy(kept_calls={"aten::not_an_op": [0]}), ValueError, "sac: kept_calls: "),
+        (
+            lambda: Policy(kept_calls={"aten::add_.Tensor": [0]}),
+            ValueError,
+            "sac: kept_calls: 'aten::add_.Tensor' names aten::add_.Tensor, which mutates an input",
+        ),
+        (
+            lambda: Policy(kept_calls={"aten::bernoulli.default": [0]}),
+            ValueError,
+            "sac: kept_calls: 'aten::bernoulli.default' names aten::bernoulli, which is a random op",
+        ),
+        (
+            lambda: Policy(kept_ops=["aten::mm"], kept_calls={"aten::mm.default": [0]}),
+            ValueError,
+            "sac: kept_calls: 'aten::mm.default' names aten::mm, which kept_ops already names; give each op one rule "
+            "(kept_ops, every_nth_op or kept_calls)",
+        ),
+        (
+            lambda: Policy(every_nth_op={"aten::mm": 2}, kept_calls={"aten::mm.default": [0]}),
+            ValueError,
+            "sac: kept_calls: 'aten::mm.default' names aten::mm, which every_nth_op already names; give each op one rule "
+            "(kept_ops, every_nth_op or kept_calls)",
+        ),
+    ],
+)
 def test_bad_kept_calls_are_refused_by_name(make, error, message):
     with pytest.raises(error) as raised:
         make()
@@ -225,10 +252,10 @@ def test_bad_kept_calls_are_refused_by_name(make, error, message):
 
 
 def _four_matmuls_around_a_gate(weights, gate_weight, x):
-    h = torch.tanh(x @ weights[0])               # mm index 0: kept
+    h = torch.tanh(x @ weights[0])  # mm index 0: kept
     with recompute_unit("gate"):
-        g = torch.tanh(h @ gate_weight)          # forced recompute: takes no index
-    for w in weights[1:]:                        # mm indices 1 (recomputed), 2 (kept), 3 (recomputed)
+        g = torch.tanh(h @ gate_weight)  # forced recompute: takes no index
+    for w in weights[1:]:  # mm indices 1 (recomputed), 2 (kept), 3 (recomputed)
         h = torch.tanh(h @ w)
     # mul saves both operands, so the recompute runs to the end and reaches every matmul.
     return h * g
@@ -241,8 +268,14 @@ def _run_around_a_gate(policy):
     reference = [w.detach().clone().requires_grad_() for w in [*weights, gate_weight]]
     x = torch.randn(4, 8)
     with sac_plugin.audit() as audit:
-        out = checkpoint(_four_matmuls_around_a_gate, weights, gate_weight, x, use_reentrant=False,
-                         context_fn=sac_plugin.context_fn(policy))
+        out = checkpoint(
+            _four_matmuls_around_a_gate,
+            weights,
+            gate_weight,
+            x,
+            use_reentrant=False,
+            context_fn=sac_plugin.context_fn(policy),
+        )
         out.sum().backward()
     _four_matmuls_around_a_gate(reference[:4], reference[4], x).sum().backward()
     for param, ref in zip([*weights, gate_weight], reference):

@@ -23,8 +23,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
 
 EXAMPLES = int(os.environ.get("SAC_PROPERTY_EXAMPLES", "0")) or None
 DIM = 8
-ONE_PASS_REASON = ("matching by data flow is the native engine's; the dispatch-mode engine matches kept calls per op "
-                   "in order, as torch's SAC does")
+ONE_PASS_REASON = (
+    "matching by data flow is the native engine's; the dispatch-mode engine matches kept calls per op "
+    "in order, as torch's SAC does"
+)
 
 
 def examples(default: int, shrink: bool = True) -> settings:
@@ -44,7 +46,9 @@ def examples(default: int, shrink: bool = True) -> settings:
 # a second backward (torch frees its cache at the first) and in-place writes to a kept output
 # (torch raises where the native engine demotes the output to recompute).
 NATIVE = sac_plugin.engine() == "native"
-OPS = ["mm", "addmm", "tanh", "sin", "mul", "add", "sigmoid", "dropout", "softmax", "view"] + (["inplace"] if NATIVE else [])
+OPS = ["mm", "addmm", "tanh", "sin", "mul", "add", "sigmoid", "dropout", "softmax", "view"] + (
+    ["inplace"] if NATIVE else []
+)
 UNITS = [(), ("attn",), ("mlp",), ("attn", "rope")]
 
 
@@ -87,8 +91,7 @@ def run_steps(steps, h, weights, dropout):
 
 steps_strategy = st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(UNITS)), min_size=1, max_size=10)
 
-KEEPABLE = ["aten::mm", "aten::addmm", "aten::tanh", "aten::sin", "aten::sigmoid", "aten::mul.Tensor",
-            "aten::_softmax"]
+KEEPABLE = ["aten::mm", "aten::addmm", "aten::tanh", "aten::sin", "aten::sigmoid", "aten::mul.Tensor", "aten::_softmax"]
 
 
 @st.composite
@@ -106,13 +109,15 @@ def policies(draw):
     return Policy(kept_ops, kept_units, every_nth_op=every_nth, recomputed_units=recomputed, kept_calls=kept_calls)
 
 
-modes_strategy = st.fixed_dictionaries({
-    "dropout": st.booleans(),
-    "autocast": st.booleans(),
-    "nested": st.booleans(),
-    "retain_graph": st.booleans() if NATIVE else st.just(False),
-    "backward_thread": st.booleans(),
-})
+modes_strategy = st.fixed_dictionaries(
+    {
+        "dropout": st.booleans(),
+        "autocast": st.booleans(),
+        "nested": st.booleans(),
+        "retain_graph": st.booleans() if NATIVE else st.just(False),
+        "backward_thread": st.booleans(),
+    }
+)
 
 
 def train_step(steps, policy, modes, weights, x, seed, checkpointed, make_cache=None):
@@ -182,8 +187,9 @@ def make_weights(seed):
 def assert_bitwise_equal(steps, policy, modes, make_cache=None, seed=0):
     weights = make_weights(seed)
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed + 1))
-    expected_loss, expected = train_step(steps, policy, modes, weights, x, seed, checkpointed=False,
-                                         make_cache=make_cache)
+    expected_loss, expected = train_step(
+        steps, policy, modes, weights, x, seed, checkpointed=False, make_cache=make_cache
+    )
     loss, grads = train_step(steps, policy, modes, weights, x, seed, checkpointed=True, make_cache=make_cache)
     assert torch.equal(loss, expected_loss), (loss, expected_loss)
     for i, (g, e) in enumerate(zip(grads, expected)):
@@ -222,8 +228,9 @@ class LazyCache:
 
 @pytest.mark.native_engine(ONE_PASS_REASON)
 @pytest.mark.parametrize("shape_like_kept", [True, False], ids=["same_shapes", "other_shapes"])
-@pytest.mark.parametrize("policy", [Policy(kept_ops=["aten::mm"]), Policy(every_nth_op={"aten::mm": 2})],
-                         ids=["kept_ops", "every_nth"])
+@pytest.mark.parametrize(
+    "policy", [Policy(kept_ops=["aten::mm"]), Policy(every_nth_op={"aten::mm": 2})], ids=["kept_ops", "every_nth"]
+)
 def test_one_pass_lazy_cache(policy, shape_like_kept):
     """A no_grad cache of the same op as a kept call, filled on the first call only."""
     steps = [("mm", ()), ("tanh", ()), ("mm", ()), ("tanh", ())]
@@ -250,7 +257,12 @@ def steps_with_a_saved_mm(draw):
 
 @pytest.mark.native_engine(ONE_PASS_REASON)
 @examples(60)
-@given(steps=steps_with_a_saved_mm(), policy=policies_keeping_mm(), modes=modes_strategy,
-       shape_like_kept=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    steps=steps_with_a_saved_mm(),
+    policy=policies_keeping_mm(),
+    modes=modes_strategy,
+    shape_like_kept=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_one_pass_calls_never_shift_what_is_served(steps, policy, modes, shape_like_kept, seed):
     assert_bitwise_equal(steps, policy, modes, make_cache=lambda: LazyCache(shape_like_kept), seed=seed)

@@ -7,7 +7,6 @@ import threading
 import pytest
 import sac_plugin
 from sac_plugin import _observers
-from sac_plugin._report import _TraceMode
 import torch
 from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
@@ -24,6 +23,16 @@ def _model():
     return model
 
 
+def test_each_layer_learns_what_its_own_recompute_reaches():
+    model = _model()
+    tokens = torch.randint(64, (2, 16))
+    model.loss(tokens, tokens).backward()  # the first forward of each layer's site is watched
+    with sac_plugin.report(model) as report:
+        model.loss(tokens, tokens).backward()
+    # w2 and its view, after each layer's last save, are no longer held by either layer.
+    assert [report.units[(name, "mlp")].kept_calls for name in ("layers.0", "layers.2")] == [6, 6]
+
+
 def test_layers_and_units_add_up_to_the_audit():
     model = _model()
     tokens = torch.randint(64, (2, 16))
@@ -38,23 +47,36 @@ def test_layers_and_units_add_up_to_the_audit():
         assert unit.ops["aten::silu"].forward == 1 and unit.ops["aten::mm"].forward == 3
     # The mlp unit keeps the w1, w3 and w2 matmuls, the three _unsafe_views that fold their outputs
     # back to 3-D (copies by schema, not views), silu and mul. w2 and its view run after the
-    # layer's last tensor saved for backward: the policy's first forward (layers.0) finds that the
-    # recompute never reaches them and frees them; layers.2 does not keep them (NOTE: [Kept outputs
-    # the recompute never reaches]). The dispatch-mode engine does not learn this: it keeps them.
-    expected = [8, 6] if sac_plugin.engine() == "native" else [8, 8]
-    assert [report.units[(name, "mlp")].kept_calls for name in ("layers.0", "layers.2")] == expected
+    # layer's last tensor saved for backward: each layer's first forward (each is a checkpoint site
+    # of its own) finds that the recompute never reaches them and frees them at its end (NOTE:
+    # [Kept outputs the recompute never reaches], NOTE: [What a site learns]); both engines learn it.
+    assert [report.units[(name, "mlp")].kept_calls for name in ("layers.0", "layers.2")] == [8, 8]
     # Per layer, the sum over layers is what the whole audit saw in the regions.
     for op in ("aten::mm", SDPA_CPU, "aten::silu"):
-        assert sum(l.ops[op].hits for l in report.layers.values() if op in l.ops) == audit.hits(op)
-        assert sum(l.ops[op].recompute for l in report.layers.values() if op in l.ops) == \
-            audit.count(op, phase="recompute")
+        assert sum(layer.ops[op].hits for layer in report.layers.values() if op in layer.ops) == audit.hits(op)
+        assert sum(layer.ops[op].recompute for layer in report.layers.values() if op in layer.ops) == audit.count(
+            op, phase="recompute"
+        )
     data = json.loads(report.to_json())
     assert [layer["name"] for layer in data["layers"]] == ["layers.0", "layers.2"]
     assert data["layers"][0]["units"][0]["name"] == "mlp"
     assert data["totals"]["hits"] == sum(row.hits for row in audit.rows())
     table = report.table()
-    assert table.splitlines()[0].split() == ["checkpointed", "module", "/", "unit", "calls", "fwd", "ops",
-                                             "recomputed", "hits", "kept", "calls", "kept", "bytes"]
+    assert table.splitlines()[0].split() == [
+        "checkpointed",
+        "module",
+        "/",
+        "unit",
+        "calls",
+        "fwd",
+        "ops",
+        "recomputed",
+        "hits",
+        "kept",
+        "calls",
+        "kept",
+        "bytes",
+    ]
     assert "  unit mlp" in table and "saved for backward, by place (each storage once per life):" in table
 
 
@@ -88,7 +110,9 @@ def test_no_report_no_hooks():
     with sac_plugin.report():
         assert _observers.observing()
     assert not _observers.observing() and _observers.observers() == ()
-    with pytest.raises(TypeError, match=r"^sac_plugin: report: model must be a torch.nn.Module or None, got 3 \(int\)$"):
+    with pytest.raises(
+        TypeError, match=r"^sac_plugin: report: model must be a torch.nn.Module or None, got 3 \(int\)$"
+    ):
         sac_plugin.report(3)
 
 
@@ -98,12 +122,15 @@ def test_oom_observer_needs_cuda():
 
     with pytest.raises(RuntimeError) as error:
         install_oom_observer()
-    assert str(error.value) == ("sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
-                                "the OOM observer is a CUDA caching-allocator hook")
+    assert str(error.value) == (
+        "sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
+        "the OOM observer is a CUDA caching-allocator hook"
+    )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available: the OOM observer is a CUDA "
-                                                          "caching-allocator hook")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA is not available: the OOM observer is a CUDA caching-allocator hook"
+)
 def test_oom_observer_prints_the_report(capfd):
     from sac_plugin._report import install_oom_observer
 
@@ -116,11 +143,11 @@ def test_oom_observer_prints_the_report(capfd):
 
 # --- the per-op trace (report(model, trace=True), sac_plugin.trace) ------------------------------
 
+
 def needs_trace(test):
-    test = pytest.mark.native_engine("the trace reads the native engine's regions; the dispatch-mode engine "
-                                     "refuses it")(test)
-    return pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
-                              reason="the trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")(test)
+    return pytest.mark.native_engine(
+        "the trace reads the native engine's regions; the dispatch-mode engine refuses it"
+    )(test)
 
 
 class _Inner(torch.nn.Module):
@@ -193,7 +220,8 @@ def test_trace_kept_ops_exact_sequence():
     kept = {"aten::tanh.default", "aten::mm.default"}
     assert _rows(report) == (
         [(*row, "kept" if row[2] in kept else "recomputed") for row in TINY_FORWARD]
-        + [(*row, "served" if row[2] in kept else "recomputed") for row in TINY_RECOMPUTE])
+        + [(*row, "served" if row[2] in kept else "recomputed") for row in TINY_RECOMPUTE]
+    )
     assert {e.layer for e in report.trace} == {"block"}
 
 
@@ -207,7 +235,8 @@ def test_trace_kept_unit_and_full_recompute():
     in_unit = {"aten::addmm.default", "aten::tanh.default"}
     assert _rows(report) == (
         [(*row, "kept" if row[2] in in_unit else "recomputed") for row in TINY_FORWARD]
-        + [(*row, "served" if row[2] in in_unit else "recomputed") for row in TINY_RECOMPUTE])
+        + [(*row, "served" if row[2] in in_unit else "recomputed") for row in TINY_RECOMPUTE]
+    )
 
     model, x = _tiny(sac_plugin.Policy())
     with sac_plugin.trace(model) as report:
@@ -227,10 +256,12 @@ def test_trace_table_json_and_no_change_to_results():
         model(x).backward()
     traced = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
     assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+
     # What the regions ran and served is the same (the backward may differ: with a dispatch mode on,
     # autograd accumulates gradients out of place, add instead of add_).
-    in_regions = lambda audit: [(r.op, r.forward, r.recompute, r.hits) for r in audit.rows()  # noqa: E731
-                                if r.forward or r.recompute or r.hits]
+    def in_regions(audit):
+        return [(r.op, r.forward, r.recompute, r.hits) for r in audit.rows() if r.forward or r.recompute or r.hits]
+
     assert in_regions(plain_audit) == in_regions(traced_audit)
     table = report.trace_table().splitlines()
     assert table[0].split() == ["#", "layer", "module", "unit", "phase", "status", "op"]
@@ -238,8 +269,14 @@ def test_trace_table_json_and_no_change_to_results():
     assert table[4].split() == ["2", "block", "block.inner", "u", "forward", "kept", "aten::tanh.default"]
     assert table[11].split() == ["9", "block", "block.inner", "u", "recompute", "served", "aten::tanh.default"]
     data = json.loads(report.to_json())
-    assert data["trace"][2] == {"layer": "block", "module": "block.inner", "unit": "u", "op": "aten::tanh.default",
-                                "phase": "forward", "status": "kept"}
+    assert data["trace"][2] == {
+        "layer": "block",
+        "module": "block.inner",
+        "unit": "u",
+        "op": "aten::tanh.default",
+        "phase": "forward",
+        "status": "kept",
+    }
     assert len(data["trace"]) == len(TINY_FORWARD) + len(TINY_RECOMPUTE)
 
 
@@ -249,15 +286,24 @@ def test_no_trace_no_mode_and_no_trace_key():
 
     def forward_hook(module, args, output):
         modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
-        seen.append(sum(isinstance(mode, _TraceMode) for mode in modes))
+        # The dispatch-mode engine's own modes aside, none.
+        seen.append(
+            sum(type(mode).__module__ not in ("sac_plugin._dispatch_mode", "torch.utils.checkpoint") for mode in modes)
+        )
 
     handle = model.block.out.register_forward_hook(forward_hook)
     try:
         with sac_plugin.report(model) as report:
             model(x).backward()
+        if sac_plugin.engine() == "native":
+            with sac_plugin.trace(model):
+                model(x).backward()
+            seen.append("traced")
     finally:
         handle.remove()
-    assert seen == [0]  # no trace mode while a plain report runs
+    # No Python dispatch mode while a report runs, traced or not (NOTE: [The per-op trace is
+    # recorded below Python]).
+    assert seen == ([0, 0, "traced"] if sac_plugin.engine() == "native" else [0])
     assert report.trace == [] and "trace" not in report.to_dict()
     with pytest.raises(RuntimeError, match=r"^sac_plugin: this report was not asked for a trace"):
         report.trace_table()
@@ -296,8 +342,15 @@ def test_trace_of_a_root_layer_names_its_submodules():
     with sac_plugin.trace(block) as report:
         block(x).sum().backward()
     assert [(e.layer, e.module, e.phase) for e in report.trace] == (
-        [("_Block", {"block.inner.lin": "inner.lin", "block.inner": "inner", "block": "_Block",
-                     "block.out": "out"}[m], p) for m, _, _, p in TINY_FORWARD + TINY_RECOMPUTE])
+        [
+            (
+                "_Block",
+                {"block.inner.lin": "inner.lin", "block.inner": "inner", "block": "_Block", "block.out": "out"}[m],
+                p,
+            )
+            for m, _, _, p in TINY_FORWARD + TINY_RECOMPUTE
+        ]
+    )
 
 
 # --- exact per step, bounded, nested, this thread's -------------------------------------------
@@ -356,7 +409,8 @@ def test_a_report_left_running_stays_bounded():
     assert len(rep._saved) == entries
     assert max(len(storage.tensors) for storage in rep._saved.values()) == 8
     assert sum(storage.count for storage in rep._saved.values()) == 40 * sum(
-        storage.count for storage in _report_steps(model, 1)._saved.values())
+        storage.count for storage in _report_steps(model, 1)._saved.values()
+    )
     assert rep.steps == 40
 
 
@@ -393,3 +447,114 @@ def test_a_report_shows_only_its_own_thread_s_layers_while_another_thread_trains
     assert set(rep.layers) == {"blocks.0", "blocks.1"}
     assert {name: layer.calls for name, layer in rep.layers.items()} == {"blocks.0": 3, "blocks.1": 3}
     assert rep._modules == []
+
+
+def _layer_counts(rep):
+    return sorted(
+        (name, layer.calls, layer.total("forward"), layer.total("recompute"), layer.total("hits"))
+        for name, layer in rep.layers.items()
+    )
+
+
+def _unit_counts(rep):
+    return sorted(
+        (layer, unit, b.calls, b.total("forward"), b.total("recompute"), b.total("hits"))
+        for (layer, unit), b in rep.units.items()
+    )
+
+
+def test_nested_reports_with_units_count_exactly_their_own_steps():
+    # Units open audits of their own in both reports: the inner report's close inside the outer's.
+    model = _model()
+    tokens = torch.randint(64, (2, 16))
+    one = _report_model_steps(model, tokens, 1)
+    with sac_plugin.report(model) as outer:
+        _step(model, tokens)
+        with sac_plugin.report(model) as inner:
+            _step(model, tokens)
+    assert _layer_counts(inner) == _layer_counts(one)
+    assert _unit_counts(inner) == _unit_counts(one)
+    assert inner.totals == one.totals
+    assert _layer_counts(outer) == [(n, 2 * c, 2 * f, 2 * r, 2 * h) for n, c, f, r, h in _layer_counts(one)]
+    assert _unit_counts(outer) == [(name, u, 2 * c, 2 * f, 2 * r, 2 * h) for name, u, c, f, r, h in _unit_counts(one)]
+    assert [(r.op, r.forward, r.recompute, r.backward, r.hits) for r in outer.totals] == [
+        (r.op, 2 * r.forward, 2 * r.recompute, 2 * r.backward, 2 * r.hits) for r in one.totals
+    ]
+    assert (outer.steps, inner.steps) == (2, 1)
+
+
+def _step(model, tokens):
+    model.zero_grad(set_to_none=True)  # every step's backward the same: no accumulation into .grad
+    model.loss(tokens, tokens).backward()
+
+
+def _report_model_steps(model, tokens, steps):
+    with sac_plugin.report(model) as rep:
+        for _ in range(steps):
+            _step(model, tokens)
+    return rep
+
+
+def test_reports_on_two_threads_training_at_once_count_their_own_calls():
+    # Each thread trains its own copy of the model, both at once; each report reads what a
+    # report of the same steps reads alone.
+    tokens = torch.randint(64, (2, 16))
+    alone = _report_model_steps(_model(), tokens, 4)
+    models = [_model(), _model()]
+    start = threading.Barrier(2)
+    reports, errors = {}, []
+
+    def train(i):
+        try:
+            start.wait()
+            reports[i] = _report_model_steps(models[i], tokens, 4)
+        except BaseException as error:  # noqa: BLE001 (handed to the main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for rep in reports.values():
+        assert _layer_counts(rep) == _layer_counts(alone)
+        assert _unit_counts(rep) == _unit_counts(alone)
+        assert rep.totals == alone.totals
+
+
+class _TransposedLinear(nn.Module):
+    """F.linear on a non-contiguous 3-D input: without a Python dispatch mode, its bias is added
+    in place into the mm output, which demotes a kept mm (NOTE: [Kept outputs written in the
+    forward] in csrc/dispatch/region.cpp); under any mode it is added out of place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x.transpose(0, 1))).sin()
+
+
+@needs_trace
+def test_the_trace_says_what_an_untraced_run_does_for_f_linear_on_a_transposed_input():
+    torch.manual_seed(0)
+    layer = _TransposedLinear()
+    sac_plugin.apply_selective_checkpointing(layer, Policy(kept_calls={"aten::mm.default": [0]}))
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    with sac_plugin.audit() as untraced:
+        layer(x).sum().backward()
+    with sac_plugin.trace(layer) as traced:
+        layer(x).sum().backward()
+    entries = [(e.op, e.phase, e.status) for e in traced.trace]
+    # The mm is kept in the forward, demoted by the bias's in-place add, and recomputed.
+    assert ("aten::mm.default", "forward", "kept") in entries
+    assert ("aten::mm.default", "recompute", "recomputed") in entries
+    assert untraced.hits("aten::mm") == 0 and untraced.count("aten::mm", phase="recompute") == 1
+    # Call by call, the trace counts what the untraced audit counts in the region's passes.
+    for op in {e.op for e in traced.trace}:
+        phases = [(p, s) for o, p, s in entries if o == op]
+        assert phases.count(("recompute", "served")) == untraced.hits(op), op
+        assert phases.count(("recompute", "recomputed")) == untraced.count(op, phase="recompute"), op
+        assert sum(p == "forward" for p, _ in phases) == untraced.count(op, phase="forward"), op
+    assert [e.module for e in traced.trace if e.op == "aten::mm.default"] == ["lin", "lin"]

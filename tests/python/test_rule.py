@@ -38,21 +38,21 @@ class EveryKindOfCall(nn.Module):
         self.weight = nn.Parameter(torch.randn(8, 8) / 3)
 
     def forward(self, x):
-        a = torch.mm(x, self.weight)                       # mm 0, outside units
+        a = torch.mm(x, self.weight)  # mm 0, outside units
         with recompute_unit("attn"):
-            b = torch.mm(a, self.weight).tanh()            # mm 1 and tanh, in a kept unit
-            flat = b.view(-1)                              # a view in a kept unit
+            b = torch.mm(a, self.weight).tanh()  # mm 1 and tanh, in a kept unit
+            flat = b.view(-1)  # a view in a kept unit
             c = b.clone()
-            c.add_(1)                                      # an in-place write in a kept unit
-            e = torch.empty_like(b)                        # an uninitialised allocation
+            c.add_(1)  # an in-place write in a kept unit
+            e = torch.empty_like(b)  # an uninitialised allocation
             e.copy_(b)
             q = b.view(1, 1, 8, 8)
             s = F.scaled_dot_product_attention(q, q, q).view(8, 8)
-            d = F.dropout(b, 0.25, training=True)          # a random call
+            d = F.dropout(b, 0.25, training=True)  # a random call
         with recompute_unit("gate"):
-            g = torch.mm(b, self.weight)                   # mm 2, in a recomputed unit
+            g = torch.mm(b, self.weight)  # mm 2, in a recomputed unit
         w = self.weight.to(torch.float64).to(torch.float32)  # a parameter cast
-        h = torch.mm(g + c + e + s + d, w)                 # mm 3
+        h = torch.mm(g + c + e + s + d, w)  # mm 3
         return (h.sin() + flat.sum()).sum()
 
 
@@ -61,13 +61,18 @@ POLICIES = {
     "every other mm": Policy(every_nth_op={"aten::mm": 2}),
     "kept calls": Policy(kept_calls={"aten::mm.default": [1, 3]}),
     "kept unit": Policy(kept_units=["attn"]),
-    "kept unit, recomputed unit, every nth": Policy(kept_units=["attn"], recomputed_units=["gate"],
-                                                    every_nth_op={"aten::mm": 2}),
+    "kept unit, recomputed unit, every nth": Policy(
+        kept_units=["attn"], recomputed_units=["gate"], every_nth_op={"aten::mm": 2}
+    ),
     "a cast and attention named": Policy(kept_ops=["aten::_to_copy", ATTENTION, "aten::clone"]),
     "the recomputed unit kept": Policy(kept_units=["gate"], kept_ops=["aten::add.Tensor"]),
     # On the CPU an offloaded call is held as a kept one (compile: MUST_SAVE), so it is "kept" here.
-    "offloaded unit, kept and offloaded calls": Policy(offloaded_units=["attn"], kept_calls={"aten::mm.default": [0]},
-                                                       offloaded_calls={"aten::mm.default": [3]}, offload_min_bytes=0),
+    "offloaded unit, kept and offloaded calls": Policy(
+        offloaded_units=["attn"],
+        kept_calls={"aten::mm.default": [0]},
+        offloaded_calls={"aten::mm.default": [3]},
+        offload_min_bytes=0,
+    ),
 }
 
 
@@ -86,9 +91,14 @@ def _indexed(ops_and_flags):
     return out
 
 
-def native_decisions(policy):
+def native_decisions(policy, *, after_a_step=False):
+    """What the native engine holds in the forward, call by call: in the layer's first forward
+    (what the rule decides), or after a step has taught the layer's checkpoint site which kept
+    calls its recompute never reaches (what it holds from then on)."""
     layer, x = _layer_and_input()
     sac_plugin.apply_selective_checkpointing(layer, policy)
+    if after_a_step:
+        layer(x).backward()
     torch.manual_seed(1)
     with sac_plugin.trace(layer) as traced:
         layer(x).backward()
@@ -116,8 +126,12 @@ def compile_policy_fn_decisions(policy):
     # Only the forward's decisions are compared: torch's eager cache cannot demote the kept clone
     # the forward writes in place (the native engine can), so it is told to allow that.
     torch.manual_seed(1)
-    checkpoint(layer, x, use_reentrant=False,
-               context_fn=lambda: create_selective_checkpoint_contexts(policy_fn, allow_cache_entry_mutation=True))
+    checkpoint(
+        layer,
+        x,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy_fn, allow_cache_entry_mutation=True),
+    )
     return _indexed(seen)
 
 
@@ -149,8 +163,10 @@ print(json.dumps(hits_per_policy()))
 """
 
 
-@pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
-                    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")
+@pytest.mark.skipif(
+    sac_plugin._compat.python_handlers_run_below_the_plugin(),
+    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)",
+)
 @pytest.mark.parametrize("name", POLICIES)
 def test_the_native_engine_and_the_compile_policy_function_agree_call_by_call(name):
     native = native_decisions(POLICIES[name])
@@ -159,18 +175,66 @@ def test_the_native_engine_and_the_compile_policy_function_agree_call_by_call(na
     assert any(native.values())  # every policy of the grid keeps something
 
 
-@pytest.mark.skipif(sac_plugin._compat.python_handlers_run_below_the_plugin(),
-                    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)")
+@pytest.mark.skipif(
+    sac_plugin._compat.python_handlers_run_below_the_plugin(),
+    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)",
+)
 @pytest.mark.parametrize("name", POLICIES)
 def test_the_planner_predicts_the_calls_the_native_engine_keeps(name):
-    native = {call for call, kept in native_decisions(POLICIES[name]).items() if kept}
+    native = {call for call, kept in native_decisions(POLICIES[name], after_a_step=True).items() if kept}
     assert planner_decisions(POLICIES[name]) == native
 
 
 def test_the_dispatch_mode_engine_serves_what_the_native_engine_serves():
     native = hits_per_policy()
     code = DISPATCH_MODE_RUN.format(tests=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SAC_PLUGIN_ENGINE": "dispatch_mode"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SAC_PLUGIN_ENGINE": "dispatch_mode"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == native
+
+
+class RoutingLayer(nn.Module):
+    """A router: topk over the gate's scores, nonzero over its indices, a count read on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.gate = nn.Parameter(torch.randn(8, 4) / 3)
+
+    def forward(self, x):
+        with recompute_unit("attn"):
+            h = torch.mm(x, self.weight).tanh()
+        values, indices = torch.topk(torch.mm(h, self.gate), 2, dim=-1)
+        tokens = torch.nonzero(indices == 1)[:, 0]
+        count = int((indices == 0).sum().item())  # before the last saves, so the recompute reaches it
+        picked = h[tokens] * values[tokens, :1] * (1 + count)
+        return picked.sum()
+
+
+@pytest.mark.skipif(
+    sac_plugin._compat.python_handlers_run_below_the_plugin(),
+    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)",
+)
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "opt_out"])
+def test_routing_is_decided_alike_by_every_front_door(pin, monkeypatch):
+    policy = Policy(kept_units=["attn"], pin_routing=pin)
+    monkeypatch.setattr(sys.modules[__name__], "EveryKindOfCall", RoutingLayer)
+    native = native_decisions(policy)
+    routing = {
+        call: kept
+        for call, kept in native.items()
+        if call[0] in ("aten::topk.default", "aten::nonzero.default", "aten::_local_scalar_dense.default")
+    }
+    assert routing == {
+        ("aten::topk.default", 0): pin,
+        ("aten::nonzero.default", 0): pin,
+        ("aten::_local_scalar_dense.default", 0): pin,
+    }
+    assert compile_policy_fn_decisions(policy) == native
+    assert planner_decisions(policy) == {call for call, kept in native.items() if kept}

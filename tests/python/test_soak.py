@@ -38,6 +38,8 @@ def test_rss_stays_flat_over_many_steps():
             model(x).pow(2).mean().backward()
         optimizer.step()
     end = rss_bytes()
-    print(f"soak: {STEPS} steps, RSS after warm-up {start / 2**20:.1f} MiB, at the end {end / 2**20:.1f} MiB, "
-          f"growth {(end - start) / 2**20:+.1f} MiB")
+    print(
+        f"soak: {STEPS} steps, RSS after warm-up {start / 2**20:.1f} MiB, at the end {end / 2**20:.1f} MiB, "
+        f"growth {(end - start) / 2**20:+.1f} MiB"
+    )
     assert end - start < MAX_GROWTH

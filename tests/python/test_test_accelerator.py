@@ -49,18 +49,23 @@ def run_on_accelerator(body, before_import="pass"):
     interpreter finalizes aborts the process ("terminate called without an active exception", a
     race in torch's exit path that any accelerator with device threads has).
     """
-    prelude = textwrap.dedent(
-        f"""
+    prelude = (
+        textwrap.dedent(
+            f"""
         import json, os, sys, threading
         sys.path[:0] = {[_DIRECTORY] if _DIRECTORY else []!r}
         import torch
         def report(**values):
             print(json.dumps(values))
         """
-    ) + textwrap.dedent(before_import) + "\nimport sac_test_accelerator\n"
+        )
+        + textwrap.dedent(before_import)
+        + "\nimport sac_test_accelerator\n"
+    )
     epilogue = "\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
-    result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + epilogue],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(body) + epilogue], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -80,8 +85,15 @@ def test_the_backend_is_torch_accelerator():
         )
         """
     )
-    assert values == {"available": True, "accelerator": "sac_accel", "count": 2, "device": "sac_accel:0",
-                      "second": "sac_accel:1", "generated_method": True, "module": True}
+    assert values == {
+        "available": True,
+        "accelerator": "sac_accel",
+        "count": 2,
+        "device": "sac_accel:0",
+        "second": "sac_accel:1",
+        "generated_method": True,
+        "module": True,
+    }
 
 
 def test_a_training_step_on_the_device_matches_the_cpu_bitwise():
@@ -134,8 +146,13 @@ def test_a_training_step_on_the_device_matches_the_cpu_bitwise():
         )
         """
     )
-    assert values == {"devices": ["sac_accel:0"], "grad_devices": ["sac_accel:0"], "unequal_grads": [],
-                      "unequal_params": [], "losses_equal": True}
+    assert values == {
+        "devices": ["sac_accel:0"],
+        "grad_devices": ["sac_accel:0"],
+        "unequal_grads": [],
+        "unequal_params": [],
+        "losses_equal": True,
+    }
 
 
 def test_memory_allocated_counts_the_bytes_of_each_tensor():
@@ -158,8 +175,16 @@ def test_memory_allocated_counts_the_bytes_of_each_tensor():
                live_allocations=stats["allocation.all.current"], base=base)
         """
     )
-    assert values == {"grew": 4000, "device_1": 80, "unchanged_0": 4000, "dropped": 4000, "peak": 4000,
-                      "peak_after_reset": 0, "live_allocations": 0, "base": 0}
+    assert values == {
+        "grew": 4000,
+        "device_1": 80,
+        "unchanged_0": 4000,
+        "dropped": 4000,
+        "peak": 4000,
+        "peak_after_reset": 0,
+        "live_allocations": 0,
+        "base": 0,
+    }
 
 
 def test_storage_resize_frees_and_reallocates_device_memory():
@@ -207,8 +232,14 @@ def test_pinned_host_tensors_are_pinned():
                device_bytes=torch.accelerator.memory_allocated())
         """
     )
-    assert values == {"plain": False, "pinned": True, "empty_pinned": True, "pinned_device": "cpu",
-                      "copied": True, "device_bytes": 16}
+    assert values == {
+        "plain": False,
+        "pinned": True,
+        "empty_pinned": True,
+        "pinned_device": "cpu",
+        "copied": True,
+        "device_bytes": 16,
+    }
 
 
 def test_an_offload_round_trip_on_a_side_stream_with_events():
@@ -246,9 +277,17 @@ def test_an_offload_round_trip_on_a_side_stream_with_events():
                freed=freed, round_trip=torch.equal(back.cpu(), expected))
         """
     )
-    assert values == {"side_is_not_default": True, "current_inside": True, "other_thread_default": True,
-                      "restored": True, "query": True, "stream_idle": True, "elapsed_ms_nonnegative": True,
-                      "freed": 0, "round_trip": True}
+    assert values == {
+        "side_is_not_default": True,
+        "current_inside": True,
+        "other_thread_default": True,
+        "restored": True,
+        "query": True,
+        "stream_idle": True,
+        "elapsed_ms_nonnegative": True,
+        "freed": 0,
+        "round_trip": True,
+    }
 
 
 def test_backward_runs_on_a_device_thread_of_its_own():
@@ -268,8 +307,12 @@ def test_backward_runs_on_a_device_thread_of_its_own():
                device_1_elsewhere=device_1 != caller, one_thread_per_device=device_0 != device_1)
         """
     )
-    assert values == {"cpu_on_caller": True, "device_0_elsewhere": True, "device_1_elsewhere": True,
-                      "one_thread_per_device": True}
+    assert values == {
+        "cpu_on_caller": True,
+        "device_0_elsewhere": True,
+        "device_1_elsewhere": True,
+        "one_thread_per_device": True,
+    }
 
 
 def test_a_device_index_out_of_range_is_refused_by_name():
@@ -282,8 +325,7 @@ def test_a_device_index_out_of_range_is_refused_by_name():
         report(message=message, bytes=torch.accelerator.memory_allocated())
         """
     )
-    assert values == {"message": "sac_test_accelerator: device index 2 is out of range; devices are 0..1",
-                      "bytes": 0}
+    assert values == {"message": "sac_test_accelerator: device index 2 is out of range; devices are 0..1", "bytes": 0}
 
 
 def test_importing_after_the_first_backward_says_why_backward_would_fail():
@@ -301,11 +343,14 @@ def test_importing_after_the_first_backward_says_why_backward_would_fail():
             os._exit(0)
         """,
     )
-    assert values == {"message": (
-        "sac_test_accelerator was imported after this process ran its first backward: autograd starts its device "
-        "threads once, counting the devices registered then, so it has none for sac_accel; import "
-        "sac_test_accelerator before any backward (the device stays registered, but backward on it fails in this "
-        "process)")}
+    assert values == {
+        "message": (
+            "sac_test_accelerator was imported after this process ran its first backward: autograd starts its device "
+            "threads once, counting the devices registered then, so it has none for sac_accel; import "
+            "sac_test_accelerator before any backward (the device stays registered, but backward on it fails in this "
+            "process)"
+        )
+    }
 
 
 def test_queued_copies_show_a_missing_wait_or_record_stream():
@@ -350,8 +395,15 @@ def test_queued_copies_show_a_missing_wait_or_record_stream():
                recorded=recorded, unpinned=plain.tolist(), bytes=torch.accelerator.memory_allocated())
         """
     )
-    assert values == {"early": [0.0] * 4, "query_early": False, "waited": [1.0] * 4, "unrecorded": ["nan"] * 4,
-                      "recorded": [1.0] * 4, "unpinned": [1.0] * 4, "bytes": 0}
+    assert values == {
+        "early": [0.0] * 4,
+        "query_early": False,
+        "waited": [1.0] * 4,
+        "unrecorded": ["nan"] * 4,
+        "recorded": [1.0] * 4,
+        "unpinned": [1.0] * 4,
+        "bytes": 0,
+    }
 
 
 def test_the_copy_delay_must_be_a_number_of_seconds():
@@ -364,3 +416,159 @@ def test_the_copy_delay_must_be_a_number_of_seconds():
         """
     )
     assert values == {"message": "sac_test_accelerator.set_copy_delay: seconds must be a number >= 0, got -1"}
+
+
+def test_a_copy_takes_at_least_its_bytes_over_the_bandwidth_on_its_stream():
+    values = run_on_accelerator(
+        """
+        import time
+        # 1 MB each way: 0.2 s to the host at 5 MB/s, 0.1 s to the device at 10 MB/s.
+        sac_test_accelerator.set_copy_bandwidth(to_host=5e6, to_device=1e7)
+        side = torch.Stream(device="sac_accel")
+        source = torch.arange(250_000, dtype=torch.float32, device="sac_accel")
+        host = torch.empty(250_000, pin_memory=True)
+        start, copied = torch.Event(device="sac_accel", enable_timing=True), torch.Event(device="sac_accel", enable_timing=True)
+        with side:
+            start.record()
+            host.copy_(source, non_blocking=True)
+            copied.record()
+        copied.synchronize()
+        to_host_ms = start.elapsed_time(copied)
+        back = torch.empty(250_000, dtype=torch.float32, device="sac_accel")
+        with side:
+            start.record()
+            back.copy_(host, non_blocking=True)
+            copied.record()
+        copied.synchronize()
+        to_device_ms = start.elapsed_time(copied)
+        # A blocking copy takes the modelled time on the calling thread.
+        started = time.perf_counter()
+        plain = source.cpu()
+        blocking_s = time.perf_counter() - started
+        report(to_host_ms=to_host_ms >= 200, to_device_ms=to_device_ms >= 100, blocking=blocking_s >= 0.2,
+               values=torch.equal(back, source) and torch.equal(plain, host), model=sac_test_accelerator.simulation())
+        """
+    )
+    assert values == {
+        "to_host_ms": True,
+        "to_device_ms": True,
+        "blocking": True,
+        "values": True,
+        "model": {"bandwidth_to_host": 5e6, "bandwidth_to_device": 1e7, "compute_scale": 1.0},
+    }
+
+
+def test_a_modelled_copy_blocks_only_the_streams_that_wait_on_its_event():
+    values = run_on_accelerator(
+        """
+        # 1 MB to the host at 1 MB/s: the copy is in flight for a second.
+        sac_test_accelerator.set_copy_bandwidth(to_host=1e6, to_device=None)
+        default, side = torch.accelerator.current_stream(), torch.Stream(device="sac_accel")
+        source = torch.ones(250_000, device="sac_accel")
+        host = torch.zeros(250_000, pin_memory=True)
+        with side:
+            host.copy_(source, non_blocking=True)
+            copied = side.record_event()
+        # Compute on the default stream runs while the copy is in flight.
+        product = torch.randn(64, 64, device="sac_accel") @ torch.randn(64, 64, device="sac_accel")
+        computed = product.sum().item()
+        in_flight_after_compute = not copied.query()
+        # Once the default stream waits on the copy's event, its next op runs after the copy.
+        default.wait_event(copied)
+        after_wait = (source + 1).sum().item()
+        done_after_wait = copied.query()
+        report(in_flight_after_compute=in_flight_after_compute, computed=computed == computed,
+               done_after_wait=done_after_wait, after_wait=after_wait, host=host.sum().item())
+        """
+    )
+    assert values == {
+        "in_flight_after_compute": True,
+        "computed": True,
+        "done_after_wait": True,
+        "after_wait": 500_000.0,
+        "host": 250_000.0,
+    }
+
+
+def test_the_compute_scale_stretches_kernels_and_leaves_their_values():
+    values = run_on_accelerator(
+        """
+        import time
+        a, b = torch.randn(256, 256, device="sac_accel"), torch.randn(256, 256, device="sac_accel")
+
+        def fastest(reps=5):
+            best = float("inf")
+            for _ in range(reps):
+                started = time.perf_counter()
+                result = a @ b
+                best = min(best, time.perf_counter() - started)
+            return best, result
+
+        plain_s, plain = fastest()
+        sac_test_accelerator.set_compute_scale(20)
+        scaled_s, scaled = fastest()
+        model = sac_test_accelerator.simulation()
+        sac_test_accelerator.set_compute_scale(1)
+        # A 20x kernel is far slower than twice the fastest unscaled one: a lower bound with room.
+        report(stretched=scaled_s >= 2 * plain_s, bitwise=torch.equal(plain.cpu(), scaled.cpu()), model=model,
+               reset=sac_test_accelerator.simulation()["compute_scale"])
+        """
+    )
+    assert values == {
+        "stretched": True,
+        "bitwise": True,
+        "reset": 1.0,
+        "model": {"bandwidth_to_host": None, "bandwidth_to_device": None, "compute_scale": 20.0},
+    }
+
+
+def test_the_copy_model_is_read_from_the_environment():
+    values = run_on_accelerator(
+        """
+        report(model=sac_test_accelerator.simulation())
+        """,
+        before_import="""
+        os.environ.update(SAC_TEST_ACCELERATOR_BANDWIDTH_TO_HOST="2e9", SAC_TEST_ACCELERATOR_BANDWIDTH_TO_DEVICE="3e9",
+                          SAC_TEST_ACCELERATOR_COMPUTE_SCALE="1.5")
+        """,
+    )
+    assert values == {"model": {"bandwidth_to_host": 2e9, "bandwidth_to_device": 3e9, "compute_scale": 1.5}}
+
+
+def test_bad_copy_model_parameters_are_refused_by_name():
+    values = run_on_accelerator(
+        """
+        messages = []
+        for call in (lambda: sac_test_accelerator.set_copy_bandwidth(to_host=-1, to_device=None),
+                     lambda: sac_test_accelerator.set_copy_bandwidth(to_host=None, to_device="fast"),
+                     lambda: sac_test_accelerator.set_compute_scale(0.5)):
+            try:
+                call()
+            except ValueError as error:
+                messages.append(str(error))
+        report(messages=messages, model=sac_test_accelerator.simulation())
+        """
+    )
+    assert values == {
+        "messages": [
+            "sac_test_accelerator.set_copy_bandwidth: to_host must be a number of bytes per second > 0, or None (copies "
+            "as fast as the memcpy), got -1",
+            "sac_test_accelerator.set_copy_bandwidth: to_device must be a number of bytes per second > 0, or None (copies "
+            "as fast as the memcpy), got 'fast'",
+            "sac_test_accelerator.set_compute_scale: scale must be a number >= 1, got 0.5",
+        ],
+        "model": {"bandwidth_to_host": None, "bandwidth_to_device": None, "compute_scale": 1.0},
+    }
+
+
+def test_a_copy_model_in_the_environment_that_is_not_a_number_is_refused_by_name():
+    prelude = (
+        "import os, sys; os.environ['SAC_TEST_ACCELERATOR_COMPUTE_SCALE'] = 'quick'; "
+        f"sys.path[:0] = {[_DIRECTORY] if _DIRECTORY else []!r}\n"
+        "try:\n    import sac_test_accelerator\nexcept ImportError as error:\n    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", prelude], capture_output=True, text=True, timeout=300)
+    assert (
+        result.stdout.strip()
+        == "sac_test_accelerator: SAC_TEST_ACCELERATOR_COMPUTE_SCALE must be a number, got 'quick'"
+    )

@@ -21,8 +21,11 @@ def test_closing_units_out_of_order_is_refused_and_changes_nothing():
     outer = torch.ops.sac.push_unit("attn")
     inner = torch.ops.sac.push_unit("rope")
     try:
-        with pytest.raises(RuntimeError, match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
-                                               r"the innermost open unit is 'rope' at depth 2"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
+            r"the innermost open unit is 'rope' at depth 2",
+        ):
             torch.ops.sac.pop_unit("attn", outer)
         assert sac_plugin.open_units() == ["attn", "rope"]
     finally:
@@ -160,8 +163,9 @@ def test_config_units_declared_by_a_target_map_do_not_warn():
     # The MoE target map declares moe_gate and mlp as callables it runs in units: they open.
     torch.manual_seed(0)
     model = MoEModel(vocab=64, dim=32, heads=4, layers=2, seq=16)
-    apply_recompute_config(model, RecomputeConfig(units=["attn", "moe_gate", "mlp"],
-                                                  force_recompute_modules=["moe.router.gate"]))
+    apply_recompute_config(
+        model, RecomputeConfig(units=["attn", "moe_gate", "mlp"], force_recompute_modules=["moe.router.gate"])
+    )
     tokens = torch.randint(64, (2, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

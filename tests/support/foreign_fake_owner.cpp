@@ -64,8 +64,8 @@ void setMode(bool on) {
 
 at::Tensor mark(const at::Tensor& tensor) {
   // A tensor of the owner's: the same storage, with the key in its own key set.
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(tensor.storage()), tensor.key_set().add(kKey),
-                                                   tensor.dtype());
+  auto impl =
+      c10::make_intrusive<c10::TensorImpl>(c10::Storage(tensor.storage()), tensor.key_set().add(kKey), tensor.dtype());
   impl->set_sizes_and_strides(tensor.sizes(), tensor.strides(), tensor.storage_offset());
   return at::Tensor(std::move(impl));
 }

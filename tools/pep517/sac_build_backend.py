@@ -32,16 +32,33 @@ def _backend():
         pass
     target = _private_dir()
     if not (target / "scikit_build_core").is_dir():
-        print(f"sac_plugin: scikit-build-core is not installed for {sys.executable}; "
-              f"fetching it into {target} (the environment is left as it is)", file=sys.stderr)
+        print(
+            f"sac_plugin: scikit-build-core is not installed for {sys.executable}; "
+            f"fetching it into {target} (the environment is left as it is)",
+            file=sys.stderr,
+        )
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "--target", str(target), "--upgrade", _REQUIREMENT],
-            stdout=sys.stderr, stderr=subprocess.STDOUT, check=False,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--target",
+                str(target),
+                "--upgrade",
+                _REQUIREMENT,
+            ],
+            stdout=sys.stderr,
+            stderr=subprocess.STDOUT,
+            check=False,
         )
         if done.returncode != 0 or not (target / "scikit_build_core").is_dir():
-            raise SystemExit(f"sac_plugin: scikit-build-core is not installed for {sys.executable} and could "
-                             f"not be fetched; install it (pip install '{_REQUIREMENT}') and build again")
+            raise SystemExit(
+                f"sac_plugin: scikit-build-core is not installed for {sys.executable} and could "
+                f"not be fetched; install it (pip install '{_REQUIREMENT}') and build again"
+            )
     sys.path.insert(0, str(target))
     return importlib.import_module("scikit_build_core.build")
 

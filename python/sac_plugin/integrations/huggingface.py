@@ -16,15 +16,19 @@ of each layer, by their transformers names, so they hold for every attention imp
 | moe_dispatch | - | aten::sort, histc, nonzero | same | - |
 | norm | input_layernorm, post_attention_layernorm | same | same | ln_1, ln_2 |
 
-Every other model gets a map derived from its layers' own structure (`derived_target_map`):
-"attn" is the layer's child whose class is an attention module; on a model whose config declares
-experts (num_experts, num_local_experts, n_routed_experts, ...), the MoE block is the child that
-holds an "experts" module, "mlp" is its experts and shared experts, "moe_gate" its router and
-expert gates, "moe_dispatch" the routing ops; otherwise "mlp" is the child whose class is an MLP
-or feed-forward (or, where there is none, the layer's other children with parameters: BERT's
-intermediate and output); "norm" is the layer's own norm children. A unit a layer lacks is
-absent from it (DeepSeek-V3's first dense layer has no "moe_gate"); a unit must match in at
-least one selected layer.
+Every other model gets a map derived from its layers' own structure (`derived_target_map`). A
+layer's children are its submodules, the items of a ModuleList or ModuleDict standing for the
+container (T5's sublayers "layer.0", "layer.1": a container's own forward never runs). "attn" is
+the children whose class is an attention module; on a model whose config declares experts
+(num_experts, num_local_experts, n_routed_experts, ...), the MoE block is the other child that
+holds an "experts" module or a router beside modules with parameters (JetMoE's mlp), "mlp" is its
+children with parameters other than its gates, and every MLP beside the block (Granite's
+shared_mlp), "moe_gate" its router and expert gates, "moe_dispatch" the routing ops; otherwise
+"mlp" is the child whose class is an MLP or feed-forward (T5's T5LayerFF; or, where there is
+none, the layer's other children with parameters: BERT's intermediate and output); "norm" is
+the layer's own norm children. A unit a layer lacks is absent from it (DeepSeek-V3's first dense
+layer has no "moe_gate"); a unit must match in at least one selected layer, and a unit whose
+module's forward never runs is refused.
 
 "attn" is the whole attention module: projections, rotary embedding and the attention core.
 "moe_dispatch" keeps the routing: the sort of tokens by expert and the per-expert counts
@@ -38,12 +42,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
+import weakref
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _layers
+from .._forwards import checkpoint_call
 from .._logging import describe_layers
 from .._logging import logger as _logger
 from ..checkpointing import context_fn
@@ -51,10 +59,16 @@ from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
 from ..planner import Plan, plan, split, total_budget_bytes
 from ..planner._apply import _capture_inputs, layer_signature
 from ..policy import bounded_repr, describe_value
-from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
+from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, run_in_unit
 
-__all__ = ['apply_recompute_config', 'decoder_layers', 'derived_target_map', 'gradient_checkpointing_kwargs',
-           'is_hf_model', 'target_map_for']
+__all__ = [
+    "apply_recompute_config",
+    "decoder_layers",
+    "derived_target_map",
+    "gradient_checkpointing_kwargs",
+    "is_hf_model",
+    "target_map_for",
+]
 
 _NORMS = KeptCallables(["input_layernorm", "post_attention_layernorm"])
 # Routing: the experts implementations sort tokens by expert and count them (grouped_mm path), or
@@ -68,43 +82,59 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _dense(name: str) -> RecomputeTargetMap:
-    return RecomputeTargetMap(name, {
-        RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
-        RecomputeUnit.MLP: KeptCallables(["mlp"]),
-        RecomputeUnit.NORM: _NORMS,
-    })
+    return RecomputeTargetMap(
+        name,
+        {
+            RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
+            RecomputeUnit.MLP: KeptCallables(["mlp"]),
+            RecomputeUnit.NORM: _NORMS,
+        },
+    )
 
 
 HF_TARGET_MAPS: Mapping[str, RecomputeTargetMap] = {
     "llama": _dense("llama (Hugging Face)"),
     "mistral": _dense("mistral (Hugging Face)"),
     "qwen2": _dense("qwen2 (Hugging Face)"),
-    "mixtral": RecomputeTargetMap("mixtral (Hugging Face)", {
-        RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
-        RecomputeUnit.MLP: KeptCallables(["mlp.experts"]),
-        RecomputeUnit.MOE_GATE: KeptCallables(["mlp.gate"]),
-        RecomputeUnit.MOE_DISPATCH: _ROUTING,
-        RecomputeUnit.NORM: _NORMS,
-    }),
-    "qwen2_moe": RecomputeTargetMap("qwen2_moe (Hugging Face)", {
-        RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
-        RecomputeUnit.MLP: KeptCallables(["mlp.experts", "mlp.shared_expert"]),
-        RecomputeUnit.MOE_GATE: KeptCallables(["mlp.gate", "mlp.shared_expert_gate"]),
-        RecomputeUnit.MOE_DISPATCH: _ROUTING,
-        RecomputeUnit.NORM: _NORMS,
-    }),
-    "gpt2": RecomputeTargetMap("gpt2 (Hugging Face)", {
-        RecomputeUnit.ATTN: KeptCallables(["attn"]),
-        RecomputeUnit.MLP: KeptCallables(["mlp"]),
-        RecomputeUnit.NORM: KeptCallables(["ln_1", "ln_2"]),
-    }),
+    "mixtral": RecomputeTargetMap(
+        "mixtral (Hugging Face)",
+        {
+            RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
+            RecomputeUnit.MLP: KeptCallables(["mlp.experts"]),
+            RecomputeUnit.MOE_GATE: KeptCallables(["mlp.gate"]),
+            RecomputeUnit.MOE_DISPATCH: _ROUTING,
+            RecomputeUnit.NORM: _NORMS,
+        },
+    ),
+    "qwen2_moe": RecomputeTargetMap(
+        "qwen2_moe (Hugging Face)",
+        {
+            RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
+            RecomputeUnit.MLP: KeptCallables(["mlp.experts", "mlp.shared_expert"]),
+            RecomputeUnit.MOE_GATE: KeptCallables(["mlp.gate", "mlp.shared_expert_gate"]),
+            RecomputeUnit.MOE_DISPATCH: _ROUTING,
+            RecomputeUnit.NORM: _NORMS,
+        },
+    ),
+    "gpt2": RecomputeTargetMap(
+        "gpt2 (Hugging Face)",
+        {
+            RecomputeUnit.ATTN: KeptCallables(["attn"]),
+            RecomputeUnit.MLP: KeptCallables(["mlp"]),
+            RecomputeUnit.NORM: KeptCallables(["ln_1", "ln_2"]),
+        },
+    ),
 }
 
 
 def is_hf_model(model) -> bool:
     """A transformers model, told without importing transformers."""
-    return isinstance(model, nn.Module) and type(model).__module__.startswith("transformers.") \
-        and hasattr(model, "config") and isinstance(getattr(model.config, "model_type", None), str)
+    return (
+        isinstance(model, nn.Module)
+        and type(model).__module__.startswith("transformers.")
+        and hasattr(model, "config")
+        and isinstance(getattr(model.config, "model_type", None), str)
+    )
 
 
 def _model_type(model: nn.Module):
@@ -137,14 +167,44 @@ def _declares_experts(model: nn.Module) -> bool:
     return any(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts)
 
 
+def _is_mlp(module: nn.Module) -> bool:
+    """An MLP or feed-forward module by its class name (T5's T5LayerFF, DistilBERT's FFN included)."""
+    name = type(module).__name__.lower()
+    return _class_says(module, "mlp", "feedforward", "feed_forward", "ffn") or name.endswith("ff")
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    """A MoE block: it holds an `experts` module, or a router beside modules with parameters
+    (JetMoE's mlp: router, input_linear, output_linear)."""
+    if isinstance(getattr(module, "experts", None), nn.Module):
+        return True
+    children = list(module.named_children())
+    return any(_is_gate(name, child) for name, child in children) and any(
+        not _is_gate(name, child) and next(child.parameters(), None) is not None for name, child in children
+    )
+
+
+def _sublayers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layer's children, a ModuleList or ModuleDict among them replaced by its items ("layer.0",
+    "layer.1": T5's sublayers). A container's own forward never runs, so it can be no unit."""
+    found = []
+    for name, child in layer.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found.extend((f"{name}.{item_name}", item) for item_name, item in child.named_children())
+        else:
+            found.append((name, child))
+    return found
+
+
 def _layer_paths(layer: nn.Module, moe: bool) -> dict[RecomputeUnit, list[str]]:
     """Each unit's paths in one layer, from its children's classes and names; a unit the layer
     lacks is absent."""
-    children = list(layer.named_children())
+    children = _sublayers(layer)
     attention = [name for name, child in children if _class_says(child, "attention")]
-    norms = [name for name, child in children if _class_says(child, "norm")]
-    moe_blocks = [(name, child) for name, child in children
-                  if moe and isinstance(getattr(child, "experts", None), nn.Module)]
+    norms = [name for name, child in children if name not in attention and _class_says(child, "norm")]
+    # An attention module can hold experts of its own (JetMoE's mixture of attention heads): it is
+    # the attention, never the MoE block.
+    moe_blocks = [(name, child) for name, child in children if moe and name not in attention and _is_moe_block(child)]
     gates = []
     if moe_blocks:
         mlp = []
@@ -152,18 +212,27 @@ def _layer_paths(layer: nn.Module, moe: bool) -> dict[RecomputeUnit, list[str]]:
             for name, child in block.named_children():
                 if _is_gate(name, child):
                     gates.append(f"{block_name}.{name}")
-                elif "expert" in name.lower():
+                elif next(child.parameters(), None) is not None:
                     mlp.append(f"{block_name}.{name}")
+        # An MLP beside the MoE block runs on every token (Granite's shared_mlp): it is MLP too.
+        blocks = {name for name, _ in moe_blocks}
+        mlp.extend(name for name, child in children if name not in attention and name not in blocks and _is_mlp(child))
     else:
-        mlp = [name for name, child in children
-               if name not in attention and _class_says(child, "mlp", "feedforward", "feed_forward")]
+        mlp = [name for name, child in children if name not in attention and _is_mlp(child)]
         if not mlp:
             # No module says it is the MLP (BERT: intermediate, output): the layer's other
             # children with parameters are.
-            mlp = [name for name, child in children
-                   if name not in attention and name not in norms and next(child.parameters(), None) is not None]
-    paths = {RecomputeUnit.ATTN: attention, RecomputeUnit.MLP: mlp, RecomputeUnit.MOE_GATE: gates,
-             RecomputeUnit.NORM: norms}
+            mlp = [
+                name
+                for name, child in children
+                if name not in attention and name not in norms and next(child.parameters(), None) is not None
+            ]
+    paths = {
+        RecomputeUnit.ATTN: attention,
+        RecomputeUnit.MLP: mlp,
+        RecomputeUnit.MOE_GATE: gates,
+        RecomputeUnit.NORM: norms,
+    }
     return {unit: found for unit, found in paths.items() if found}
 
 
@@ -204,17 +273,25 @@ def derived_target_map(model: nn.Module, layers: list[nn.Module] | None = None) 
         targets[RecomputeUnit.MOE_DISPATCH] = _ROUTING
     targets = {unit: targets[unit] for unit in RecomputeUnit if unit in targets}
     if not targets:
-        raise ConfigError(f"sac_plugin: no target map can be derived for {type(model).__name__} (model_type "
-                          f"{bounded_repr(_model_type(model))}): its layers ({type(layers[0]).__name__}) have no "
-                          "attention, MLP or norm children; pass target_map=RecomputeTargetMap(...) naming the "
-                          "layer's submodules")
+        raise ConfigError(
+            f"sac_plugin: no target map can be derived for {type(model).__name__} (model_type "
+            f"{bounded_repr(_model_type(model))}): its layers ({type(layers[0]).__name__}) have no "
+            "attention, MLP or norm children; pass target_map=RecomputeTargetMap(...) naming the "
+            "layer's submodules"
+        )
     target_map = RecomputeTargetMap(f"{_model_type(model)} (Hugging Face, derived)", targets)
     if type(model) not in _logged_derived_maps:
         _logged_derived_maps.add(type(model))
-        _logger.info("%s: no shipped target map for model_type %r; derived from %s: %s", type(model).__name__,
-                     _model_type(model), type(layers[0]).__name__,
-                     "; ".join(f"{unit.value} -> {', '.join(t.paths) if isinstance(t, KeptCallables) else 'routing ops'}"
-                               for unit, t in targets.items()))
+        _logger.info(
+            "%s: no shipped target map for model_type %r; derived from %s: %s",
+            type(model).__name__,
+            _model_type(model),
+            type(layers[0]).__name__,
+            "; ".join(
+                f"{unit.value} -> {', '.join(t.paths) if isinstance(t, KeptCallables) else 'routing ops'}"
+                for unit, t in targets.items()
+            ),
+        )
     return target_map
 
 
@@ -233,8 +310,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             outer.append(name)
     if layers:
         return layers
-    repeated = [list(module) for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)
-                and len({type(item) for item in module}) == 1 and next(module.parameters(), None) is not None]
+    repeated = [
+        list(module)
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module)
+        and len({type(item) for item in module}) == 1
+        and next(module.parameters(), None) is not None
+    ]
     if repeated:
         return max(repeated, key=len)
     raise ConfigError(
@@ -263,18 +346,81 @@ def _undo(module: nn.Module, checkpointed_layer: bool) -> None:
     state.pop("_sac_undo", None)
 
 
+def _enable_through_transformers(model: nn.Module, config: RecomputeConfig, selected_layers) -> bool:
+    """Turns transformers' own checkpointing on first, through its entry point
+    (activation_checkpointing_enable; gradient_checkpointing_enable before transformers renamed
+    it), with every_n_layers as the config's layer rule says, so that whatever transformers does
+    when checkpointing is enabled (the model's own override of it, the input embeddings made to
+    require grad for frozen ones, its flags) is done. The caller then hands each selected layer
+    its own policy. Every other module transformers turned on is turned off again: the config's
+    selection is what is checkpointed. A model that transformers says cannot be checkpointed but
+    whose layers have the hook (JetMoE) is left to that hook alone. Returns whether the input
+    embeddings' hook was added (removed again with the rest)."""
+    if getattr(model, "supports_gradient_checkpointing", None) is not True:
+        return False
+    hooked = "_require_grads_hook" in vars(model)
+    every = config.every_nth_layer if config.first_layer == 0 and config.layer_ratio is None else 1
+    kwargs = {"use_reentrant": False}  # each selected layer's own function replaces this one
+    enable = getattr(type(model), "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(model, activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+    else:
+        type(model).gradient_checkpointing_enable(model, gradient_checkpointing_kwargs=kwargs)
+    selected = {id(layer) for layer in selected_layers}
+    for module in model.modules():
+        if module is model.base_model or id(module) in selected or "_gradient_checkpointing_func" not in vars(module):
+            continue
+        module.gradient_checkpointing = False
+        del vars(module)["_gradient_checkpointing_func"]
+        module._sac_undo = functools.partial(_undo, module, True)
+    return not hooked and "_require_grads_hook" in vars(model)
+
+
+def _undo_model(model: nn.Module, hook_added: bool) -> None:
+    _undo(model.base_model, False)
+    vars(model.base_model).pop("_gradient_checkpointing_func", None)
+    if hook_added and "_require_grads_hook" in vars(model):
+        model.disable_input_require_grads()
+
+
 def _check_model(model, where: str) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"sac_plugin: {where}: model must be a transformers PreTrainedModel, got {describe_value(model)}")
+        raise TypeError(
+            f"sac_plugin: {where}: model must be a transformers PreTrainedModel, got {describe_value(model)}"
+        )
     if any("_sac_policy" in vars(module) and not _disabled_by_transformers(module) for module in model.modules()):
-        raise ValueError(f"sac_plugin: {where}: {type(model).__name__} is already checkpointed by sac_plugin; apply a "
-                         "config once per model")
+        raise ValueError(
+            f"sac_plugin: {where}: {type(model).__name__} is already checkpointed by sac_plugin; apply a "
+            "config once per model"
+        )
     # Read the layers' flag, not model.is_gradient_checkpointing (deprecated in transformers 5).
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         raise ValueError(
             f"sac_plugin: {where}: {type(model).__name__} has transformers' gradient checkpointing enabled; "
             "call model.gradient_checkpointing_disable() first, or use gradient_checkpointing_kwargs(model, config) "
             "to run transformers' checkpointing with the plugin's policy"
+        )
+
+
+def _check_layers(model: nn.Module, layers, where: str, *, hook_needed: bool = True) -> None:
+    """The layers must be transformers' GradientCheckpointingLayers, whose hook sac_plugin hands
+    its policy (`hook_needed`). A model whose layers are not, and that transformers says cannot
+    be checkpointed (ALBERT), is refused in transformers' own words."""
+    for i, layer in enumerate(layers):
+        if _is_checkpointing_layer(layer):
+            continue
+        if getattr(model, "supports_gradient_checkpointing", None) is False:
+            raise TypeError(
+                f"sac_plugin: {where}: {type(model).__name__} does not support activation checkpointing (transformers' "
+                f"own refusal: its layers, {type(layer).__name__}, have no checkpointing hook); call "
+                "sac_plugin.apply_selective_checkpointing on the layers to checkpoint them anyway"
+            )
+        if not hook_needed:
+            continue
+        raise TypeError(
+            f"sac_plugin: {where}: decoder layer {i} ({type(layer).__name__}) is not a transformers "
+            "GradientCheckpointingLayer (transformers >= 4.52 has them); upgrade transformers, or call "
+            "sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
         )
 
 
@@ -294,15 +440,24 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
                 f"({', '.join(kinds)})"
             )
         if len(found_in) < len(selected):
-            _logger.debug("unit '%s' (%s) is in layers %s only", unit.value, target_map.model_name,
-                          describe_layers(found_in, len(layers)))
+            _logger.debug(
+                "unit '%s' (%s) is in layers %s only",
+                unit.value,
+                target_map.model_name,
+                describe_layers(found_in, len(layers)),
+            )
         for index in found_in:
+            if isinstance(target, KeptCallables):
+                for owner, name in target.find(layers[index]):
+                    _layers.check_forward_runs(target_map, unit, owner, name, _unit_field(config, i))
             present[index].append(unit)
     for index in selected:
         for j, path in enumerate(config.force_recompute_modules):
             if not KeptCallables([path]).find(layers[index]):
-                raise ConfigError(f"recompute config: force_recompute_modules[{j}]: '{path}' matches nothing in "
-                                  f"{type(layers[index]).__name__} (layer {index})")
+                raise ConfigError(
+                    f"recompute config: force_recompute_modules[{j}]: '{path}' matches nothing in "
+                    f"{type(layers[index]).__name__} (layer {index})"
+                )
     return present
 
 
@@ -321,14 +476,18 @@ def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTar
         # Each layer is prepared with the units it has (all checked above, so none raises).
         units = present[index]
         layer_map = RecomputeTargetMap(target_map.model_name, {unit: target_map[unit] for unit in units})
-        layer_config = dataclasses.replace(config, units=[u for u in units if u in config.units],
-                                           offloaded_units=[u for u in units if u in config.offloaded_units])
+        layer_config = dataclasses.replace(
+            config,
+            units=[u for u in units if u in config.units],
+            offloaded_units=[u for u in units if u in config.offloaded_units],
+        )
         _layers.prepare_layers(model, layer_config, layer_map, [layers[index]], [0])
     return policy
 
 
-def _map_for(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap | None,
-             layers) -> RecomputeTargetMap:
+def _map_for(
+    model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap | None, layers
+) -> RecomputeTargetMap:
     """The target map the config needs: none for a config without units (full recompute, ops)."""
     if target_map is not None:
         return target_map
@@ -358,23 +517,36 @@ def _plan_layers(model: nn.Module, config: RecomputeConfig, layers: list[nn.Modu
     inputs = _capture_inputs(model, layers, _keyword_batch(example_inputs))
     plans, by_signature = [], {}
     for layer, (args, kwargs) in zip(layers, inputs):
-        kwargs = {name: (False if name == "use_cache" else None if name in _CACHE_ARGUMENTS else value)
-                  for name, value in kwargs.items()}
+        kwargs = {
+            name: (False if name == "use_cache" else None if name in _CACHE_ARGUMENTS else value)
+            for name, value in kwargs.items()
+        }
         signature = layer_signature(layer, args, kwargs)
         if signature not in by_signature:
             by_signature[signature] = plan(layer, *args, budget=1.0, **kwargs)
         plans.append(by_signature[signature])
     total = total_budget_bytes(config.budget, plans)
     chosen = split(plans, total)
-    _logger.info("%s: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB", type(model).__name__,
-                 config.budget, total / 2**20, len(layers), len(by_signature),
-                 sum(p.held_bytes for p in chosen) / 2**20)
+    _logger.info(
+        "%s: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB",
+        type(model).__name__,
+        config.budget,
+        total / 2**20,
+        len(layers),
+        len(by_signature),
+        sum(p.held_bytes for p in chosen) / 2**20,
+    )
     return chosen
 
 
-def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = None, *,
-                           target_map: RecomputeTargetMap | None = None, wrap_sites=None,
-                           example_inputs=None) -> nn.Module:
+def apply_recompute_config(
+    model: nn.Module,
+    config: RecomputeConfig | None = None,
+    *,
+    target_map: RecomputeTargetMap | None = None,
+    wrap_sites=None,
+    example_inputs=None,
+) -> nn.Module:
     """Checkpoints a transformers model's layers as `config` says; returns the model.
 
     The layers are found by their class (decoder_layers; pass wrap_sites= to choose), the target
@@ -388,19 +560,15 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
     """
     _check_model(model, "huggingface.apply_recompute_config")
     if config is not None and not isinstance(config, RecomputeConfig):
-        raise TypeError("sac_plugin: huggingface.apply_recompute_config: config must be a RecomputeConfig or None, "
-                        f"got {describe_value(config)}")
+        raise TypeError(
+            "sac_plugin: huggingface.apply_recompute_config: config must be a RecomputeConfig or None, "
+            f"got {describe_value(config)}"
+        )
     config = RecomputeConfig() if config is None else config
     if example_inputs is not None and config.budget is None:
         raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
     layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(model, wrap_sites)
-    for i, layer in enumerate(layers):
-        if not _is_checkpointing_layer(layer):
-            raise TypeError(
-                f"sac_plugin: huggingface.apply_recompute_config: decoder layer {i} ({type(layer).__name__}) is not a "
-                "transformers GradientCheckpointingLayer (transformers >= 4.52 has them); upgrade transformers, or "
-                "call sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
-            )
+    _check_layers(model, layers, "huggingface.apply_recompute_config")
     selected = config.selected_layers(len(layers))
     target_map = None if config.budget is not None else _map_for(model, config, target_map, layers)
     # Layers whose checkpointing transformers turned off lose the stale state first (checked
@@ -415,41 +583,268 @@ def apply_recompute_config(model: nn.Module, config: RecomputeConfig | None = No
     else:
         policy = _prepare(model, config, target_map, layers, selected)
         policies = [policy] * len(selected)
+    hook_added = _enable_through_transformers(model, config, [layers[index] for index in selected])
     for position, (index, policy) in enumerate(zip(selected, policies)):
         layer = layers[index]
         layer._sac_policy = policy  # marks it checkpointed (reports, a second apply)
         if plans is not None:
             layer._sac_plan = plans[position]
-        layer._gradient_checkpointing_func = functools.partial(
-            checkpoint, use_reentrant=False, context_fn=context_fn(policy), preserve_rng_state=config.preserve_rng_state)
+        layer._gradient_checkpointing_func = _checkpoint_func(
+            context_fn(policy), config.preserve_rng_state, policy.offload_inputs
+        )
         layer.gradient_checkpointing = True
         layer._sac_undo = functools.partial(_undo, layer, True)
     # The base model turns use_cache off in training while this flag is set: a cache written in
     # the forward would be written again by the recompute.
     model.base_model.gradient_checkpointing = True
-    model.base_model._sac_undo = functools.partial(_undo, model.base_model, False)
+    model.base_model._sac_undo = functools.partial(_undo_model, model, hook_added)
     if _logger.isEnabledFor(logging.INFO) and plans is None:
-        _logger.info("%s", _layers.describe_application(type(model).__name__, selected, len(layers), policies[0],
-                                                        config, target_map))
+        _logger.info(
+            "%s",
+            _layers.describe_application(type(model).__name__, selected, len(layers), policies[0], config, target_map),
+        )
     return model
 
 
-def gradient_checkpointing_kwargs(model: nn.Module, config: RecomputeConfig | None = None, *,
-                                  target_map: RecomputeTargetMap | None = None, wrap_sites=None) -> dict:
-    """The `gradient_checkpointing_kwargs` that make transformers' own checkpointing selective:
+def _offloading_config(config: RecomputeConfig) -> RecomputeConfig:
+    """What `activation_checkpointing_enable(..., offload=True)` means for a config handed over as
+    sac_plugin kwargs: what the config keeps (its units and ops) is offloaded instead, by the
+    plugin's own offload (side streams, pinned host memory), never transformers' save_on_cpu on
+    the compute stream, and so are the layers' inputs, which full recompute still holds
+    (offload_inputs). The every-nth rule stays kept."""
+    return dataclasses.replace(
+        config,
+        units=(),
+        ops=(),
+        offloaded_units=config.units + config.offloaded_units,
+        offloaded_ops=tuple(config.ops) + tuple(config.offloaded_ops),
+        offload_inputs=True,
+    )
 
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=huggingface.gradient_checkpointing_kwargs(model, config))
 
-    transformers checkpoints every layer, so the config must select every layer. The units that
-    are callables are installed here on each layer (decoder_layers, or wrap_sites), as
-    apply_recompute_config does. A budget is planned per layer: use apply_recompute_config.
+def _checkpoint_layer(
+    function, *args, context_fn, preserve_rng_state: bool = True, use_reentrant: bool = False, **kwargs
+):
+    """torch's checkpoint as transformers calls a layer's _gradient_checkpointing_func, through the
+    plugin's checkpoint_call, so that the layer's region holds its inputs (offload_inputs)."""
+    if use_reentrant:
+        raise ValueError("sac_plugin: a policy with offload_inputs checkpoints with use_reentrant=False, got True")
+    return checkpoint_call(
+        function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state, offload_inputs=True
+    )
+
+
+def _checkpoint_func(contexts, preserve_rng_state: bool, offload_inputs: bool):
+    """A layer's _gradient_checkpointing_func: torch's checkpoint, or _checkpoint_layer where the
+    policy offloads the inputs."""
+    if offload_inputs:
+        return functools.partial(_checkpoint_layer, context_fn=contexts, preserve_rng_state=preserve_rng_state)
+    return functools.partial(
+        checkpoint, use_reentrant=False, context_fn=contexts, preserve_rng_state=preserve_rng_state
+    )
+
+
+def _under_transformers_offload() -> bool:
+    """Whether transformers' own offload wraps the checkpoint being entered: torch's save_on_cpu
+    hooks on top when the checkpoint asks for its contexts, before it pushes its own (NOTE:
+    [transformers' offload on another model instance])."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("save_on_cpu.")
+
+
+def _checkpointed_module(frame) -> nn.Module | None:
+    """The module whose forward torch.utils.checkpoint is about to run, read from the frame that
+    calls a context_fn (NOTE: [kwargs on another model instance])."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        # torch 2.15 calls context_fn from _checkpoint_without_reentrant_generator_impl
+        if frame.f_code.co_name.startswith("_checkpoint_without_reentrant_generator"):
+            function = frame.f_locals.get("fn")
+            function = getattr(function, "__wrapped__", function)  # the region holds the inputs (offload_inputs)
+            while function is not None:
+                owner = getattr(function, "__self__", None)  # layer.__call__ (older transformers)
+                if isinstance(owner, nn.Module):
+                    return owner
+                if not isinstance(function, functools.partial):
+                    return None
+                if function.args and isinstance(function.args[0], nn.Module):  # partial(forward, layer)
+                    return function.args[0]
+                function = function.func
+            return None
+        frame = frame.f_back
+    return None
+
+
+class _LayerContexts:
+    """The `context_fn` of gradient_checkpointing_kwargs: the plugin's policy, for every layer it
+    checkpoints.
+
+    NOTE: [kwargs on another model instance]
+    The kwargs' units are callables installed on the layers of the model they were built on. The
+    same dictionary can reach another instance: transformers' Trainer(model_init=...) builds a
+    new model and enables checkpointing on it with the TrainingArguments' kwargs. Its layers have
+    no units installed, so the policy would open none and keep nothing: full recompute, silently.
+    So each call reads which layer checkpoint is about to run (the function transformers hands it
+    is partial(forward, layer)); a layer not prepared yet gets the config's units installed from
+    the same target map before its forward runs, and one that has none of them is an error naming
+    it. A call whose layer cannot be read (checkpoint called on something else) is served as is.
+    """
+
+    def __init__(
+        self, policy, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, *, offloading: bool = False
+    ):
+        self.policy, self._config, self._target_map = policy, config, target_map
+        self._contexts = context_fn(policy)
+        # A checkpoint site per layer (NOTE: [What a site learns]): one context function serves
+        # every layer here, and each layer must learn what its own recompute reaches.
+        self._per_layer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._prepared = weakref.WeakSet(layers)
+        self._offloading = offloading
+
+    def __call__(self):
+        layer = _checkpointed_module(sys._getframe(1))
+        if layer is None:
+            return self._contexts()
+        if not self._offloading and _under_transformers_offload():
+            return self._offload_through_the_plugin(layer)
+        return self._contexts_for(layer)
+
+    def _contexts_for(self, layer: nn.Module):
+        if self._config.selected_units and layer not in self._prepared:
+            self._prepare(layer)
+        contexts = self._per_layer.get(layer)
+        if contexts is None:
+            contexts = self._per_layer[layer] = context_fn(self.policy, name=type(layer).__name__)
+        return contexts()
+
+    def __deepcopy__(self, memo):
+        return self  # TrainingArguments are copied; the kwargs' policy and layers stay shared
+
+    def _prepare(self, layer: nn.Module) -> None:
+        names = {unit.value for unit in self._config.selected_units}
+        found = [
+            (owner, name, unit)
+            for unit in self._config.selected_units
+            if isinstance(self._target_map[unit], KeptCallables)
+            for owner, name in self._target_map[unit].find(layer)
+        ]
+        callable_units = [u for u in self._config.selected_units if isinstance(self._target_map[u], KeptCallables)]
+        if callable_units and not found:
+            raise ConfigError(
+                f"recompute config: gradient_checkpointing_kwargs were built for {self._target_map.model_name}, and "
+                f"the layer checkpointed now ({type(layer).__name__}) has none of the units {sorted(names)}; build the "
+                "kwargs on the model they are used with"
+            )
+        for owner, name, unit in found:
+            _layers.check_forward_runs(self._target_map, unit, owner, name, "units")
+        for owner, name, unit in found:
+            run_in_unit(owner, name, unit.value)
+        self._prepared.add(layer)
+        _logger.debug(
+            "%s: a layer not seen when the kwargs were built (another model instance) got units %s",
+            type(layer).__name__,
+            sorted(names),
+        )
+
+    def _offload_through_the_plugin(self, layer: nn.Module):
+        """NOTE: [transformers' offload on another model instance]
+        kwargs reach a model instance they were not built on with transformers' own offload when
+        Trainer(model_init=...) builds the model and calls its activation_checkpointing_enable(...,
+        offload=True): transformers then wraps each layer's checkpoint in save_on_cpu on the compute
+        stream, which the plugin's region hooks override anyway (innermost saved-tensor hooks win),
+        so nothing would be offloaded. The layer's checkpoint goes through the plugin's offload
+        instead (the offloading contexts, and its checkpoint_call for the inputs) from this call on;
+        this first call, already inside transformers' checkpoint, offloads what the contexts hold."""
+        offloaded = self.offloading()
+        current = vars(layer).get("_gradient_checkpointing_func")
+        preserve = current.keywords.get("preserve_rng_state", True) if isinstance(current, functools.partial) else True
+        layer._gradient_checkpointing_func = _checkpoint_func(offloaded, preserve, offloaded.policy.offload_inputs)
+        _logger.info(
+            "%s: transformers' offload (save_on_cpu) replaced by the plugin's for this layer", type(layer).__name__
+        )
+        return offloaded._contexts_for(layer)
+
+    def offloading(self) -> _LayerContexts:
+        """The same kwargs with what they keep offloaded instead (_offloading_config)."""
+        if self._offloading:
+            return self
+        config = _offloading_config(self._config)
+        offloaded = _LayerContexts(policy_for(config, self._target_map), config, self._target_map, [], offloading=True)
+        offloaded._prepared = self._prepared
+        return offloaded
+
+
+class _PluginOffloadEnable:
+    """model.activation_checkpointing_enable as gradient_checkpointing_kwargs leaves it: sac_plugin
+    kwargs with offload=True are given the plugin's offload (_offloading_config) and reach
+    transformers with offload=False, so that its save_on_cpu never wraps the plugin's checkpoint;
+    every_n_layers and every other argument reach transformers as given. An object holding its
+    model (not a closure), so that a copy of the model gets one bound to the copy."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __reduce__(self):
+        return (_PluginOffloadEnable, (self.model,))
+
+    def __call__(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False):
+        kwargs = activation_checkpointing_kwargs
+        contexts = kwargs.get("context_fn") if isinstance(kwargs, Mapping) else None
+        if offload and isinstance(contexts, _LayerContexts):
+            kwargs, offload = {**kwargs, "context_fn": contexts.offloading()}, False
+        result = type(self.model).activation_checkpointing_enable(
+            self.model, activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers, offload=offload
+        )
+        # transformers calls torch's checkpoint with the layer's inputs; where the policy offloads
+        # them, each layer it checkpointed calls it through the plugin instead.
+        contexts = kwargs.get("context_fn") if isinstance(kwargs, Mapping) else None
+        if isinstance(contexts, _LayerContexts) and contexts.policy.offload_inputs:
+            for module in self.model.modules():
+                func = vars(module).get("_gradient_checkpointing_func")
+                if isinstance(func, functools.partial) and func.keywords.get("context_fn") is contexts:
+                    module._gradient_checkpointing_func = _checkpoint_func(
+                        contexts, func.keywords.get("preserve_rng_state", True), True
+                    )
+        return result
+
+
+def _remove_enable(model: nn.Module) -> None:
+    vars(model).pop("activation_checkpointing_enable", None)
+    vars(model).pop("_sac_undo", None)
+
+
+def gradient_checkpointing_kwargs(
+    model: nn.Module,
+    config: RecomputeConfig | None = None,
+    *,
+    target_map: RecomputeTargetMap | None = None,
+    wrap_sites=None,
+) -> dict:
+    """The checkpointing kwargs that make transformers' own checkpointing selective:
+
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=huggingface.gradient_checkpointing_kwargs(model, config),
+            every_n_layers=1, offload=False)
+
+    (`gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` before transformers
+    renamed it.) transformers chooses the layers (every_n_layers), so the config must select
+    every layer. The units that are callables are installed here on each layer (decoder_layers,
+    or wrap_sites), as apply_recompute_config does; a layer of another instance the kwargs reach
+    (Trainer(model_init=...)) gets them when it is first checkpointed. offload=True offloads
+    what the config keeps through the plugin (on this model: it is the model whose
+    activation_checkpointing_enable this leaves the plugin's). A budget is planned per layer: use
+    apply_recompute_config.
     """
     _check_model(model, "huggingface.gradient_checkpointing_kwargs")
     config = RecomputeConfig() if config is None else config
     if not isinstance(config, RecomputeConfig):
-        raise TypeError("sac_plugin: huggingface.gradient_checkpointing_kwargs: config must be a RecomputeConfig or "
-                        f"None, got {describe_value(config)}")
+        raise TypeError(
+            "sac_plugin: huggingface.gradient_checkpointing_kwargs: config must be a RecomputeConfig or "
+            f"None, got {describe_value(config)}"
+        )
     if config.budget is not None:
         raise ConfigError(
             "recompute config: gradient_checkpointing_kwargs hands every layer one policy, and a budget plans one per "
@@ -458,10 +853,20 @@ def gradient_checkpointing_kwargs(model: nn.Module, config: RecomputeConfig | No
     if config.every_nth_layer != 1 or config.first_layer != 0 or config.layer_ratio not in (None, 1.0):
         raise ConfigError(
             "recompute config: transformers' gradient checkpointing checkpoints every decoder layer, so "
-            "every_nth_layer, first_layer and layer_ratio cannot select fewer; use "
-            "huggingface.apply_recompute_config(model, config) to checkpoint some layers"
+            "every_nth_layer, first_layer and layer_ratio cannot select fewer; pass every_n_layers= to "
+            "activation_checkpointing_enable, or use huggingface.apply_recompute_config(model, config) to checkpoint "
+            "some layers"
         )
     layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(model, wrap_sites)
+    _check_layers(model, layers, "huggingface.gradient_checkpointing_kwargs", hook_needed=False)
     target_map = _map_for(model, config, target_map, layers)
     policy = _prepare(model, config, target_map, layers, list(range(len(layers))))
-    return {"use_reentrant": False, "context_fn": context_fn(policy), "preserve_rng_state": config.preserve_rng_state}
+    if hasattr(type(model), "activation_checkpointing_enable") and "activation_checkpointing_enable" not in vars(model):
+        model.activation_checkpointing_enable = _PluginOffloadEnable(model)
+        if "_sac_undo" not in vars(model):
+            model._sac_undo = functools.partial(_remove_enable, model)
+    return {
+        "use_reentrant": False,
+        "context_fn": _LayerContexts(policy, config, target_map, layers),
+        "preserve_rng_state": config.preserve_rng_state,
+    }

@@ -33,7 +33,7 @@ from ..checkpointing import apply_selective_checkpointing
 from ..policy import Policy, bounded_repr, describe_value, resolve_kept_ops
 from ..targets import run_in_unit
 
-__all__ = ['apply_ac', 'cpu_debug_model', 'forced_recompute_shapes', 'policy_for_block', 'save_ops']
+__all__ = ["apply_ac", "cpu_debug_model", "forced_recompute_shapes", "policy_for_block", "save_ops", "save_ops_of"]
 
 FORCED_RECOMPUTE_UNIT = "torchtitan_forced_recompute"
 CPU_OFFLOAD_UNIT = "torchtitan_cpu_offload"
@@ -44,12 +44,14 @@ _TORCHTITAN_COMPUTE_OPS = (
     "aten::_scaled_dot_product_cudnn_attention.default",
     "aten::_scaled_dot_product_attention_math.default",
     "aten::_scaled_dot_product_fused_attention_overrideable.default",
-    "aten::max.default",       # the absolute maximum behind a low-precision scale
-    "aten::linear.default",    # for backends that register linear as a leaf op
-    "aten::topk.default",      # MoE expert choice, which may not be deterministic
+    "aten::max.default",  # the absolute maximum behind a low-precision scale
+    "aten::linear.default",  # for backends that register linear as a leaf op
+    "aten::topk.default",  # MoE expert choice, which may not be deterministic
     "torch_attn::_varlen_attn.default",
-    "deepep::dispatch.default", "deepep::combine.default",
-    "hybridep::dispatch.default", "hybridep::combine.default",
+    "deepep::dispatch.default",
+    "deepep::combine.default",
+    "hybridep::dispatch.default",
+    "hybridep::combine.default",
 )
 # torchtitan keeps these; the plugin refuses every collective (README: "What is kept").
 TORCHTITAN_KEPT_COLLECTIVES = (
@@ -105,20 +107,59 @@ def _offloaded_names(offload: dict) -> frozenset[str]:
     refuses mm, which torchtitan's every-other-matmul rule keeps."""
     names = Policy(**offload).offloaded_ops if offload.get("offloaded_ops") else frozenset()
     if "aten::mm" in names:
-        raise ValueError("sac_plugin: torchtitan: offloaded_ops names aten::mm, which torchtitan's selective AC keeps "
-                         "every other call of (every_nth_op); offload the other ops of its save list (save_ops())")
+        raise ValueError(
+            "sac_plugin: torchtitan: offloaded_ops names aten::mm, which torchtitan's selective AC keeps "
+            "every other call of (every_nth_op); offload the other ops of its save list (save_ops())"
+        )
     return names
 
 
-def policy_for_block(block: nn.Module, *, force_recompute_fqns=DEFAULT_FORCE_RECOMPUTE_FQNS,
-                     base_fqn: str | None = None, offload: dict | None = None):
+def save_ops_of(ops) -> list[str]:
+    """A torchtitan save set (what `SelectiveAC.get_save_ops()` returns: op overloads, and
+    higher-order ops) in plugin names, such as "aten::mm.default". Higher-order ops (flex
+    attention, inductor's compiled code) are left out: they are not dispatcher ops, and the
+    plugin sees the aten ops inside them. Collectives stay in; policy_for_block leaves them out."""
+    if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+        raise TypeError(
+            f"sac_plugin: torchtitan: get_save_ops() must return a set of ops such as "
+            f"{{torch.ops.aten.mm.default}}, got {describe_value(ops)}"
+        )
+    names = set()
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverload):
+            names.add(f"{op._schema.name}.{op._overloadname}")
+        elif isinstance(op, torch._ops.OpOverloadPacket):
+            names.add(f"{op._qualified_op_name}.default")
+        elif not isinstance(op, torch._ops.HigherOrderOperator):
+            raise TypeError(
+                f"sac_plugin: torchtitan: get_save_ops() must return ops such as "
+                f"torch.ops.aten.mm.default, got an element {describe_value(op)}"
+            )
+    return sorted(names)
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(("_c10d_functional::", "c10d::", "c10d_functional::"))
+
+
+def policy_for_block(
+    block: nn.Module,
+    *,
+    force_recompute_fqns=DEFAULT_FORCE_RECOMPUTE_FQNS,
+    base_fqn: str | None = None,
+    offload: dict | None = None,
+    saved: list[str] | None = None,
+):
     """(Policy, [(owner, attribute, unit)]): torchtitan's selective AC for one block, and where its
     units go. Every nn.Linear whose weight has a forced shape is recomputed, as torchtitan's
     shape match recomputes any matmul with that right operand; the expert-parallel dispatcher's
     token-count exchange (its CUDA->CPU copies) is kept. `offload`: Policy's offload keywords
     (offloaded_ops, offload_min_bytes, host_memory_limit); the ops of the save list it names are
-    offloaded instead of kept."""
+    offloaded instead of kept. `saved`: the save set in plugin names (save_ops_of), None for
+    torchtitan's default (save_ops()); `aten::mm.default` in it gets the every-second rule, and
+    without it no matmul is kept, as torchtitan's policy does."""
     offload = dict(offload or {})
+    saved = save_ops() if saved is None else [name for name in saved if not _is_collective(name)]
     _check_fqns(force_recompute_fqns)
     shapes = forced_recompute_shapes(block, force_recompute_fqns, base_fqn) if force_recompute_fqns else set()
     in_units = []
@@ -131,24 +172,37 @@ def policy_for_block(block: nn.Module, *, force_recompute_fqns=DEFAULT_FORCE_REC
     # Units only where the block has them: a unit no forward opens would be reported as a typo.
     units = {unit for _, _, unit in in_units}
     offloaded = _offloaded_names(offload)
-    policy = Policy(kept_ops=[op for op in save_ops() if op != MM and op.removesuffix(".default") not in offloaded],
-                    kept_units=[CPU_OFFLOAD_UNIT] if CPU_OFFLOAD_UNIT in units else [],
-                    every_nth_op={MM: 2},
-                    recomputed_units=[FORCED_RECOMPUTE_UNIT] if FORCED_RECOMPUTE_UNIT in units else [],
-                    **offload)
+    policy = Policy(
+        kept_ops=[op for op in saved if op != MM and op.removesuffix(".default") not in offloaded],
+        kept_units=[CPU_OFFLOAD_UNIT] if CPU_OFFLOAD_UNIT in units else [],
+        every_nth_op={MM: 2} if MM in saved else {},
+        recomputed_units=[FORCED_RECOMPUTE_UNIT] if FORCED_RECOMPUTE_UNIT in units else [],
+        **offload,
+    )
     return policy, in_units
 
 
 def _check_fqns(fqns) -> None:
     if isinstance(fqns, str) or not all(isinstance(f, str) and f for f in fqns):
-        raise TypeError("sac_plugin: torchtitan: force_recompute_mm_shapes_by_fqns must be a list of non-empty "
-                        f"module names, e.g. ['moe.router.gate'], got {describe_value(fqns)}")
+        raise TypeError(
+            "sac_plugin: torchtitan: force_recompute_mm_shapes_by_fqns must be a list of non-empty "
+            f"module names, e.g. ['moe.router.gate'], got {describe_value(fqns)}"
+        )
 
 
-def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, preserve_rng_state: bool,
-                      early_stop: bool, offload: dict) -> nn.Module:
-    policy, in_units = policy_for_block(block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn,
-                                        offload=offload)
+def _checkpoint_block(
+    block: nn.Module,
+    *,
+    force_recompute_fqns,
+    base_fqn,
+    preserve_rng_state: bool,
+    early_stop: bool,
+    offload: dict,
+    saved: list[str] | None,
+) -> nn.Module:
+    policy, in_units = policy_for_block(
+        block, force_recompute_fqns=force_recompute_fqns, base_fqn=base_fqn, offload=offload, saved=saved
+    )
     for owner, name, unit in in_units:
         run_in_unit(owner, name, unit)
     return apply_selective_checkpointing(block, policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop)
@@ -157,23 +211,51 @@ def _checkpoint_block(block: nn.Module, *, force_recompute_fqns, base_fqn, prese
 def _layers(model: nn.Module) -> nn.Module:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.Module):
-        raise ValueError(f"sac_plugin: torchtitan.apply_ac: {type(model).__name__} has no `layers` module; torchtitan "
-                         "checkpoints the blocks of model.layers (a ModuleDict or ModuleList)")
+        raise ValueError(
+            f"sac_plugin: torchtitan.apply_ac: {type(model).__name__} has no `layers` module; torchtitan "
+            "checkpoints the blocks of model.layers (a ModuleDict or ModuleList)"
+        )
     return layers
 
 
 def _check_ac_config(config) -> None:
     """The fields the plugin does not implement must be at their defaults."""
     if getattr(config, "debug", False):
-        raise ValueError("sac_plugin: torchtitan: debug=True (torch's checkpoint debug capture) is not supported by "
-                         "the plugin; set debug=False")
+        raise ValueError(
+            "sac_plugin: torchtitan: debug=True (torch's checkpoint debug capture) is not supported by "
+            "the plugin; set debug=False"
+        )
     if getattr(config, "determinism_check", "default") != "default":
-        raise ValueError(f"sac_plugin: torchtitan: determinism_check={bounded_repr(config.determinism_check)} is not supported; "
-                         "the plugin runs torch's default check, so leave it 'default'")
+        raise ValueError(
+            f"sac_plugin: torchtitan: determinism_check={bounded_repr(config.determinism_check)} is not supported; "
+            "the plugin runs torch's default check, so leave it 'default'"
+        )
 
 
-def apply_ac(model: nn.Module, ac_config, *, offloaded_ops=(), offload_min_bytes: int = 1 << 20,
-             host_memory_limit: int | None = None) -> nn.Module:
+def _overridden_save_ops(ac_config, ac=None) -> list[str] | None:
+    """The save set of a SelectiveAC subclass that overrides get_save_ops (torchtitan's documented
+    way to tune it), in plugin names; None where the class keeps torchtitan's default. `ac` is the
+    built policy object where there is one (PluginSelectiveAC.apply); otherwise the config's
+    owning class (what config.build() constructs) is asked."""
+    owner = type(ac) if ac is not None else getattr(type(ac_config), "_owner", None)
+    if owner is None:
+        return None
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    if not issubclass(owner, SelectiveAC) or owner.get_save_ops is SelectiveAC.get_save_ops:
+        return None
+    ac = ac_config.build() if ac is None else ac
+    return save_ops_of(ac.get_save_ops())
+
+
+def apply_ac(
+    model: nn.Module,
+    ac_config,
+    *,
+    offloaded_ops=(),
+    offload_min_bytes: int = 1 << 20,
+    host_memory_limit: int | None = None,
+) -> nn.Module:
     """Drop-in for torchtitan's `ac_config.build().apply(model)` on the plugin: checkpoints every
     block of model.layers in place and returns the model.
 
@@ -186,11 +268,39 @@ def apply_ac(model: nn.Module, ac_config, *, offloaded_ops=(), offload_min_bytes
     offloaded_ops, offload_min_bytes, host_memory_limit: as sac_plugin.Policy takes them; with a
     selective config, the ops of torchtitan's save list named here are held in pinned host memory
     instead of on the device (not aten::mm, which keeps its every-other-call rule).
+
+    A SelectiveAC subclass (the config's owning class) that overrides get_save_ops saves what
+    that returns, as torchtitan's policy does: its ops are kept, aten::mm every second call where
+    it is among them, and none where it is not.
     """
+    return _apply_ac(
+        model,
+        ac_config,
+        None,
+        offloaded_ops=offloaded_ops,
+        offload_min_bytes=offload_min_bytes,
+        host_memory_limit=host_memory_limit,
+    )
+
+
+def _apply_ac(
+    model: nn.Module,
+    ac_config,
+    ac,
+    *,
+    offloaded_ops=(),
+    offload_min_bytes: int = 1 << 20,
+    host_memory_limit: int | None = None,
+) -> nn.Module:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"sac_plugin: torchtitan.apply_ac: model must be a torch.nn.Module, got {describe_value(model)}")
-    offload = {"offloaded_ops": offloaded_ops, "offload_min_bytes": offload_min_bytes,
-               "host_memory_limit": host_memory_limit}
+        raise TypeError(
+            f"sac_plugin: torchtitan.apply_ac: model must be a torch.nn.Module, got {describe_value(model)}"
+        )
+    offload = {
+        "offloaded_ops": offloaded_ops,
+        "offload_min_bytes": offload_min_bytes,
+        "host_memory_limit": host_memory_limit,
+    }
     _offloaded_names(offload)  # bad offload arguments are refused before anything changes
     if ac_config is None:
         return model
@@ -200,21 +310,32 @@ def apply_ac(model: nn.Module, ac_config, *, offloaded_ops=(), offload_min_bytes
     preserve = bool(getattr(ac_config, "preserve_rng_state", True))
     early_stop = _early_stop(ac_config)
     if kind == "full" and offloaded_ops:
-        raise ValueError("sac_plugin: torchtitan.apply_ac: offloaded_ops needs torchtitan's SelectiveAC.Config; "
-                         "FullAC.Config recomputes every op, so there is nothing to offload")
+        raise ValueError(
+            "sac_plugin: torchtitan.apply_ac: offloaded_ops needs torchtitan's SelectiveAC.Config; "
+            "FullAC.Config recomputes every op, so there is nothing to offload"
+        )
     if kind == "full":
         for _, block in layers.named_children():
             apply_selective_checkpointing(block, None, preserve_rng_state=preserve, early_stop=early_stop)
         return model
     fqns = tuple(getattr(ac_config, "force_recompute_mm_shapes_by_fqns", DEFAULT_FORCE_RECOMPUTE_FQNS))
     _check_fqns(fqns)
+    saved = _overridden_save_ops(ac_config, ac)
     # Every block is checked before any changes: a refused config leaves the model as it was.
     for layer_id, block in layers.named_children():
-        policy_for_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}", offload=offload)
-    warnings.warn(COLLECTIVES_WARNING, stacklevel=2)
+        policy_for_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}", offload=offload, saved=saved)
+    if saved is None or any(_is_collective(name) for name in saved):
+        warnings.warn(COLLECTIVES_WARNING, stacklevel=3)
     for layer_id, block in layers.named_children():
-        _checkpoint_block(block, force_recompute_fqns=fqns, base_fqn=f"layers.{layer_id}",
-                          preserve_rng_state=preserve, early_stop=early_stop, offload=offload)
+        _checkpoint_block(
+            block,
+            force_recompute_fqns=fqns,
+            base_fqn=f"layers.{layer_id}",
+            preserve_rng_state=preserve,
+            early_stop=early_stop,
+            offload=offload,
+            saved=saved,
+        )
     return model
 
 
@@ -261,13 +382,19 @@ def _plugin_selective_ac():
             pass
 
         def apply(self, model: nn.Module) -> None:
-            apply_ac(model, self.config)
+            _apply_ac(model, self.config, self)
 
         def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
             _check_ac_config(self.config)
-            return _checkpoint_block(module, force_recompute_fqns=tuple(self.config.force_recompute_mm_shapes_by_fqns),
-                                     base_fqn=base_fqn, preserve_rng_state=self.config.preserve_rng_state,
-                                     early_stop=_early_stop(self.config))
+            return _checkpoint_block(
+                module,
+                force_recompute_fqns=tuple(self.config.force_recompute_mm_shapes_by_fqns),
+                base_fqn=base_fqn,
+                preserve_rng_state=self.config.preserve_rng_state,
+                early_stop=_early_stop(self.config),
+                offload={},
+                saved=_overridden_save_ops(self.config, self),
+            )
 
     PluginSelectiveAC.__module__ = __name__
     return PluginSelectiveAC
@@ -284,19 +411,26 @@ def cpu_debug_model(name: str = "llama3", *, n_layers: int | None = None, seed: 
     """
     import importlib
 
-    registries = {"llama3": ("llama3", "debugmodel"), "deepseek_v3": ("deepseek_v3", "debugmodel"),
-                  "qwen3_moe": ("qwen3", "debugmodel_moe")}
+    registries = {
+        "llama3": ("llama3", "debugmodel"),
+        "deepseek_v3": ("deepseek_v3", "debugmodel"),
+        "qwen3_moe": ("qwen3", "debugmodel_moe"),
+    }
     if name not in registries:
-        raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: unknown model {bounded_repr(name)}; "
-                         f"choose one of {sorted(registries)}")
+        raise ValueError(
+            f"sac_plugin: torchtitan.cpu_debug_model: unknown model {bounded_repr(name)}; "
+            f"choose one of {sorted(registries)}"
+        )
     package, flavor = registries[name]
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     config = importlib.import_module(f"torchtitan.models.{package}").model_registry(flavor, attn_backend="flex").model
     if n_layers is not None:
         if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 1 <= n_layers <= len(config.layers):
-            raise ValueError(f"sac_plugin: torchtitan.cpu_debug_model: n_layers must be an int from 1 to "
-                             f"{len(config.layers)}, got {describe_value(n_layers)}")
+            raise ValueError(
+                f"sac_plugin: torchtitan.cpu_debug_model: n_layers must be an int from 1 to "
+                f"{len(config.layers)}, got {describe_value(n_layers)}"
+            )
         config.layers = config.layers[:n_layers]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()

@@ -20,6 +20,7 @@ log = logging.getLogger("sac_plugin")
 
 def layer_signature(site: torch.nn.Module, args, kwargs) -> tuple:
     """What makes two layers the same planning problem: type, parameters and input shapes."""
+
     def describe(value):
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
@@ -30,27 +31,39 @@ def layer_signature(site: torch.nn.Module, args, kwargs) -> tuple:
 
 
 def _describe(plan: Plan) -> str:
-    return (f"keeps {len(plan.kept)} of {len(plan.profile.calls)} calls, holds {plan.held_bytes / 2**20:.2f} MiB of "
-            f"{plan.profile.no_checkpoint_bytes / 2**20:.2f} MiB, recompute {plan.recompute_seconds * 1e3:.2f} ms of "
-            f"{plan.full_recompute_seconds * 1e3:.2f} ms")
+    return (
+        f"keeps {len(plan.kept)} of {len(plan.profile.calls)} calls, holds {plan.held_bytes / 2**20:.2f} MiB of "
+        f"{plan.profile.no_checkpoint_bytes / 2**20:.2f} MiB, recompute {plan.recompute_seconds * 1e3:.2f} ms of "
+        f"{plan.full_recompute_seconds * 1e3:.2f} ms"
+    )
 
 
 def _capture_inputs(model, sites, example_inputs):
-    if isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict) \
-            and isinstance(example_inputs[0], tuple):
+    if (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[1], dict)
+        and isinstance(example_inputs[0], tuple)
+    ):
         args, kwargs = example_inputs
     elif isinstance(example_inputs, tuple):
         args, kwargs = example_inputs, {}
     else:
-        raise TypeError("sac_plugin: apply_recompute_config: example_inputs must be the model's positional arguments "
-                        f"as a tuple, or (args, kwargs), got {type(example_inputs).__name__}")
+        raise TypeError(
+            "sac_plugin: apply_recompute_config: example_inputs must be the model's positional arguments "
+            f"as a tuple, or (args, kwargs), got {type(example_inputs).__name__}"
+        )
     captured = {}
 
     def hook(index):
         def capture(module, call_args, call_kwargs):
             if index not in captured:
-                detach = lambda v: v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+                def detach(v):
+                    return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
                 captured[index] = (tuple(detach(a) for a in call_args), {k: detach(v) for k, v in call_kwargs.items()})
+
         return capture
 
     handles = [site.register_forward_pre_hook(hook(i), with_kwargs=True) for i, site in enumerate(sites)]
@@ -62,8 +75,10 @@ def _capture_inputs(model, sites, example_inputs):
             handle.remove()
     missing = [i for i in range(len(sites)) if i not in captured]
     if missing:
-        raise ValueError(f"sac_plugin: apply_recompute_config: the example forward never called wrap sites {missing}; "
-                         "pass inputs that run every checkpointed layer")
+        raise ValueError(
+            f"sac_plugin: apply_recompute_config: the example forward never called wrap sites {missing}; "
+            "pass inputs that run every checkpointed layer"
+        )
     return [captured[i] for i in range(len(sites))]
 
 
@@ -74,8 +89,12 @@ def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bo
         for site in sites:
             _PlanOnFirstCall.install(site)
             site._sac_plan_request = (share, cache, preserve_rng_state)
-        log.info("sac_plugin: budget %r: %d layers are planned on their first call, each within %r", budget,
-                 len(sites), share)
+        log.info(
+            "sac_plugin: budget %r: %d layers are planned on their first call, each within %r",
+            budget,
+            len(sites),
+            share,
+        )
         return
     inputs = _capture_inputs(model, sites, example_inputs)
     plans, by_signature = [], {}
@@ -89,9 +108,15 @@ def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bo
     for i, (site, plan) in enumerate(zip(sites, chosen)):
         apply_selective_checkpointing(site, plan.policy, preserve_rng_state=preserve_rng_state)
         log.info("sac_plugin: layer %d (%s): %s", i, type(site).__name__, _describe(plan))
-    log.info("sac_plugin: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB, recompute %.2f ms "
-             "per step", budget, total / 2**20, len(sites), len(by_signature),
-             sum(p.held_bytes for p in chosen) / 2**20, sum(p.recompute_seconds for p in chosen) * 1e3)
+    log.info(
+        "sac_plugin: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB, recompute %.2f ms per step",
+        budget,
+        total / 2**20,
+        len(sites),
+        len(by_signature),
+        sum(p.held_bytes for p in chosen) / 2**20,
+        sum(p.recompute_seconds for p in chosen) * 1e3,
+    )
 
 
 def _why_not_plan_now() -> str | None:
@@ -99,8 +124,10 @@ def _why_not_plan_now() -> str | None:
     if _compat.is_compiling():
         return "it is first called while torch.compile traces it, where the profiling passes cannot run"
     if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
-        return ("it is first called inside another checkpointed region (or under saved_tensors_hooks), where the "
-                "profiling passes would change what the outer region saves")
+        return (
+            "it is first called inside another checkpointed region (or under saved_tensors_hooks), where the "
+            "profiling passes would change what the outer region saves"
+        )
     return None
 
 
@@ -119,12 +146,17 @@ def _settle(module: torch.nn.Module, plan: Plan | None, reason: str | None, pres
         key = (type(module).__qualname__, reason.split(":")[0])
         if key not in _warned_fallbacks:
             _warned_fallbacks.add(key)
-            warnings.warn(f"sac_plugin: a memory budget could not be planned for {type(module).__name__}: {reason}; "
-                          "it is checkpointed with full recompute instead (plan it with example_inputs at "
-                          "apply_recompute_config to plan before any call)", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"sac_plugin: a memory budget could not be planned for {type(module).__name__}: {reason}; "
+                "it is checkpointed with full recompute instead (plan it with example_inputs at "
+                "apply_recompute_config to plan before any call)",
+                UserWarning,
+                stacklevel=4,
+            )
         log.info("sac_plugin: %s: budget not planned (%s); full recompute", type(module).__name__, reason)
-    apply_selective_checkpointing(module, plan.policy if plan is not None else None,
-                                  preserve_rng_state=preserve_rng_state)
+    apply_selective_checkpointing(
+        module, plan.policy if plan is not None else None, preserve_rng_state=preserve_rng_state
+    )
 
 
 class _PlanOnFirstCall(InstanceForward):

@@ -77,8 +77,10 @@ class Knapsack:
         if used > capacity:  # cannot happen with rounded-up weights; never return an overshoot
             raise RuntimeError(f"knapsack: the solution holds {used} bytes, over its capacity {capacity}")
         taken = set(chosen)
-        rest = sorted((i for i in range(len(self.weights)) if i not in taken and self.values[i] > 0),
-                      key=lambda i: (-self.values[i] / self.weights[i], i))
+        rest = sorted(
+            (i for i in range(len(self.weights)) if i not in taken and self.values[i] > 0),
+            key=lambda i: (-self.values[i] / self.weights[i], i),
+        )
         for i in rest:  # what rounding left out and still fits
             if used + self.weights[i] <= capacity:
                 chosen.append(i)
@@ -110,11 +112,18 @@ class PairKnapsack:
     and capacities down, so an answer can only be under a capacity, never over. One table answers
     every device capacity up to max_capacity (at the one host capacity)."""
 
-    def __init__(self, weights: Sequence[int], keep_values: Sequence[float], host_values: Sequence[float | None],
-                 max_capacity: int, host_capacity: int):
+    def __init__(
+        self,
+        weights: Sequence[int],
+        keep_values: Sequence[float],
+        host_values: Sequence[float | None],
+        max_capacity: int,
+        host_capacity: int,
+    ):
         if not len(weights) == len(keep_values) == len(host_values):
-            raise ValueError(f"knapsack: {len(weights)} weights, {len(keep_values)} keep values and "
-                             f"{len(host_values)} host values")
+            raise ValueError(
+                f"knapsack: {len(weights)} weights, {len(keep_values)} keep values and {len(host_values)} host values"
+            )
         for i, w in enumerate(weights):
             if not isinstance(w, int) or w <= 0:
                 raise ValueError(f"knapsack: weight {i} must be a positive int (bytes), got {w!r}")
@@ -177,7 +186,9 @@ class PairKnapsack:
             elif choice == 2:
                 host.append(i)
                 col -= self._host_cells[i]
-        if sum(self.weights[i] for i in device) > max(0, capacity) or \
-                sum(self.weights[i] for i in host) > self.host_capacity:
+        if (
+            sum(self.weights[i] for i in device) > max(0, capacity)
+            or sum(self.weights[i] for i in host) > self.host_capacity
+        ):
             raise RuntimeError("knapsack: the solution is over a capacity: rounded-up weights make this impossible")
         return sorted(device), sorted(host)

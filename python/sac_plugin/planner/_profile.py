@@ -1,8 +1,9 @@
 """Profiling a layer: every call of its forward as the plugin's fallback sees it, with bytes,
 kernel time and whether it may be kept (csrc/dispatch/call_profile.h), plus the activation
 bytes the layer holds without checkpointing and with full recompute, counted as
-sac_plugin.memory (and benchmarks/bench_memory.py) counts them; and the copy bandwidth each way
-between the layer's accelerator and pinned host memory, which prices offloading."""
+sac_plugin.memory (and benchmarks/bench_memory.py) counts them, with full recompute's the RNG
+state the checkpoint saves beside them; and the copy bandwidth each way between the layer's
+accelerator and pinned host memory, which prices offloading."""
 
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ from ..policy import Policy, bounded_repr
 
 
 AFTER_THE_RECOMPUTE_STOPS = "after the recompute stops"
+# The profile's label (C++ kWrittenInTheForward) for a call whose output the forward writes later.
+WRITTEN_IN_THE_FORWARD = "written later in the forward"
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfiledCall:
-    op: str          # "aten::mm" (default overload) or "aten::add.Tensor"
-    index: int       # 0-based among the forward's calls of this op, as kept_calls counts
-    unit: str        # innermost open recompute unit, "" for none
-    bytes: int       # bytes of the new storages it creates (aliases count 0)
-    seconds: float   # median kernel time over the profile's runs
+    op: str  # "aten::mm" (default overload) or "aten::add.Tensor"
+    index: int  # 0-based among the forward's calls of this op, as kept_calls counts
+    unit: str  # innermost open recompute unit, "" for none
+    bytes: int  # bytes of the new storages it creates (aliases count 0)
+    seconds: float  # median kernel time over the profile's runs
     why_not_keepable: str  # "" when a policy may keep it
     # Whether a checkpoint's recompute reaches the call: it stops once autograd has saved its
     # last tensor again, so calls after that point never run twice (keeping them saves nothing).
@@ -45,9 +48,12 @@ class ProfiledCall:
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
     calls: tuple[ProfiledCall, ...]
-    no_checkpoint_bytes: int   # held between forward and backward without checkpointing
-    full_recompute_bytes: int  # held with checkpointing that keeps nothing (the floor)
+    no_checkpoint_bytes: int  # held between forward and backward without checkpointing
+    # Held with checkpointing that keeps nothing (the floor): the saved inputs and rng_state_bytes.
+    full_recompute_bytes: int
     runs: int
+    # The RNG states torch's checkpoint saves with the layer's inputs (part of the floor).
+    rng_state_bytes: int = 0
 
 
 def _leaves(value):
@@ -86,6 +92,22 @@ def _leaves_no_trace(module: torch.nn.Module, devices):
                     b.copy_(saved)
 
 
+def checkpoint_rng_state_bytes(args: tuple, device: torch.device) -> int:
+    """The bytes on `device` (where the layer's activations live) of the RNG states
+    torch.utils.checkpoint saves for a call with these positional arguments (preserve_rng_state,
+    the default): the CPU generator's state always, and each device's generator state where the
+    device's runtime is initialised. Measured by taking the states exactly as the checkpoint takes
+    them, with its own helpers. An accelerator's states are host tensors, so on an accelerator
+    they hold no device bytes."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    states = [torch.get_rng_state()]
+    device_module = torch_checkpoint._get_device_module(torch_checkpoint._infer_device_type(*args))
+    if getattr(device_module, "_initialized", False):
+        states += torch_checkpoint.get_device_states(*args)[1]
+    return sum(state.untyped_storage().nbytes() for state in states if state.device.type == device.type)
+
+
 def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
     """Bytes held between forward and backward for one forward (sac_plugin.memory's count)."""
     args = tuple(_fresh(a) for a in args)
@@ -100,15 +122,20 @@ def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
     return held
 
 
-def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: int = 5,
-                  warmup: int = 1) -> LayerProfile:
+def profile_layer(
+    module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: int = 5, warmup: int = 1
+) -> LayerProfile:
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
-        raise ValueError(f"sac_plugin: plan: runs must be an int >= 1 (timed forwards per call), got {bounded_repr(runs)}")
+        raise ValueError(
+            f"sac_plugin: plan: runs must be an int >= 1 (timed forwards per call), got {bounded_repr(runs)}"
+        )
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"sac_plugin: plan: warmup must be an int >= 0, got {bounded_repr(warmup)}")
     if torch.ops.sac.interception_path() == "not installed":
-        raise RuntimeError("sac_plugin: plan: profiling needs the plugin's C++ interception, which could not be "
-                           "installed in this torch (see the warning at import); write a Policy by hand instead")
+        raise RuntimeError(
+            "sac_plugin: plan: profiling needs the plugin's C++ interception, which could not be "
+            "installed in this torch (see the warning at import); write a Policy by hand instead"
+        )
     devices = sorted({t.device.index or 0 for t in _leaves((args, kwargs)) if t.is_cuda})
     handle = torch.classes.sac.CallProfile()
     with _leaves_no_trace(module, devices):
@@ -132,6 +159,9 @@ def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: i
                     out = module(*call_args, **call_kwargs)
             finally:
                 handle.end_run()
+            if handle.runs() == 1:
+                # What the layer returns stays alive after its region whatever a policy keeps.
+                handle.note_layer_outputs(_leaves(out))
             # NOTE: [Where the recompute stops] torch.utils.checkpoint (non-reentrant) stops the
             # recompute as soon as every tensor the forward saved has been saved again; autograd
             # saves a call's inputs before it runs and its outputs after, so the calls recorded
@@ -141,14 +171,25 @@ def profile_layer(module: torch.nn.Module, args: tuple, kwargs: dict, *, runs: i
     ops, indices, units, sizes, why, seconds = handle.rows()
     count = handle.runs()
     calls = tuple(
-        ProfiledCall(op, index, unit, size, statistics.median(seconds[i * count:(i + 1) * count]),
-                     reason if reason or i < recomputed_prefix else AFTER_THE_RECOMPUTE_STOPS,
-                     i < recomputed_prefix)
-        for i, (op, index, unit, size, reason) in enumerate(zip(ops, indices, units, sizes, why)))
-    return LayerProfile(calls, no_checkpoint, floor, count)
+        ProfiledCall(
+            op,
+            index,
+            unit,
+            size,
+            statistics.median(seconds[i * count : (i + 1) * count]),
+            reason if reason or i < recomputed_prefix else AFTER_THE_RECOMPUTE_STOPS,
+            i < recomputed_prefix,
+        )
+        for i, (op, index, unit, size, reason) in enumerate(zip(ops, indices, units, sizes, why))
+    )
+    # The checkpoint passes the module's forward the module itself and the positional arguments
+    # (keywords are bound into the function: NOTE: [Every keyword reaches the module]).
+    device = accelerator_device(module, args, kwargs) or torch.device("cpu")
+    rng_state = checkpoint_rng_state_bytes((module, *args), device)
+    return LayerProfile(calls, no_checkpoint, floor + rng_state, count, rng_state)
 
 
-BANDWIDTH_PROBE_BYTES = 8 << 20   # large enough that a copy's fixed launch cost is a small part of it
+BANDWIDTH_PROBE_BYTES = 8 << 20  # large enough that a copy's fixed launch cost is a small part of it
 BANDWIDTH_PROBE_COPIES = 5
 
 
@@ -164,8 +205,9 @@ def accelerator_device(module: torch.nn.Module, args: tuple, kwargs: dict) -> to
     return None
 
 
-def measure_offload_bandwidth(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTES,
-                              copies: int = BANDWIDTH_PROBE_COPIES) -> tuple[float, float]:
+def measure_offload_bandwidth(
+    device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTES, copies: int = BANDWIDTH_PROBE_COPIES
+) -> tuple[float, float]:
     """(device-to-host, host-to-device) bytes per second between `device` and pinned host memory:
     the median of `copies` non_blocking copies of `nbytes` each way, timed by events on the current
     stream after one untimed copy each way. The two directions are timed apart: they differ."""

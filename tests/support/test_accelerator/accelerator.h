@@ -12,9 +12,9 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
-
 #include <c10/core/Stream.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -42,12 +42,27 @@ c10::Stream current_stream(c10::DeviceIndex device);
 
 // Stream workers (streams.cpp, NOTE: [What runs asynchronously]).
 void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work);
-void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy);
+// Which way a copy goes, for the copy model (NOTE: [The copy and compute model]).
+enum class CopyDirection { kToHost, kToDevice, kWithinDevice };
+// A queued copy of `bytes` bytes: the copy delay, then the copy, taking at least the modelled time.
+void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy, size_t bytes,
+                            CopyDirection direction);
+// Runs a copy on the calling thread, taking at least the modelled time.
+void run_modelled_copy(const std::function<void()>& copy, size_t bytes, CopyDirection direction);
 void synchronize_stream(const c10::Stream& stream);
 bool stream_idle(const c10::Stream& stream);
 std::vector<c10::Stream> busy_streams();
 void synchronize_device(c10::DeviceIndex device);
 void set_copy_delay_us(int64_t microseconds);
+// The copy and compute model (NOTE: [The copy and compute model]): bytes/s each way (0: not
+// modelled) and the factor every kernel's CPU time is multiplied by (>= 1).
+void set_copy_bandwidth(double to_host, double to_device);
+void set_compute_scale(double scale);
+double compute_scale();
+// {bandwidth to the host, bandwidth to the device, compute scale}.
+std::vector<double> simulation_parameters();
+// Called after a kernel that began at `started`: returns when it has taken `scale` times as long.
+void wait_out_compute_scale(std::chrono::steady_clock::time_point started, double scale);
 
 // Grows or shrinks a device storage to new_bytes, keeping the common prefix of its contents.
 void resize_device_storage(const c10::Storage& storage, size_t new_bytes);

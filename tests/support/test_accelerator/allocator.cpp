@@ -1,19 +1,19 @@
 // The device allocator (a c10::DeviceAllocator, so that torch.accelerator.memory_allocated and the
 // other statistics read it) and the pinned host allocator.
-#include "accelerator.h"
-
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <memory>
-#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <vector>
+
+#include "accelerator.h"
 
 namespace sac_test_accelerator {
 namespace {
@@ -73,17 +73,11 @@ class DeviceMemory final : public c10::DeviceAllocator {
     return {block, block, &release, where};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &release;
-  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
-  bool initialized() override {
-    return true;
-  }
+  bool initialized() override { return true; }
   // Nothing is cached: freed blocks go straight back to the host.
   void emptyCache(c10::MempoolId_t /*mempool_id*/) override {}
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
@@ -221,13 +215,9 @@ class PinnedHostMemory final : public c10::Allocator {
     return {block, block, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &release;
-  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
   bool contains(const void* pointer) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -257,28 +247,20 @@ class PinnedHostMemory final : public c10::Allocator {
 };
 
 struct RegisterDeviceAllocator {
-  RegisterDeviceAllocator() {
-    c10::SetAllocator(c10::DeviceType::PrivateUse1, &DeviceMemory::instance());
-  }
+  RegisterDeviceAllocator() { c10::SetAllocator(c10::DeviceType::PrivateUse1, &DeviceMemory::instance()); }
 } register_device_allocator;
 
 }  // namespace
 
-c10::Allocator* device_allocator() {
-  return &DeviceMemory::instance();
-}
+c10::Allocator* device_allocator() { return &DeviceMemory::instance(); }
 
-c10::Allocator* pinned_host_allocator() {
-  return &PinnedHostMemory::instance();
-}
+c10::Allocator* pinned_host_allocator() { return &PinnedHostMemory::instance(); }
 
 bool is_pinned_host_pointer(const void* pointer) {
   return pointer != nullptr && PinnedHostMemory::instance().contains(pointer);
 }
 
-c10::Device device_of_pointer(const void* pointer) {
-  return DeviceMemory::instance().device_of(pointer);
-}
+c10::Device device_of_pointer(const void* pointer) { return DeviceMemory::instance().device_of(pointer); }
 
 void resize_device_storage(const c10::Storage& storage, size_t new_bytes) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();

@@ -3,8 +3,6 @@
 // Streams are ids; the work queued on them runs on their worker threads (streams.cpp, NOTE: [What
 // runs asynchronously]). An event is recorded by queueing a marker on the stream: it completes
 // when the stream's worker reaches it, and it holds the time it did (elapsed_time).
-#include "accelerator.h"
-
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -12,9 +10,11 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <memory>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
+
+#include "accelerator.h"
 
 namespace sac_test_accelerator {
 namespace {
@@ -59,9 +59,7 @@ c10::DeviceIndex resolve(c10::Device device) {
 // on streams keep the event alive after torch destroys it.
 using EventHandle = std::shared_ptr<Event>;
 
-std::shared_ptr<Event> event_of(void* event) {
-  return event == nullptr ? nullptr : *static_cast<EventHandle*>(event);
-}
+std::shared_ptr<Event> event_of(void* event) { return event == nullptr ? nullptr : *static_cast<EventHandle*>(event); }
 
 c10::Stream make_stream(c10::DeviceIndex device, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, device), id);
@@ -69,9 +67,7 @@ c10::Stream make_stream(c10::DeviceIndex device, c10::StreamId id) {
 
 class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
  public:
-  c10::DeviceType type() const override {
-    return c10::DeviceType::PrivateUse1;
-  }
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
 
   c10::Device exchangeDevice(c10::Device device) const override {
     c10::Device previous = getDevice();
@@ -79,18 +75,14 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
     return previous;
   }
 
-  c10::Device getDevice() const override {
-    return {c10::DeviceType::PrivateUse1, thread_device};
-  }
+  c10::Device getDevice() const override { return {c10::DeviceType::PrivateUse1, thread_device}; }
 
   void setDevice(c10::Device device) const override {
     TORCH_CHECK(device.is_privateuseone(), "sac_test_accelerator: setDevice got ", device);
     set_current_device(device.index());
   }
 
-  void uncheckedSetDevice(c10::Device device) const noexcept override {
-    thread_device = device.index();
-  }
+  void uncheckedSetDevice(c10::Device device) const noexcept override { thread_device = device.index(); }
 
   c10::Stream getStream(c10::Device device) const override {
     c10::DeviceIndex index = resolve(device);
@@ -117,20 +109,20 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
     return previous;
   }
 
-  c10::DeviceIndex deviceCount() const noexcept override {
-    return kDeviceCount;
-  }
+  c10::DeviceIndex deviceCount() const noexcept override { return kDeviceCount; }
 
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
               const c10::EventFlag /*flag*/) const override {
     TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "sac_test_accelerator: event on device ",
-                static_cast<int>(device_index), " recorded on a stream of device ", static_cast<int>(stream.device_index()));
+                static_cast<int>(device_index), " recorded on a stream of device ",
+                static_cast<int>(stream.device_index()));
     if (*event == nullptr) {
       *event = new EventHandle(std::make_shared<Event>(stream.device_index()));
     }
     std::shared_ptr<Event> recorded = event_of(*event);
     TORCH_CHECK(recorded->device == stream.device_index(), "sac_test_accelerator: an event created on device ",
-                static_cast<int>(recorded->device), " cannot be recorded on device ", static_cast<int>(stream.device_index()));
+                static_cast<int>(recorded->device), " cannot be recorded on device ",
+                static_cast<int>(stream.device_index()));
     uint64_t version;
     {
       std::lock_guard<std::mutex> lock(recorded->mutex);
@@ -183,12 +175,8 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
     waited->wait_for(version);
   }
 
-  bool queryStream(const c10::Stream& stream) const override {
-    return stream_idle(stream);
-  }
-  void synchronizeStream(const c10::Stream& stream) const override {
-    synchronize_stream(stream);
-  }
+  bool queryStream(const c10::Stream& stream) const override { return stream_idle(stream); }
+  void synchronizeStream(const c10::Stream& stream) const override { synchronize_stream(stream); }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     synchronize_device(device_index == -1 ? thread_device : device_index);
   }
@@ -225,9 +213,7 @@ c10::Stream current_stream(c10::DeviceIndex device) {
   return make_stream(device, thread_streams[device]);
 }
 
-c10::DeviceIndex current_device() {
-  return thread_device;
-}
+c10::DeviceIndex current_device() { return thread_device; }
 
 void set_current_device(c10::DeviceIndex index) {
   check_device_index(index);

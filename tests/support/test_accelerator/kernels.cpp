@@ -17,8 +17,6 @@
 // views torch expects every backend to implement (as_strided, view, _reshape_alias), and changing
 // a tensor's storage (resize_, set_), since the CPU views do not own their memory, and
 // record_stream, which only a device's allocator can honour.
-#include "accelerator.h"
-
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,15 +27,16 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <optional>
 #include <vector>
+
+#include "accelerator.h"
 
 namespace sac_test_accelerator {
 namespace {
 
-bool on_device(const at::Tensor& tensor) {
-  return tensor.defined() && tensor.device().is_privateuseone();
-}
+bool on_device(const at::Tensor& tensor) { return tensor.defined() && tensor.device().is_privateuseone(); }
 
 // A CPU tensor over a device tensor's memory: same data, sizes and strides. It does not own the
 // memory, so it must not outlive the device tensor: the fallback holds every device argument
@@ -88,25 +87,32 @@ at::Tensor bare_alias(const at::Tensor& tensor) {
 // as on CUDA. The queued copy does not keep the device memory alive (record_stream does: NOTE:
 // [Freeing a block streams may still use]); it keeps the host tensor alive, as a pinned-memory
 // allocator that tracks its blocks' streams would.
+// Either way, a copy between the device and host memory takes at least the time the copy model
+// gives its bytes (NOTE: [The copy and compute model]).
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const at::Tensor& device_side = on_device(dst) ? dst : self;
   c10::Stream stream = current_stream(device_side.device().index());
   auto pinned_or_device = [](const at::Tensor& tensor) {
     return on_device(tensor) || tensor.numel() == 0 || is_pinned_host_pointer(tensor.data_ptr());
   };
+  const CopyDirection direction = on_device(self) && on_device(dst) ? CopyDirection::kWithinDevice
+                                  : on_device(dst)                  ? CopyDirection::kToDevice
+                                                                    : CopyDirection::kToHost;
+  const size_t bytes = dst.numel() * dst.element_size();
   if (!non_blocking || !pinned_or_device(self) || !pinned_or_device(dst)) {
     synchronize_stream(stream);
     if (on_device(self) && on_device(dst) && self.device() != dst.device()) {
       synchronize_stream(current_stream(self.device().index()));
     }
-    host_view(dst).copy_(host_view(self));
+    run_modelled_copy([&] { host_view(dst).copy_(host_view(self)); }, bytes, direction);
     return dst;
   }
   at::Tensor host_side = on_device(dst) ? self : dst;
-  enqueue_copy_on_stream(stream, [source = bare_alias(self), destination = bare_alias(dst),
-                                  keep_alive = on_device(host_side) ? at::Tensor() : host_side]() mutable {
-    destination.copy_(source);
-  });
+  enqueue_copy_on_stream(
+      stream,
+      [source = bare_alias(self), destination = bare_alias(dst),
+       keep_alive = on_device(host_side) ? at::Tensor() : host_side]() mutable { destination.copy_(source); },
+      bytes, direction);
   return dst;
 }
 
@@ -128,8 +134,7 @@ void restride(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef st
   }
 }
 
-const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size,
-                         std::optional<at::MemoryFormat> memory_format) {
+const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size, std::optional<at::MemoryFormat> memory_format) {
   TORCH_CHECK(memory_format.value_or(at::MemoryFormat::Contiguous) != at::MemoryFormat::Preserve,
               "sac_test_accelerator: resize_ does not accept memory_format=torch.preserve_format");
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
@@ -143,8 +148,8 @@ const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size,
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset, c10::IntArrayRef size,
                         c10::IntArrayRef stride) {
-  TORCH_CHECK(source.device().is_privateuseone(), "sac_test_accelerator: set_ takes a storage on the device, got one on ",
-              source.device());
+  TORCH_CHECK(source.device().is_privateuseone(),
+              "sac_test_accelerator: set_ takes a storage on the device, got one on ", source.device());
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(std::move(source));
   impl->set_storage_offset(storage_offset);
@@ -207,8 +212,10 @@ at::Tensor to_device(const at::Tensor& result, const std::vector<DeviceArgument>
       TORCH_CHECK(result.dtype() == argument.device_tensor.dtype(),
                   "sac_test_accelerator: a view that changes the dtype is not supported (",
                   argument.device_tensor.dtype(), " to ", result.dtype(), ")");
-      auto bytes = static_cast<const char*>(result.data_ptr()) - static_cast<const char*>(argument.host_tensor.data_ptr());
-      int64_t offset = argument.device_tensor.storage_offset() + bytes / static_cast<int64_t>(result.dtype().itemsize());
+      auto bytes =
+          static_cast<const char*>(result.data_ptr()) - static_cast<const char*>(argument.host_tensor.data_ptr());
+      int64_t offset =
+          argument.device_tensor.storage_offset() + bytes / static_cast<int64_t>(result.dtype().itemsize());
       return at::native::as_strided_tensorimpl(argument.device_tensor, result.sizes(), result.strides(), offset);
     }
   }
@@ -263,8 +270,11 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!device.has_value()) {
     device = c10::Device(c10::DeviceType::PrivateUse1, current_device());
   }
-  // The op runs now, after the work queued on its stream (NOTE: [What runs asynchronously]).
+  // The op runs now, after the work queued on its stream (NOTE: [What runs asynchronously]), and
+  // takes its CPU time times the compute scale (NOTE: [The copy and compute model]).
   synchronize_stream(current_stream(device->index()));
+  const double scale = compute_scale();
+  const auto started = std::chrono::steady_clock::now();
   // device_arguments holds the device tensors until the results are converted: their host views
   // on the stack do not own their memory.
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -290,11 +300,12 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       value = converted;
     }
   }
+  if (scale != 1.0) {
+    wait_out_compute_scale(started, scale);
+  }
 }
 
-TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_on_cpu>());
-}
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_on_cpu>()); }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));

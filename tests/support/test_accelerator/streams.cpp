@@ -11,12 +11,23 @@
 // stream was recorded on it (Tensor.record_stream). Events are recorded by queueing a marker;
 // making a stream wait on an event queues a wait on that stream's worker (or, for work that runs on
 // the calling thread, waits there).
-#include "accelerator.h"
-
+//
+// NOTE: [The copy and compute model]
+// For timing, the device can be told how fast it is: a bandwidth for each direction of a copy
+// between the device and host memory, and a compute scale. A host<->device copy of N bytes at B
+// bytes/s then takes at least N / B seconds on its stream: after the copy itself, its stream's
+// worker (or, for a blocking copy, the calling thread) waits until N / B seconds have passed since
+// the copy began, so a copy is never shorter than the modelled time and is longer only where the
+// memcpy itself is. Work queued behind it on that stream waits with it; other streams do not
+// (a stream that waits on its event does). Every kernel takes its CPU time times the compute scale
+// (kernels.cpp), so that the ratio of copy to compute time can be set to a GPU's. The copy delay
+// (set_copy_delay) is separate: it makes races certain in tests, and adds to the modelled time.
+// No bandwidth set (0) leaves copies as fast as the memcpy; a scale of 1 leaves kernels as they are.
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -27,10 +38,16 @@
 #include <utility>
 #include <vector>
 
+#include "accelerator.h"
+
 namespace sac_test_accelerator {
 namespace {
 
 std::atomic<int64_t> copy_delay_us{0};
+// Bytes per second; 0: not modelled (NOTE: [The copy and compute model]).
+std::atomic<double> bandwidth_to_host{0.0};
+std::atomic<double> bandwidth_to_device{0.0};
+std::atomic<double> compute_scale_factor{1.0};
 
 // One worker thread per stream that ever had work queued. Never destroyed: the threads are
 // detached and may still be waiting when the process exits.
@@ -67,7 +84,7 @@ class Worker {
       queue_.pop_front();
       running_ = true;
       lock.unlock();
-      work();  // the queued work is ours: it reports no errors (the copies were checked when queued)
+      work();          // the queued work is ours: it reports no errors (the copies were checked when queued)
       work = nullptr;  // what it holds (a host tensor) is released before the queue is locked again
       lock.lock();
       running_ = false;
@@ -114,14 +131,27 @@ void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work) {
   worker_for(stream).enqueue(std::move(work));
 }
 
-void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy) {
-  enqueue_on_stream(stream, [copy = std::move(copy)] {
+void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy, size_t bytes,
+                            CopyDirection direction) {
+  enqueue_on_stream(stream, [copy = std::move(copy), bytes, direction] {
     int64_t delay = copy_delay_us.load();
     if (delay > 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(delay));
     }
-    copy();
+    run_modelled_copy(copy, bytes, direction);
   });
+}
+
+void run_modelled_copy(const std::function<void()>& copy, size_t bytes, CopyDirection direction) {
+  const auto started = std::chrono::steady_clock::now();
+  copy();
+  if (direction == CopyDirection::kWithinDevice) {
+    return;
+  }
+  const double bandwidth = (direction == CopyDirection::kToHost ? bandwidth_to_host : bandwidth_to_device).load();
+  if (bandwidth > 0 && bytes > 0) {
+    std::this_thread::sleep_until(started + std::chrono::duration<double>(static_cast<double>(bytes) / bandwidth));
+  }
 }
 
 void synchronize_stream(const c10::Stream& stream) {
@@ -166,6 +196,43 @@ void synchronize_device(c10::DeviceIndex device) {
 void set_copy_delay_us(int64_t microseconds) {
   TORCH_CHECK(microseconds >= 0, "sac_test_accelerator: the copy delay must be >= 0 microseconds, got ", microseconds);
   copy_delay_us.store(microseconds);
+}
+
+void set_copy_bandwidth(double to_host, double to_device) {
+  TORCH_CHECK(
+      to_host >= 0 && to_device >= 0 && std::isfinite(to_host) && std::isfinite(to_device),
+      "sac_test_accelerator: copy bandwidths must be finite numbers of bytes per second >= 0 (0: not modelled), "
+      "got ",
+      to_host, " to the host and ", to_device, " to the device");
+  bandwidth_to_host.store(to_host);
+  bandwidth_to_device.store(to_device);
+}
+
+void set_compute_scale(double scale) {
+  TORCH_CHECK(scale >= 1 && std::isfinite(scale),
+              "sac_test_accelerator: the compute scale must be a finite number >= 1 (kernels cannot run faster "
+              "than the CPU runs them), got ",
+              scale);
+  compute_scale_factor.store(scale);
+}
+
+std::vector<double> simulation_parameters() {
+  return {bandwidth_to_host.load(), bandwidth_to_device.load(), compute_scale_factor.load()};
+}
+
+double compute_scale() { return compute_scale_factor.load(); }
+
+void wait_out_compute_scale(std::chrono::steady_clock::time_point started, double scale) {
+  // A kernel of t seconds ends (scale - 1) * t later. Sleeping overshoots by tens of
+  // microseconds, more than many small kernels take, so the last stretch spins.
+  const auto took = std::chrono::steady_clock::now() - started;
+  const auto until = started + std::chrono::duration_cast<std::chrono::steady_clock::duration>(took * scale);
+  constexpr auto kSpin = std::chrono::microseconds(200);
+  if (until - std::chrono::steady_clock::now() > kSpin) {
+    std::this_thread::sleep_until(until - kSpin);
+  }
+  while (std::chrono::steady_clock::now() < until) {
+  }
 }
 
 }  // namespace sac_test_accelerator

@@ -11,6 +11,12 @@ current stream's worker thread and runs later (after set_copy_delay's delay), so
 on its event or stream, or a missing Tensor.record_stream before freeing its source (the freed
 block is poisoned with NaNs), shows in the values copied.
 
+For timing, the device can be given a speed (set_copy_bandwidth, set_compute_scale, or the
+environment variables SAC_TEST_ACCELERATOR_BANDWIDTH_TO_HOST, SAC_TEST_ACCELERATOR_BANDWIDTH_TO_DEVICE
+(bytes/s) and SAC_TEST_ACCELERATOR_COMPUTE_SCALE, read at import): a copy of N bytes between the
+device and host memory at B bytes/s takes at least N / B seconds on its stream, and every kernel
+takes its CPU time times the scale, so that the ratio of copy to compute time can be a GPU's.
+
 Autograd starts its device threads once per process, counting the devices registered at that
 moment: import this package before the process's first backward (importing it later raises
 ImportError, saying so). A process that exits right after a backward on the device can abort on
@@ -39,9 +45,12 @@ __all__ = [
     "library_path",
     "manual_seed",
     "manual_seed_all",
+    "set_compute_scale",
+    "set_copy_bandwidth",
     "set_copy_delay",
     "set_device",
     "set_rng_state",
+    "simulation",
     "synchronize",
 ]
 
@@ -141,6 +150,70 @@ def set_copy_delay(seconds: float) -> None:
     torch.ops.sac_test_accelerator.set_copy_delay_us(round(seconds * 1_000_000))
 
 
+def _bandwidth(value, name: str) -> float:
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(
+            f"sac_test_accelerator.set_copy_bandwidth: {name} must be a number of bytes per second > 0, "
+            f"or None (copies as fast as the memcpy), got {value!r}"
+        )
+    return float(value)
+
+
+def set_copy_bandwidth(to_host: float | None, to_device: float | None) -> None:
+    """A copy of N bytes between the device and host memory takes at least N / bandwidth seconds
+    on its stream (non_blocking copies; blocking ones on the calling thread): device to host at
+    ``to_host`` bytes/s, host to device at ``to_device``. None leaves that direction as fast as
+    the memcpy, the default. Work queued behind a copy on its stream waits for it; other streams
+    wait only where they wait on its event or stream."""
+    torch.ops.sac_test_accelerator.set_copy_bandwidth(
+        _bandwidth(to_host, "to_host"), _bandwidth(to_device, "to_device")
+    )
+
+
+def set_compute_scale(scale: float) -> None:
+    """Every kernel takes its CPU time times ``scale`` (>= 1; 1, the default, leaves kernels as
+    they are), so that copies and compute can keep a GPU's ratio on a CPU of another speed."""
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 1 <= scale < float("inf"):
+        raise ValueError(f"sac_test_accelerator.set_compute_scale: scale must be a number >= 1, got {scale!r}")
+    torch.ops.sac_test_accelerator.set_compute_scale(float(scale))
+
+
+def simulation() -> dict:
+    """The copy and compute model in force: bytes/s each way (None: not modelled) and the scale."""
+    to_host, to_device, scale = torch.ops.sac_test_accelerator.simulation_parameters()
+    return {"bandwidth_to_host": to_host or None, "bandwidth_to_device": to_device or None, "compute_scale": scale}
+
+
+_ENVIRONMENT = (
+    "SAC_TEST_ACCELERATOR_BANDWIDTH_TO_HOST",
+    "SAC_TEST_ACCELERATOR_BANDWIDTH_TO_DEVICE",
+    "SAC_TEST_ACCELERATOR_COMPUTE_SCALE",
+)
+
+
+def _configure_from_environment() -> None:
+    """The model from the environment, so that a script that does not know the device can be
+    timed under it; a value that is not a number is refused by name."""
+    values = {}
+    for name in _ENVIRONMENT:
+        text = os.environ.get(name)
+        if text is None or text == "":
+            continue
+        try:
+            values[name] = float(text)
+        except ValueError:
+            raise ImportError(f"sac_test_accelerator: {name} must be a number, got {text!r}") from None
+    try:
+        if _ENVIRONMENT[0] in values or _ENVIRONMENT[1] in values:
+            set_copy_bandwidth(values.get(_ENVIRONMENT[0]), values.get(_ENVIRONMENT[1]))
+        if _ENVIRONMENT[2] in values:
+            set_compute_scale(values[_ENVIRONMENT[2]])
+    except ValueError as error:
+        raise ImportError(f"sac_test_accelerator: from the environment: {error}") from None
+
+
 def _register() -> None:
     import sys
 
@@ -151,6 +224,7 @@ def _register() -> None:
     torch._register_device_module(BACKEND, sys.modules[__name__])
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _check_autograd_has_device_threads()
+    _configure_from_environment()
 
 
 def _check_autograd_has_device_threads() -> None:

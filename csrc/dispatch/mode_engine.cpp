@@ -1,7 +1,9 @@
-// The dispatch-mode engine's C++ half (python/sac_plugin/dispatch_mode.py): a Python
-// TorchDispatchMode sees every call of a checkpointed region and hands it here, where it is
-// named, decided, kept and served by the very code the native fallback uses (DataFlow, Policy,
-// Region). Python holds only what C++ cannot: the non-tensor values a kept call returned.
+// The dispatch-mode engine's C++ half (python/sac_plugin/_dispatch_mode.py): a Python
+// TorchDispatchMode sees every call of a checkpointed region and hands it here, before and after
+// running its kernel, where the call pipeline the native fallback uses decides, holds and serves
+// it (NOTE: [One call pipeline] in call_pipeline.cpp). Python holds only what C++ cannot: the
+// non-tensor values a kept call returned. The ops that Python calls are registered in
+// bindings/mode_engine_ops.cpp.
 //
 // NOTE: [The dispatch-mode engine's region]
 // Each checkpoint call in this engine has two regions. The marker region (a keeps-nothing
@@ -9,20 +11,21 @@
 // re-opens the units around the forward in the recompute; the fallback, installed or not, only
 // counts under it. The mode region (ModeRegion below) holds the real policy and the kept
 // outputs; it is never activated on the thread state, so the fallback never intercepts with it:
-// only the mode drives it, pass by pass (mode_region_pass) and call by call (mode_call_*).
+// only the mode drives it, pass by pass (modeRegionPass) and call by call (modeCallBegin, End).
 // A call belongs to the mode region only while its marker is the innermost region on the thread,
 // exactly as the fallback hands a call only to the innermost region.
 //
 // The same mode also runs the recompute of a region the native fallback ran forward, while other
 // dispatch modes are on (NOTE: [Modes above the key see only what ran] in _dispatch_mode.py):
-// mode_region_over binds a mode region to that native region, whose scopes drive its passes, and
-// mode_call_begin_all names each call from all its arguments, as the fallback named it.
+// modeRegionOver binds a mode region to that native region, whose scopes drive its passes, and
+// modeCallBeginAll names each call from all its arguments, as the fallback named it.
+
+#include "dispatch/mode_engine.h"
 
 #include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
-#include <torch/library.h>
 
 #include <functional>
 #include <mutex>
@@ -32,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dispatch/call_pipeline.h"
 #include "dispatch/data_flow.h"
 #include "dispatch/fallback.h"
 #include "dispatch/interception.h"
@@ -43,18 +47,9 @@
 #include "ops/op_catalog.h"
 #include "ops/op_traits.h"
 #include "policy/policy.h"
-#include "policy/unit_stack.h"
 
 namespace sac {
 namespace {
-
-// What the mode does with a call, as mode_call_begin answers it.
-enum ModeAction : int64_t {
-  kRunOnly = 0,     // run it; nothing to record (not this region's, a view, nothing left to serve)
-  kRunAndRecord = 1,  // run it, then mode_call_end records its outputs
-  kRunAndKeep = 2,    // run it, then mode_call_end keeps and records its outputs
-  kServed = 3,        // served: the outputs come back with the answer, already recorded
-};
 
 // How an argument or a return travels: tensors as they are, everything else stays in Python.
 enum class Slot : uint8_t { kOther, kTensor, kTensorList, kOptionalTensorList };
@@ -115,7 +110,8 @@ std::vector<c10::IValue> rebuild(const std::vector<Slot>& slots, const std::vect
     while (end < positions.size() && positions[end] == static_cast<int64_t>(slot)) ++end;
     switch (slots[slot]) {
       case Slot::kTensor:
-        if (end > next) values[slot] = tensors[next].has_value() ? c10::IValue(*tensors[next]) : c10::IValue(at::Tensor());
+        if (end > next)
+          values[slot] = tensors[next].has_value() ? c10::IValue(*tensors[next]) : c10::IValue(at::Tensor());
         break;
       case Slot::kTensorList: {
         c10::List<at::Tensor> list;
@@ -134,8 +130,10 @@ std::vector<c10::IValue> rebuild(const std::vector<Slot>& slots, const std::vect
     }
     next = end;
   }
-  TORCH_CHECK_VALUE(next == positions.size(), "sac: the dispatch-mode engine passed tensor positions out of order or "
-                    "beyond the ", slots.size(), " slots of the schema");
+  TORCH_CHECK_VALUE(next == positions.size(),
+                    "sac: the dispatch-mode engine passed tensor positions out of order or "
+                    "beyond the ",
+                    slots.size(), " slots of the schema");
   return values;
 }
 
@@ -172,7 +170,8 @@ std::vector<c10::IValue> rebuildAll(const c10::FunctionSchema& schema, const std
                       "sac: the dispatch-mode engine passed an argument at position ", position, " of a schema with ",
                       values.size(), " arguments");
     c10::IValue value = others.get(i);
-    if (value.isTuple() && value.toTupleRef().elements().empty()) value = emptyListOf(schema.arguments()[position].type());
+    if (value.isTuple() && value.toTupleRef().elements().empty())
+      value = emptyListOf(schema.arguments()[position].type());
     if (slots[position] == Slot::kTensor && value.isScalar()) {
       // Python's `x * 0.5` reaches the fallback as a wrapped-number tensor, and the mode as the
       // number itself: it is named by its value and dtype, so the same wrapped number names it.
@@ -220,46 +219,47 @@ void flatten(const std::vector<c10::IValue>& values, std::vector<std::optional<a
   }
 }
 
+}  // namespace
+
 struct ModeRegion {
-  ModeRegion(std::shared_ptr<const Policy> policy, c10::intrusive_ptr<Region> marker_region)
-      : region(c10::make_intrusive<Region>(std::move(policy))), marker(std::move(marker_region)) {}
+  // The marker is the innermost region while the function runs: the inputs it is handed go to the
+  // region that holds the outputs (NOTE: [Offloading a layer's inputs] in offload.cpp).
+  ModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker_region)
+      : region(c10::make_intrusive<Region>(std::move(site))), marker(std::move(marker_region)) {
+    marker->delegateInputsTo(region);
+  }
   // The recompute of a region whose forward the native fallback ran (NOTE: [Modes above the key
   // see only what ran]): its scopes drive its passes, the mode only its calls.
   ModeRegion(c10::intrusive_ptr<Region> native_region, c10::intrusive_ptr<Region> marker_region, bool in_recompute)
-      : region(std::move(native_region)), marker(std::move(marker_region)), recompute(in_recompute) {}
+      : region(std::move(native_region)), marker(std::move(marker_region)), recompute(in_recompute) {
+    marker->delegateInputsTo(region);
+  }
 
   c10::intrusive_ptr<Region> region;
   c10::intrusive_ptr<Region> marker;
   bool recompute = false;
 
-  // The call between mode_call_begin and mode_call_end. The mode runs the kernel with itself
-  // off, so one region's calls never nest.
+  // The call between modeCallBegin and modeCallEnd. The mode runs the kernel with itself off, so
+  // one region's calls never nest.
   const ModeOp* pending_op = nullptr;
-  uint64_t pending_call = 0;
-  bool pending_keep = false;
-  Decision pending_decision;  // what the rule decided for the pending call
-  std::vector<WrittenStorage> pending_written;
+  CallInFlight pending;
 };
+
+namespace {
 
 ModeRegion& modeRegion(int64_t address) {
   TORCH_CHECK_VALUE(address != 0, "sac: the dispatch-mode engine needs the address mode_region_new returned, got 0");
   return *reinterpret_cast<ModeRegion*>(address);
 }
 
-// (action, the call's identity, the served tensors, each return's tensor count). The identity
-// lets Python store the non-tensor values a kept call returned, and find them when it is served.
-using BeginResult = std::tuple<int64_t, int64_t, std::vector<std::optional<at::Tensor>>, std::vector<int64_t>>;
-
-// NOTE: [The dispatch-mode engine follows the fallback step by step]
-// mode_call_begin and mode_call_end are InterceptedCall::run (dispatch/fallback.cpp) cut in two
-// around the kernel, which Python runs: the same checks in the same order (calls that never
-// count, meta tensors, tensors carrying the key, the innermost region, views the policy does not
-// name, the recompute after the last kept call), the same demotion of kept outputs before a write
-// (a `.data` write reaches the mode as an in-place op on the kept tensor's storage), the same
-// identity, decision, keep, serve (with its version check) and record. Execution counts are the
-// fallback's, under the marker region; hits are counted here, where the kernel is skipped.
-// The call's arguments: its tensors alone, with Python's key for the rest (a mode region), or all
-// of them (a native region's recompute, whose forward the fallback named from all of them).
+// The checks that come before the call pipeline, where the engines differ in how they find the
+// call's region: calls that never count, meta tensors, tensors carrying the key (NOTE: [Calls that
+// are not ours] in fallback.cpp), and a region that is not the innermost one. Then the pipeline
+// (NOTE: [One call pipeline] in call_pipeline.cpp), with the kernel run by Python in between.
+// Execution counts are the fallback's, under the marker region; hits are counted here, where the
+// kernel is skipped. The call's arguments: its tensors alone, with Python's key for the rest (a
+// mode region), or all of them (a native region's recompute, whose forward the fallback named
+// from all of them).
 using BuildArguments = std::function<torch::jit::Stack()>;
 
 BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std::optional<at::Tensor>>& tensors,
@@ -270,85 +270,49 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
   if (entry.traits.never_counts || anyMetaTensor(tensors)) return result;
   Region* region = mode.region.get();
   if (ThreadState::current().region() != mode.marker.get() || !region->intercepts()) return result;
-  const Policy& policy = region->policy();
-  if (entry.traits.is_view && !policy.namesOp(entry)) return result;
-  if (mode.recompute && !region->servesMore()) return result;
 
   const c10::FunctionSchema& schema = op.handle.schema();
   const size_t num_arguments = schema.arguments().size();
   torch::jit::Stack stack = build();
   if (carriesOurKey(stack, num_arguments)) return result;
-  std::vector<WrittenStorage> written;
-  if (entry.traits.mutates_inputs || entry.traits.writes_out_arguments) {
-    written = writtenStorages(schema, stack.data());
-    if (!mode.recompute) region->demoteKeptOutputsIn(written);  // in place and out= writes alike
-  }
-  uint64_t call = 0;
-  if (key.has_value()) {
-    // The non-tensor arguments, folded into one key by Python, name the call with its tensors.
-    stack.emplace_back(*key);
-    call = region->flow().identify(entry, stack.data(), stack.size());
-    stack.pop_back();
-  } else {
-    call = region->flow().identify(entry, stack.data(), stack.size());
-  }
-
-  std::get<1>(result) = static_cast<int64_t>(call);
-  mode.pending_op = &op;
-  mode.pending_call = call;
-  mode.pending_written = std::move(written);
-  mode.pending_keep = false;
-  if (mode.recompute) {
-    if (region->serve(entry, call, op.handle, &stack)) {
-      if (pythonBelowSacKey() && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
-        entry.counters.reclassifyRecomputeAsHit();
-      } else {
-        entry.counters.recordHit();
-      }
-      std::vector<c10::IValue> served(stack.end() - static_cast<std::ptrdiff_t>(schema.returns().size()), stack.end());
-      region->flow().recordCall(call, schema, stack, schema.returns().size(), mode.pending_written);
-      mode.pending_op = nullptr;
-      std::get<0>(result) = kServed;
-      flatten(served, &std::get<2>(result), &std::get<3>(result));
-      if (other_returns != nullptr) {
-        // The native fallback kept the non-tensor returns too (a mode region's stay in Python).
-        for (const c10::IValue& value : served) {
-          other_returns->push_back(value.isTensor() || value.isTensorList() ? c10::IValue() : value);
-        }
-      }
-      return result;
+  CallInFlight& call = mode.pending;
+  const CallStep step =
+      sac::beginCall(*region, mode.recompute, entry, op.handle, &stack, num_arguments, key, draws_random, &call);
+  if (step == CallStep::kRunOnly) return result;
+  std::get<1>(result) = static_cast<int64_t>(call.identity);
+  if (step == CallStep::kServed) {
+    if (pythonBelowSacKey() && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
+      entry.counters.reclassifyRecomputeAsHit();
+    } else {
+      entry.counters.recordHit();
     }
-    std::get<0>(result) = kRunAndRecord;
+    std::vector<c10::IValue> served(stack.end() - static_cast<std::ptrdiff_t>(schema.returns().size()), stack.end());
+    std::get<0>(result) = kServed;
+    flatten(served, &std::get<2>(result), &std::get<3>(result));
+    if (other_returns != nullptr) {
+      // The native fallback kept the non-tensor returns too (a mode region's stay in Python).
+      for (const c10::IValue& value : served) {
+        other_returns->push_back(value.isTensor() || value.isTensorList() ? c10::IValue() : value);
+      }
+    }
     return result;
   }
-
-  CallFacts facts;
-  facts.draws_random = draws_random;
-  facts.casts_a_parameter = castsAParameter(entry.traits, stack.data());
-  const std::vector<UnitId>& open_units = UnitStack::current().units();
-  if (policy.countsCalls(entry, open_units)) facts.call_index = region->nextCallIndex(entry);
-  Decision decision = policy.decide(entry, open_units, facts);
-  if (decision.mutating_in_kept_unit || decision.random_call_of_kept_op) {
-    warnAboutRecomputedSelection(policy, entry, decision);
-  }
-  mode.pending_keep = decision.held;
-  mode.pending_decision = decision;
-  std::get<0>(result) = decision.held ? kRunAndKeep : kRunAndRecord;
+  mode.pending_op = &op;
+  std::get<0>(result) = call.hold ? kRunAndKeep : kRunAndRecord;
   return result;
 }
+
+}  // namespace
 
 BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
                           const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
                           bool draws_random) {
   const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
-  return beginCall(modeRegion(address), op, tensors, [&] { return rebuild(op.arguments, tensors, positions); }, key,
-                   draws_random, nullptr);
+  return beginCall(
+      modeRegion(address), op, tensors, [&] { return rebuild(op.arguments, tensors, positions); }, key, draws_random,
+      nullptr);
 }
 
-// mode_call_begin_all(int region, int op, Tensor?[] tensors, int[] positions, Any[] others,
-// int[] other_positions, bool draws_random) -> (int, int, Tensor?[], int[], Any[]): mode_call_begin
-// with every argument, for a region the native fallback named; the last return holds the
-// non-tensor values of a served call (None in a tensor's place).
 void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const bool draws_random = torch::jit::pop(*stack).toBool();
   const std::vector<int64_t> other_positions = torch::jit::pop(*stack).toIntVector();
@@ -375,30 +339,20 @@ void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
                    c10::List<int64_t>(std::get<3>(result)), std::move(values));
 }
 
-// After the kernel ran: keeps (when decided) and records the call's outputs, which Python passes
-// flattened by return slot, as mode_call_begin takes arguments.
 void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& tensors,
                  const std::vector<int64_t>& positions) {
   ModeRegion& mode = modeRegion(address);
   TORCH_CHECK(mode.pending_op != nullptr, "sac: the dispatch-mode engine ended a call it did not begin");
   const ModeOp& op = *mode.pending_op;
   mode.pending_op = nullptr;
-  const OpEntry& entry = lookupOp(op.handle);
-  const c10::FunctionSchema& schema = op.handle.schema();
   torch::jit::Stack stack = rebuild(op.returns, tensors, positions);
-  const size_t num_returns = stack.size();
-  if (mode.pending_keep) mode.region->keep(entry, mode.pending_call, mode.pending_decision, stack, num_returns);
-  mode.region->flow().recordCall(mode.pending_call, schema, stack, num_returns, mode.pending_written);
-  mode.pending_written.clear();
+  sac::finishCall(*mode.region, mode.pending, op.handle.schema(), stack, stack.size());
 }
-
-// Passes, as ThreadState::enter and exit drive them for an activated region.
-enum ModePass : int64_t { kBeginForward = 0, kEndForward = 1, kBeginRecompute = 2, kEndRecompute = 3 };
 
 void modeRegionPass(int64_t address, int64_t pass) {
   ModeRegion& mode = modeRegion(address);
   mode.pending_op = nullptr;  // a kernel that raised leaves its call unfinished
-  mode.pending_written.clear();
+  mode.pending.written.clear();
   switch (pass) {
     case kBeginForward:
       mode.recompute = false;
@@ -416,57 +370,29 @@ void modeRegionPass(int64_t address, int64_t pass) {
       mode.recompute = false;
       return;
     default:
-      TORCH_CHECK_VALUE(false, "sac: mode_region_pass takes 0 to 3 (begin forward, end forward, begin recompute, "
-                        "end recompute), got ", pass);
+      TORCH_CHECK_VALUE(false,
+                        "sac: mode_region_pass takes 0 to 3 (begin forward, end forward, begin recompute, "
+                        "end recompute), got ",
+                        pass);
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(sac, m) {
-  // The address of the op's resolved form, for mode_call_begin; Python caches it per overload.
-  m.def("mode_op(str name, str overload) -> int", [](const std::string& name, const std::string& overload) {
-    return reinterpret_cast<int64_t>(&modeOp(name, overload));
-  });
-  // A mode region (NOTE: [The dispatch-mode engine's region]) with the policy at
-  // `policy_address` (Policy._policy_address), bound to the marker region at `marker_address`
-  // (the RegionHandle the scope C ABI created). Owned by the caller: mode_region_release frees it.
-  m.def("mode_region_new(int policy_address, int marker_address) -> int",
-        [](int64_t policy_address, int64_t marker_address) {
-          TORCH_CHECK_VALUE(policy_address != 0 && marker_address != 0,
-                            "sac: mode_region_new needs a policy address and a marker region address, got ",
-                            policy_address, " and ", marker_address);
-          const auto& policy = *reinterpret_cast<const std::shared_ptr<const Policy>*>(policy_address);
-          auto* marker = reinterpret_cast<RegionHandle*>(marker_address);
-          return reinterpret_cast<int64_t>(new ModeRegion(policy, marker->region));
-        });
-  // A mode region over the native region at `region_address` (a RegionHandle from the scope C
-  // ABI) in its recompute, bound to the marker region at `marker_address` (NOTE: [Modes above
-  // the key see only what ran]); 0 for a region that intercepts nothing.
-  m.def("mode_region_over(int region_address, int marker_address) -> int",
-        [](int64_t region_address, int64_t marker_address) {
-          TORCH_CHECK_VALUE(region_address != 0 && marker_address != 0,
-                            "sac: mode_region_over needs a region address and a marker region address, got ",
-                            region_address, " and ", marker_address);
-          auto* native = reinterpret_cast<RegionHandle*>(region_address);
-          auto* marker = reinterpret_cast<RegionHandle*>(marker_address);
-          // A region that intercepts nothing kept nothing: its recompute has nothing to serve.
-          if (!native->region->intercepts()) return int64_t{0};
-          return reinterpret_cast<int64_t>(new ModeRegion(native->region, marker->region, /*in_recompute=*/true));
-        });
-  m.def("mode_region_release(int address) -> ()", [](int64_t address) { delete &modeRegion(address); });
-  m.def("mode_region_pass(int address, int which) -> ()", &modeRegionPass);
-  m.def("mode_region_kept_calls(int address) -> int",
-        [](int64_t address) { return modeRegion(address).region->keptCalls(); });
-  m.def("mode_region_kept_bytes(int address) -> int",
-        [](int64_t address) { return modeRegion(address).region->keptBytes(); });
-  m.def("mode_call_begin(int region, int op, int key, Tensor?[] tensors, int[] positions, bool draws_random) -> "
-        "(int, int, Tensor?[], int[])",
-        &modeCallBegin);
-  m.def("mode_call_begin_all(int region, int op, Tensor?[] tensors, int[] positions, Any[] others, "
-        "int[] other_positions, bool draws_random) -> (int, int, Tensor?[], int[], Any[])",
-        torch::CppFunction::makeFromBoxedFunction<&modeCallBeginAll>());
-  m.def("mode_call_end(int region, Tensor?[] tensors, int[] positions) -> ()", &modeCallEnd);
+int64_t modeOpAddress(const std::string& name, const std::string& overload) {
+  return reinterpret_cast<int64_t>(&modeOp(name, overload));
 }
+
+int64_t newModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker) {
+  return reinterpret_cast<int64_t>(new ModeRegion(std::move(site), std::move(marker)));
+}
+
+int64_t modeRegionOver(c10::intrusive_ptr<Region> native, c10::intrusive_ptr<Region> marker) {
+  // A region that intercepts nothing kept nothing: its recompute has nothing to serve.
+  if (!native->intercepts()) return 0;
+  return reinterpret_cast<int64_t>(new ModeRegion(std::move(native), std::move(marker), /*in_recompute=*/true));
+}
+
+void releaseModeRegion(int64_t address) { delete &modeRegion(address); }
+
+Region& modeRegionRegion(int64_t address) { return *modeRegion(address).region; }
 
 }  // namespace sac

@@ -1,0 +1,135 @@
+#include "dispatch/call_pipeline.h"
+
+#include "dispatch/call_trace.h"
+#include "dispatch/fallback.h"
+#include "dispatch/thread_state.h"
+#include "ops/op_traits.h"
+#include "ops/user_warning.h"
+#include "policy/unit_stack.h"
+
+namespace sac {
+
+// NOTE: [One call pipeline]
+// A region's calls reach it from two engines: the native fallback, below autograd in C++, and
+// the dispatch-mode engine, a TorchDispatchMode whose kernel call runs in Python. Both hand each
+// call to these two functions, so what is decided, held and served never depends on the engine;
+// the engines differ only in where they sit and in how they run the kernel and count it.
+// Before the kernel (beginCall):
+//   1. a view the policy does not name runs unrecorded: the data flow names its output by its
+//      base's storage and its geometry, so it needs no record;
+//   2. a recompute past its last kept call runs unrecorded (NOTE: [The recompute after the last
+//      kept call] in region.cpp);
+//   3. the storages the call writes are noted; in the forward, kept outputs living in them are
+//      demoted (NOTE: [Kept outputs written in the forward] in region.cpp);
+//   4. the call is named by data flow (NOTE: [Matching kept calls by data flow] in data_flow.cpp);
+//   5. in the recompute, a kept call is served and its kernel skipped; in the forward, the call is
+//      decided by Policy::decide (NOTE: [The keep rule] in policy.cpp) with the facts only the call
+//      shows (its call index, whether it draws random numbers, casts a parameter or routes
+//      tokens), a selection
+//      the rule overrides is warned about once per site, and the forward's position advances.
+// After the kernel (finishCall):
+//   6. a held call keeps (or offloads) its outputs, unless its site learnt that the recompute
+//      never reaches it (NOTE: [Kept outputs the recompute never reaches] in region.cpp);
+//   7. the outputs are recorded in the data flow, naming the calls that consume them.
+
+namespace {
+
+// NOTE: [The per-op trace is recorded below Python] (call_trace.h): what became of the call.
+// The flag is tested before the phase is read: the phase costs a thread-local lookup per call,
+// and calls are traced only while a report watches.
+CallStep traced(const OpEntry& op, CallOutcome outcome, CallStep step) {
+  if (C10_UNLIKELY(tracingCalls())) detail::traceCallSlow(op, ThreadState::current().phase(), outcome);
+  return step;
+}
+
+}  // namespace
+
+CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
+                   torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
+                   CallInFlight* call) {
+  const Policy& policy = region.policy();
+  if (op.traits.is_view && !policy.namesOp(op)) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
+  if (in_recompute && !region.servesMore()) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
+
+  const c10::FunctionSchema& schema = handle.schema();
+  const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
+  call->op = &op;
+  call->hold = false;
+  call->routing = CallInFlight::RoutingStep::kNone;
+  call->written.clear();
+  if (op.traits.mutates_inputs || op.traits.writes_out_arguments) {
+    call->written = writtenStorages(schema, arguments);
+    if (!in_recompute) region.demoteKeptOutputsIn(call->written);  // in place and out= writes alike
+  }
+  DataFlow& flow = region.flow();
+  if (naming_key.has_value()) {
+    stack->emplace_back(*naming_key);
+    call->identity = flow.identify(op, &(*stack)[stack->size() - num_arguments - 1], num_arguments + 1);
+    stack->pop_back();
+    arguments = &(*stack)[stack->size() - num_arguments];  // the push may have moved the stack
+  } else {
+    call->identity = flow.identify(op, arguments, num_arguments);
+  }
+
+  if (in_recompute) {
+    if (!region.serve(op, call->identity, handle, stack)) {
+      if (region.routing().pending() > 0 && region.routing().expects(call->identity)) {
+        call->routing = CallInFlight::RoutingStep::kCheck;
+      }
+      return traced(op, CallOutcome::kRecomputed, CallStep::kRunAndFinish);
+    }
+    flow.recordCall(call->identity, schema, *stack, schema.returns().size(), call->written);
+    return traced(op, CallOutcome::kServed, CallStep::kServed);
+  }
+
+  CallFacts facts;
+  facts.draws_random = draws_random;
+  facts.casts_a_parameter = castsAParameter(op.traits, arguments);
+  facts.routes_tokens = routesTokens(op.traits, arguments);
+  const std::vector<UnitId>& open_units = UnitStack::current().units();
+  if (policy.countsCalls(op, open_units)) facts.call_index = region.nextCallIndex(op);
+  call->decision = policy.decide(op, open_units, facts);
+  if (facts.routes_tokens && !policy.pinsRouting() && !policy.keepsNothing()) {
+    call->routing = CallInFlight::RoutingStep::kNote;
+  }
+  if (call->decision.mutating_in_kept_unit || call->decision.random_call_of_kept_op) {
+    warnAboutRecomputedSelection(region.site(), op, call->decision);
+  }
+  region.advancePosition();
+  if (call->decision.held) {
+    call->kept_ordinal = region.nextKeptOrdinal(op);
+    call->hold = !region.site().neverReached(op, call->kept_ordinal);
+  }
+  const CallOutcome outcome = !call->hold                                   ? CallOutcome::kRecomputed
+                              : call->decision.outcome == Outcome::kOffload ? CallOutcome::kOffloaded
+                                                                            : CallOutcome::kKept;
+  return traced(op, outcome, CallStep::kRunAndFinish);
+}
+
+void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                size_t num_returns) {
+  if (call.hold) region.keep(*call.op, call.identity, call.decision, stack, num_returns, call.kept_ordinal);
+  if (call.routing == CallInFlight::RoutingStep::kNote) {
+    region.routing().note(*call.op, call.identity, stack, num_returns);
+  } else if (call.routing == CallInFlight::RoutingStep::kCheck) {
+    call.routing = CallInFlight::RoutingStep::kNone;
+    region.routing().check(call.identity, stack, num_returns, region.site().label());
+  }
+  call.routing = CallInFlight::RoutingStep::kNone;
+  region.flow().recordCall(call.identity, schema, stack, num_returns, call.written);
+  call.hold = false;
+}
+
+void warnAboutRecomputedSelection(Site& site, const OpEntry& op, const Decision& decision) {
+  if (!site.claimWarning(op)) return;
+  if (decision.mutating_in_kept_unit) {
+    SAC_WARN_USER("sac: ", op.traits.qualified_name, " mutates an input inside kept unit '", unitName(decision.unit),
+                  "'; it is recomputed rather than kept (warned once per checkpoint site)");
+  } else {
+    SAC_WARN_USER("sac: ", op.traits.qualified_name,
+                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
+                  "the recompute draws the same numbers (warned once per checkpoint site)");
+  }
+}
+
+}  // namespace sac

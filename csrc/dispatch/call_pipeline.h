@@ -1,0 +1,55 @@
+#pragma once
+// The steps every intercepted call of a region goes through, whichever engine hands it over
+// (NOTE: [One call pipeline] in call_pipeline.cpp): beginCall before the kernel, finishCall after.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dispatch/data_flow.h"
+#include "dispatch/region.h"
+#include "ops/op_catalog.h"
+#include "policy/policy.h"
+
+namespace sac {
+
+// What the engine does with the call after beginCall.
+enum class CallStep : uint8_t {
+  kRunOnly,       // run the kernel; nothing to finish (a view the policy does not name, or a
+                  // recompute past its last kept call)
+  kRunAndFinish,  // run the kernel, then finishCall with its outputs
+  kServed,        // served: the kernel is skipped, the stack holds the outputs, already recorded
+};
+
+// A call between beginCall and finishCall.
+struct CallInFlight {
+  const OpEntry* op = nullptr;
+  uint64_t identity = 0;      // its data-flow identity (NOTE: [Matching kept calls by data flow])
+  Decision decision;          // the forward's decision
+  uint32_t kept_ordinal = 0;  // a held call's 1-based number among the op's held calls
+  bool hold = false;          // keep (or offload) its outputs once the kernel has run
+  // A routing call of a policy that recomputes the routing: the forward notes what it returned,
+  // the recompute checks it (NOTE: [Unpinned routing must repeat itself] in routing_check.cpp).
+  enum class RoutingStep : uint8_t { kNone, kNote, kCheck } routing = RoutingStep::kNone;
+  std::vector<WrittenStorage> written;
+};
+
+// Before the kernel. The call's `num_arguments` arguments are the last values on `stack` (in
+// schema order; the dispatch-mode engine passes its tensors and None for the rest); `naming_key`,
+// when given, names the call together with them (the dispatch-mode engine's fold of the other
+// arguments), otherwise the arguments alone do. `draws_random` is whether this call draws from a
+// generator (drawsRandomNumbers, which needs every argument). A served call's outputs replace its
+// arguments on the stack.
+CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
+                   torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
+                   CallInFlight* call);
+
+// After the kernel ran: holds the outputs of a held call and records the call's outputs (the
+// last `num_returns` values on `stack`) in the data flow.
+void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                size_t num_returns);
+
+}  // namespace sac

@@ -1,0 +1,72 @@
+#pragma once
+// A checkpoint site: one policy applied at one place of a model (a checkpointed module, or one
+// context_fn(policy)), and what the runtime learns there (NOTE: [What a site learns]).
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "ops/hash_containers.h"
+#include "ops/op_catalog.h"
+#include "policy/policy.h"
+
+namespace sac {
+
+// NOTE: [What a site learns]
+// A Policy is a value: what it selects, and nothing else. What the runtime learns while running
+// it is a fact about one layer's code, not about the policy: which kept calls torch's early stop
+// never lets the recompute reach (NOTE: [Kept outputs the recompute never reaches] in
+// region.cpp), which warnings were already said, how many calls a pass names. One policy applied
+// to a dense and an MoE layer must decide each by its own first forward, so these facts live in
+// a Site: one per place the policy is applied, shared by the regions made there (each holds it),
+// and freed with the last of them and the Python object that made it.
+class Site {
+ public:
+  // `label` is what messages call the place: the checkpointed layer ("LlamaDecoderLayer"), or
+  // empty for a region nothing names.
+  explicit Site(std::shared_ptr<const Policy> policy, std::string label = {});
+
+  const Policy& policy() const { return *policy_; }
+  // The layer the site checkpoints, as messages name it: its label, or "a checkpointed region".
+  std::string label() const { return label_.empty() ? std::string("a checkpointed region") : label_; }
+  const std::shared_ptr<const Policy>& sharedPolicy() const { return policy_; }
+
+  // The calls, as (op, 1-based ordinal among the region's kept calls of the op), that a region of
+  // this site kept although the recompute's early stop never reached them: later regions of the
+  // site decide them as kept but do not hold them.
+  void noteNeverReached(const OpEntry& op, uint32_t ordinal);
+  bool neverReached(const OpEntry& op, uint32_t ordinal) const {
+    if (!any_never_reached_.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return never_reached_.count({&op, ordinal}) > 0;
+  }
+
+  // True once per site and op: the caller warns then (a selected call the rule recomputes).
+  bool claimWarning(const OpEntry& op);
+  // True once per site and notice: the caller says then why an offloaded call stays on the device.
+  enum class OffloadNotice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2 };
+  bool claimOffloadNotice(OffloadNotice notice) {
+    const uint8_t bit = static_cast<uint8_t>(uint8_t{1} << static_cast<int>(notice));
+    return (offload_notices_.fetch_or(bit) & bit) == 0;
+  }
+
+  // How many calls a forward of a region of this site named last time: a sizing hint for the
+  // next region's data-flow tables (relaxed: any recent value will do).
+  size_t callsPerPassHint() const { return calls_per_pass_hint_.load(std::memory_order_relaxed); }
+  void noteCallsPerPass(size_t calls) { calls_per_pass_hint_.store(calls, std::memory_order_relaxed); }
+
+ private:
+  std::shared_ptr<const Policy> policy_;
+  std::string label_;
+  std::atomic<uint8_t> offload_notices_{0};
+  std::atomic<size_t> calls_per_pass_hint_{0};
+  std::atomic<bool> any_never_reached_{false};
+  mutable std::mutex mutex_;  // guards warned_ and never_reached_
+  HashSet<const OpEntry*> warned_;
+  HashSet<std::pair<const OpEntry*, uint32_t>> never_reached_;
+};
+
+}  // namespace sac

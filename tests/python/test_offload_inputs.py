@@ -1,0 +1,355 @@
+"""Offloaded inputs (NOTE: [Offloading a layer's inputs] in csrc/dispatch/offload.cpp): on the test
+accelerator, a checkpointed stack's layer inputs leave the device between forward and backward,
+measured by its allocator, and come back for the recompute with gradients bitwise equal to the
+unmodified model; the region that holds them releases them with its outputs."""
+
+import os
+import pickle
+
+import pytest
+import torch
+from test_test_accelerator import _SKIP_REASON, run_on_accelerator
+
+import sac_plugin
+import sac_plugin.memory
+from sac_plugin import Policy, RecomputeConfig
+from sac_plugin.config import policy_for
+from sac_plugin.targets import KeptOps, RecomputeTargetMap, RecomputeUnit
+
+# Four layers; each layer's input is 256 x 512 float32 (512 KiB), the activation the stack carries.
+MODEL = """
+import sac_plugin
+import sac_plugin.memory
+from sac_plugin import Policy
+
+INPUT_BYTES = 256 * 512 * 4
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(512, 1024)
+        self.down = torch.nn.Linear(1024, 512)
+
+    def forward(self, x, scale=None):
+        y = x + self.down(torch.nn.functional.dropout(torch.tanh(self.up(x)), 0.1)).sin()
+        return y if scale is None else y * scale
+
+def model_and_input(layers=4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Layer() for _ in range(layers)]).to("sac_accel")
+    x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
+    return model, x
+
+def checkpointed(policy, layers=4):
+    model, x = model_and_input(layers)
+    for layer in model:
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+    return model, x
+
+def gradients(model, x):
+    return [p.grad.cpu() for p in model.parameters()] + [x.grad.cpu()]
+
+def forward(model, x):
+    torch.manual_seed(1)
+    # x * 2: the first layer's input is an activation too (x itself is a leaf, which stays put).
+    return model(x * 2).square().mean()
+
+def step(model, x):
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated()
+    loss = forward(model, x)
+    torch.accelerator.synchronize()
+    held = torch.accelerator.memory_allocated() - before
+    loss.backward()
+    torch.accelerator.synchronize()
+    return held
+
+def stats():
+    return sac_plugin.memory.offload_stats()
+
+def same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
+"""
+
+
+def _on_accelerator(body, engine="native"):
+    os.environ["SAC_PLUGIN_ENGINE"] = engine
+    try:
+        return run_on_accelerator(MODEL + body)
+    finally:
+        del os.environ["SAC_PLUGIN_ENGINE"]
+
+
+def accelerator(test):
+    return pytest.mark.slow(pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")(test))
+
+
+engines = pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
+
+
+# (the policy, what it keeps or offloads besides the inputs): full recompute, selective, offloaded calls.
+POLICIES = [
+    ("", "Policy()"),
+    ("kept_ops=['aten::addmm']", "kept"),
+    ("offloaded_ops=['aten::addmm'], offload_min_bytes=0", "offloaded"),
+]
+
+
+@accelerator
+@pytest.mark.parametrize("rules", [rules for rules, _ in POLICIES], ids=[name for _, name in POLICIES])
+@engines
+def test_the_inputs_leave_the_device_and_gradients_are_bitwise(engine, rules):
+    comma = ", " if rules else ""
+    values = _on_accelerator(
+        f"""
+reference, rx = model_and_input()
+forward(reference, rx).backward()
+plain, px = checkpointed(Policy({rules}))
+plain_held = step(plain, px)
+offloading, ox = checkpointed(Policy({rules}{comma}offload_inputs=True))
+before = stats()
+held = step(offloading, ox)
+after = stats()
+plain_before = stats()
+step(plain, px)
+plain_after = stats()
+report(
+    engine=sac_plugin.engine(),
+    drop=plain_held - held,
+    same_as_reference=same(gradients(reference, rx), gradients(offloading, ox)),
+    bytes_to_host=(after["bytes_to_host"] - before["bytes_to_host"])
+                  - (plain_after["bytes_to_host"] - plain_before["bytes_to_host"]),
+    copies=[(after[k] - before[k]) - (plain_after[k] - plain_before[k]) for k in ("copies_to_host", "copies_to_device")],
+    pool_in_use=after["pool_bytes_in_use"],
+)
+""",
+        engine,
+    )
+    inputs = 4 * 256 * 512 * 4
+    assert values == {
+        "engine": engine,
+        "drop": inputs,
+        "same_as_reference": True,
+        "bytes_to_host": inputs,
+        "copies": [4, 4],
+        "pool_in_use": 0,
+    }
+
+
+@accelerator
+@engines
+def test_the_recompute_fetches_the_next_layers_input_ahead(engine):
+    # Copies back the recompute of each layer has started when it begins: its own input and the
+    # next layer's (the one the backward reaches next), so the last layer's finds two.
+    values = _on_accelerator(
+        """
+seen = []
+class Watched(Layer):
+    def forward(self, x, scale=None):
+        seen.append(stats()["copies_to_device"])
+        return super().forward(x, scale)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[Watched() for _ in range(4)]).to("sac_accel")
+x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
+for layer in model:
+    sac_plugin.apply_selective_checkpointing(layer, Policy(offload_inputs=True))
+start = stats()["copies_to_device"]
+step(model, x)
+report(recompute=[n - start for n in seen[4:]])
+""",
+        engine,
+    )
+    assert values == {"recompute": [2, 3, 4, 4]}
+
+
+@accelerator
+@engines
+def test_retain_graph_keeps_the_host_copies_for_a_second_backward(engine):
+    values = _on_accelerator(
+        """
+plain, px = checkpointed(Policy())
+loss = forward(plain, px)
+loss.backward(retain_graph=True)
+loss.backward()
+offloading, ox = checkpointed(Policy(offload_inputs=True))
+before = stats()
+loss = forward(offloading, ox)
+loss.backward(retain_graph=True)
+between = stats()
+loss.backward()
+after = stats()
+report(same=same(gradients(plain, px), gradients(offloading, ox)),
+       copies_back=[between["copies_to_device"] - before["copies_to_device"],
+                    after["copies_to_device"] - between["copies_to_device"]],
+       in_use=[between["pool_bytes_in_use"], after["pool_bytes_in_use"]])
+""",
+        engine,
+    )
+    # Held after the first backward, consumed by the second.
+    assert values == {"same": True, "copies_back": [4, 4], "in_use": [4 * 256 * 512 * 4, 0]}
+
+
+@accelerator
+@engines
+def test_a_dropped_forward_and_a_failed_backward_release_the_pinned_buffers(engine):
+    values = _on_accelerator(
+        """
+model, x = checkpointed(Policy(offload_inputs=True))
+loss = forward(model, x)
+held = stats()["pool_bytes_in_use"]
+del loss
+after_drop = stats()["pool_bytes_in_use"]
+
+class FailsInRecompute(Layer):
+    fail = False
+    def forward(self, x, scale=None):
+        if self.fail:
+            raise RuntimeError("the recompute failed")
+        return super().forward(x, scale)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[FailsInRecompute() for _ in range(4)]).to("sac_accel")
+for layer in model:
+    sac_plugin.apply_selective_checkpointing(layer, Policy(offload_inputs=True))
+loss = forward(model, x)
+model[1].fail = True
+try:
+    loss.backward()
+    message = None
+except RuntimeError as error:
+    message = str(error)
+del loss
+# The failed graph task is torn down on the accelerator's autograd thread: wait for it (bounded).
+import time
+for _ in range(500):
+    if stats()["pool_bytes_in_use"] == 0:
+        break
+    time.sleep(0.01)
+report(held=held, after_drop=after_drop, message=message, after_failure=stats()["pool_bytes_in_use"])
+""",
+        engine,
+    )
+    assert values == {"held": 4 * 256 * 512 * 4, "after_drop": 0, "message": "the recompute failed", "after_failure": 0}
+
+
+@accelerator
+@engines
+def test_an_input_written_after_the_forward_is_named(engine):
+    values = _on_accelerator(
+        """
+model, x = checkpointed(Policy(offload_inputs=True))
+h = x * 2
+loss = model(h).square().mean()
+with torch.no_grad():
+    h.add_(1)
+try:
+    loss.backward()
+    message = None
+except RuntimeError as error:
+    message = str(error).splitlines()[0]
+del loss
+report(message=message, in_use=stats()["pool_bytes_in_use"])
+""",
+        engine,
+    )
+    assert values == {
+        "message": "sac: an input of a checkpointed region was mutated after its forward: positional argument 0 of "
+        "Layer.forward (offloaded for the recompute) changed version from 0 to 1. The recompute would "
+        "read the mutated value; clone it before mutating it in place",
+        "in_use": 0,
+    }
+
+
+@accelerator
+def test_past_the_host_memory_limit_the_inputs_stay_on_the_device():
+    values = _on_accelerator("""
+import warnings
+plain, px = checkpointed(Policy())
+plain_held = step(plain, px)
+# Room for two of the four inputs (512 KiB each, a size class of its own).
+offloading, ox = checkpointed(Policy(offload_inputs=True, host_memory_limit=2 * INPUT_BYTES))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    held = step(offloading, ox)
+report(drop=plain_held - held, same=same(gradients(plain, px), gradients(offloading, ox)),
+       warnings=[str(w.message).split(":")[1].strip() for w in caught if "host_memory_limit" in str(w.message)],
+       pool=stats()["pool_bytes"])
+""")
+    assert values == {
+        "drop": 2 * 256 * 512 * 4,
+        "same": True,
+        "pool": 2 * 256 * 512 * 4,
+        # said once per checkpoint site: by the two layers whose inputs did not fit
+        "warnings": ["the policy's host_memory_limit of 1048576 bytes is reached"] * 2,
+    }
+
+
+# --- the option itself, and where it is a no-op ----------------------------------------------------
+
+
+def test_a_bad_offload_inputs_value_is_refused():
+    with pytest.raises(TypeError) as error:
+        Policy(offload_inputs="yes")
+    assert str(error.value) == "sac_plugin: offload_inputs must be True or False, got 'yes' (str)"
+
+
+def test_offload_inputs_is_part_of_the_policy_value():
+    policy = Policy(kept_ops=["aten::mm"], offload_inputs=True)
+    assert policy.offload_inputs and not Policy().offload_inputs
+    assert repr(policy) == "Policy(kept_ops=['aten::mm'], kept_units=[], offload_inputs=True)"
+    assert policy != Policy(kept_ops=["aten::mm"]) and hash(policy) != hash(Policy(kept_ops=["aten::mm"]))
+    assert pickle.loads(pickle.dumps(policy)) == policy and pickle.loads(pickle.dumps(policy)).offload_inputs
+
+
+def test_a_config_file_round_trips_offload_inputs(tmp_path):
+    config = RecomputeConfig(units=["attn"], offload_inputs=True)
+    for suffix in (".json", ".yaml"):
+        path = tmp_path / f"config{suffix}"
+        config.save(path)
+        assert ("offload_inputs: true" if suffix == ".yaml" else '"offload_inputs": true') in path.read_text()
+        assert RecomputeConfig.load(path) == config
+    target_map = RecomputeTargetMap("toy", {RecomputeUnit.ATTN: KeptOps(["aten::bmm"])})
+    assert policy_for(config, target_map).offload_inputs
+    assert not policy_for(RecomputeConfig(units=["attn"]), target_map).offload_inputs
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _cpu_gradients(policy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Layer() for _ in range(3)])
+    if policy is not None:
+        for layer in model:
+            sac_plugin.apply_selective_checkpointing(layer, policy)
+    x = torch.randn(8, 16, requires_grad=True)
+    model(x * 2).square().mean().backward()
+    return [p.grad for p in model.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("policy", [Policy(offload_inputs=True), Policy(kept_ops=["aten::addmm"], offload_inputs=True)])
+def test_on_the_cpu_offloading_inputs_is_a_no_op(policy):
+    reference = _cpu_gradients(None)
+    before = sac_plugin.memory.offload_stats()
+    gradients = _cpu_gradients(policy)
+    after = sac_plugin.memory.offload_stats()
+    assert all(torch.equal(a, b) for a, b in zip(reference, gradients))
+    assert after["copies_to_host"] == before["copies_to_host"]
+
+
+def test_torch_compile_is_refused():
+    torch.manual_seed(0)
+    layer = sac_plugin.apply_selective_checkpointing(_Layer(), Policy(offload_inputs=True))
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    with pytest.raises(Exception) as error:
+        compiled(x * 2)
+    assert "sac_plugin: Policy(offload_inputs=True) does not work under torch.compile" in str(error.value)

@@ -1,0 +1,65 @@
+"""Checkpoint sites (NOTE: [What a site learns] in csrc/dispatch/site.h): one Policy applied to two
+layer types decides each by its own forward, and a Policy stays a value however it is used."""
+
+import copy
+import pickle
+
+import torch
+
+import sac_plugin
+from sac_plugin import Policy
+
+
+class LastMatmulUnreached(torch.nn.Module):
+    """Its second mm runs after its last tensor saved for backward: the recompute never reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Parameter(torch.randn(16, 16) / 4), torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.mm(torch.mm(x, self.w1).tanh(), self.w2)
+
+
+class LastMatmulReached(LastMatmulUnreached):
+    """The same two mms, then a sin that saves the second's output: the recompute reaches both."""
+
+    def forward(self, x):
+        return super().forward(x).sin()
+
+
+def _hits_per_step(policies, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LastMatmulUnreached(), LastMatmulReached())
+    for layer, policy in zip(model, policies):
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+    x = torch.randn(8, 16, requires_grad=True)
+    hits = []
+    for _ in range(steps):
+        with sac_plugin.audit() as audit:
+            model(x).sum().backward()
+        hits.append((audit.hits("aten::mm"), audit.count("aten::mm", phase="recompute")))
+    return hits
+
+
+def test_one_policy_on_two_layer_types_behaves_as_two_equal_policies():
+    shared = Policy(kept_ops=["aten::mm"])
+    # The first layer serves its first mm; the second serves both, every step: what the first
+    # layer's site learnt (its second mm is never reached) is not applied to the second layer.
+    assert (
+        _hits_per_step([shared, shared])
+        == _hits_per_step([Policy(kept_ops=["aten::mm"]), Policy(kept_ops=["aten::mm"])])
+        == [(3, 0)] * 3
+    )
+
+
+def test_a_policy_is_a_value_however_it_is_used():
+    policy = Policy(kept_ops=["aten::mm"], kept_units=["attn"])
+    fields = {name: getattr(policy, name) for name in Policy.__slots__ if name != "__weakref__"}
+    before = (hash(policy), repr(policy), pickle.dumps(policy))
+    _hits_per_step([policy, policy])
+    assert {name: getattr(policy, name) for name in Policy.__slots__ if name != "__weakref__"} == fields
+    assert (hash(policy), repr(policy), pickle.dumps(policy)) == before
+    assert copy.copy(policy) is policy and copy.deepcopy(policy) is policy  # immutable: copies are itself
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    assert hash(pickle.loads(pickle.dumps(policy))) == hash(policy)
