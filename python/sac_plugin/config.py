@@ -43,9 +43,11 @@ inputs, so budget and offload_inputs together are refused.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -591,7 +593,7 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 ops = target.resolve()
                 Policy(kept_ops=ops)
             except ValueError as error:
-                raise ConfigError(f"{where}: {error}") from None
+                raise ConfigError(f"{where}: {_policy_error_text(error)}") from None
             if not ops:
                 raise ConfigError(f"{where} is empty: it names no op")
         elif isinstance(target, KeptCallables):
@@ -602,6 +604,18 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 raise ConfigError(f"{where}: {list(target.paths)} match nothing in {', '.join(names)}")
         else:
             raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
+
+
+# A Policy error opens with the library's prefix and the Policy argument it concerns ("sac:
+# kept_ops: ..."); a config error names the config's own field instead, so that it reads with one prefix.
+_POLICY_ERROR_PREFIX = re.compile(
+    r"^(?:sac_plugin|sac): (?:(?:" + "|".join(name for name in inspect.signature(Policy).parameters) + r"): )?"
+)
+
+
+def _policy_error_text(error: Exception) -> str:
+    """What a Policy error says, without the prefixes a config error replaces."""
+    return _POLICY_ERROR_PREFIX.sub("", str(error), count=1)
 
 
 def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[set[str], list[str]]:
@@ -651,4 +665,4 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
             if any(op in text for op in config.ops)
             else "every_nth_op"
         )
-        raise ConfigError(f"recompute config: {field}: {error}") from None
+        raise ConfigError(f"recompute config: {field}: {_policy_error_text(error)}") from None
