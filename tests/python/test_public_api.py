@@ -21,8 +21,8 @@ import sac_plugin
 ROOT = Path(__file__).resolve().parents[2]
 API_PAGE = ROOT / "docs" / "api.md"
 
-# Names whose docstrings and exports are reworked in other slices of the same change: their
-# checks start once those land, and this list is then emptied. Each name also covers its methods.
+# Not checked yet: these names' docstrings and exports are being reworked separately, and this list
+# is emptied once they are. Each name also covers its methods.
 _CHECKED_ELSEWHERE = frozenset(
     {
         # policy.py: Policy and the validation helpers it exports
