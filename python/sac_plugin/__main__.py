@@ -79,7 +79,19 @@ def _byte_count(text: str) -> int:
 
 
 def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, device: str):
-    """One reference layer and its inputs: the Llama block or the MoE block of sac_plugin.models."""
+    """One reference layer and its inputs: the Llama block or the MoE block of sac_plugin.models.
+
+    Args:
+        model: "llama" (a LlamaBlock) or "moe" (a MoEBlock).
+        dim: The model width.
+        heads: Attention heads.
+        seq: The sequence length of the inputs.
+        batch: The batch size of the inputs.
+        device: Where the layer and its inputs are made.
+
+    Returns:
+        `(block, (x, cos, sin))`: the layer, seeded with 0, and the inputs it is called with.
+    """
     import torch
     from .models import LlamaBlock, MoEBlock, rotary_tables
 
@@ -119,6 +131,17 @@ def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv=None) -> int:
+    """The command line: `python -m sac_plugin plan ...` (the module docstring says what it does).
+
+    Args:
+        argv: The arguments after the program name; None: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 when the plan was made.
+
+    Raises:
+        SystemExit: The arguments are refused (status 2, with argparse's message).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m sac_plugin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -44,6 +44,24 @@ def apply_recompute_config(
 
     With `config.peak_bytes`, `step` (a callable that runs one forward, loss and backward of the
     model, called with no arguments) is planned by sac_plugin.plan_step over the selected layers.
+
+    Args:
+        model: The model; a transformers model goes to `integrations.huggingface.apply_recompute_config`.
+        config: What to keep and which layers to checkpoint; None keeps nothing (full recompute).
+        target_map: What the config's units mean for the model; None: the model's
+            `recompute_targets`.
+        wrap_sites: The layers, a list of modules; None: the model's `recompute_wrap_sites()`.
+        example_inputs: The batch a budget is planned on: positional arguments as a tuple, or
+            (args, kwargs).
+        step: Runs one forward, loss and backward of the model; needed with `config.peak_bytes`.
+
+    Returns:
+        `model`, its selected layers checkpointed.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ConfigError: The config cannot be applied to the model (a unit it does not declare, a
+            layer already checkpointed, example_inputs without a budget, step without peak_bytes).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

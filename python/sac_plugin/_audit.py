@@ -27,6 +27,16 @@ def any_active() -> bool:
 
 
 class AuditRow(NamedTuple):
+    """One op's counts in an audit.
+
+    Attributes:
+        op: The op overload, as the dispatcher names it ("aten::mm.default").
+        forward: Its executions in the forward (checkpointed or not).
+        recompute: Its executions in recomputes.
+        backward: Its executions in the backward, recomputes left out.
+        hits: Its kept outputs served to a recompute instead of running.
+    """
+
     op: str
     forward: int
     recompute: int
@@ -37,12 +47,16 @@ class AuditRow(NamedTuple):
 class Audit:
     """Counts every op executed while active, inside and outside checkpointed regions.
 
+    ```python
     with sac_plugin.audit() as a:
         loss = model(x).sum(); loss.backward()
     a.count("aten::tanh")                     # executions, all phases
     a.count("aten::tanh", phase="recompute")  # executions in recompute
     a.hits("aten::tanh")                      # kept outputs served instead of running
     print(a.table())
+    ```
+
+    `sac_plugin.audit()` makes one; an audit is entered once.
     """
 
     def __init__(self):
@@ -92,6 +106,14 @@ class Audit:
             _observers.unregister(presence)
 
     def rows(self) -> list[AuditRow]:
+        """Every op the audit counted.
+
+        Returns:
+            One row per op overload.
+
+        Raises:
+            RuntimeError: The audit has not started.
+        """
         if self._handle is None:
             raise RuntimeError("sac_plugin: the audit has not started; use it as `with audit() as a:`")
         names, forward, recompute, backward, hits = self._handle.rows()
@@ -102,15 +124,47 @@ class Audit:
         return [row for row in self.rows() if row.op in wanted]
 
     def count(self, op, phase: str | None = None) -> int:
+        """How many times an op ran.
+
+        Args:
+            op: The op: a name ("aten::mm", every overload) or an overload ("aten::mm.default").
+            phase: "forward", "recompute" or "backward"; None: all three.
+
+        Returns:
+            The executions counted.
+
+        Raises:
+            ValueError: `phase` is not one of the phases, or `op` names no registered op.
+            RuntimeError: The audit has not started.
+        """
         if phase is not None and (not isinstance(phase, str) or phase not in PHASES):
             raise ValueError(f"sac_plugin: phase must be one of {PHASES} or None, got {describe_value(phase)}")
         phases = PHASES if phase is None else (phase,)
         return sum(getattr(row, p) for row in self._matching(op) for p in phases)
 
     def hits(self, op) -> int:
+        """How many kept outputs of an op were served to recomputes instead of it running.
+
+        Args:
+            op: The op: a name (every overload) or an overload.
+
+        Returns:
+            The hits counted.
+
+        Raises:
+            RuntimeError: The audit has not started.
+        """
         return sum(row.hits for row in self._matching(op))
 
     def table(self) -> str:
+        """The counts of every op, one line each.
+
+        Returns:
+            The table, as text.
+
+        Raises:
+            RuntimeError: The audit has not started.
+        """
         if self._handle is None:
             raise RuntimeError("sac_plugin: the audit has not started; use it as `with audit() as a:`")
         return self._handle.table()
@@ -122,8 +176,13 @@ def audit() -> Audit:
     thread's calls are not counted, except those autograd runs on its device threads, which belong
     to whichever thread called backward() (NOTE: [Counts are their thread's]). Audits nest.
 
-        with sac_plugin.audit() as a:
-            model(x).sum().backward()
-        a.count("aten::mm", phase="recompute"); a.hits("aten::mm"); print(a.table())
+    ```python
+    with sac_plugin.audit() as a:
+        model(x).sum().backward()
+    a.count("aten::mm", phase="recompute"); a.hits("aten::mm"); print(a.table())
+    ```
+
+    Returns:
+        The audit, not yet started: use it in a `with` statement.
     """
     return Audit()

@@ -51,5 +51,9 @@ def choose_engine(install_error: str | None) -> str:
 
 
 def engine() -> str:
-    """ "native" or "dispatch_mode": which engine runs checkpointed regions in this process."""
+    """Which engine runs checkpointed regions in this process (docs/engines.md).
+
+    Returns:
+        "native" or "dispatch_mode".
+    """
     return _chosen or "native"

@@ -23,7 +23,15 @@ class Region:
     """One call of checkpoint(fn, ...): its kept outputs, and its forward and recompute scopes.
 
     Made from a policy (a checkpoint site of its own) or from the site it shares with other
-    regions (NOTE: [What a site learns])."""
+    regions (NOTE: [What a site learns]).
+
+    Args:
+        policy: What the region keeps and offloads: a `Policy`, which makes a checkpoint site of
+            its own, or the site the region shares with the other regions of one context function.
+
+    Raises:
+        TypeError: `policy` is neither.
+    """
 
     __slots__ = ("_reference", "_site", "forward", "recompute")
 
@@ -58,6 +66,7 @@ class Region:
 
     @property
     def offloaded_calls(self) -> int:
+        """Calls whose outputs the region holds in pinned host memory (counted in kept_calls too)."""
         return self.handle.offloaded_calls()
 
 
@@ -72,6 +81,13 @@ def torch_policy_fn(policy: Policy):
     Recompute decisions the invariants force (collectives, recomputed units) are MUST_RECOMPUTE;
     torch's partitioner may still save _c10d_functional outputs on its own
     (force_save_collectives), which is the compiler's call.
+
+    Args:
+        policy: The selection to apply.
+
+    Returns:
+        A policy function `(ctx, op, *args, **kwargs) -> CheckpointPolicy`, to pass to
+            `torch.utils.checkpoint.create_selective_checkpoint_contexts`.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -286,7 +302,19 @@ def context_fn(policy: Policy | None = None, *, name: str = ""):
     Each one is a checkpoint site of its own: the regions it makes learn together what the
     recompute reaches, so give each layer its own (apply_selective_checkpointing does). `name`
     is what error messages call the checkpointed code (the layer, "LlamaDecoderLayer"); without
-    one they say "a checkpointed region"."""
+    one they say "a checkpointed region".
+
+    Args:
+        policy: What the regions keep and offload; None keeps nothing (full recompute).
+        name: What error messages call the checkpointed code.
+
+    Returns:
+        A function of no arguments that returns the forward and recompute contexts of one
+            region, as `torch.utils.checkpoint.checkpoint`'s `context_fn` expects.
+
+    Raises:
+        TypeError: `policy` is not a Policy or None, or `name` is not a str.
+    """
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(
             f"sac_plugin: context_fn: policy must be a sac_plugin.Policy or None, got {describe_value(policy)}"
@@ -308,6 +336,20 @@ def apply_selective_checkpointing(
     The module stays checkpointed through pickle, torch.save/torch.load and copy.deepcopy.
     preserve_rng_state and early_stop are torch.utils.checkpoint's: early_stop=False runs the
     whole recompute rather than stopping once the last tensor saved for backward is recomputed.
+
+    Args:
+        module: The module whose forward is checkpointed.
+        policy: What the forward keeps and offloads; None keeps nothing (full recompute).
+        preserve_rng_state: Whether the recompute replays the forward's random number state.
+        early_stop: Whether the recompute stops once it has recomputed the last tensor the
+            backward needs.
+
+    Returns:
+        `module`, checkpointed.
+
+    Raises:
+        TypeError: `module` is not an eager `torch.nn.Module`, or an argument has the wrong type.
+        ValueError: `module` is already selectively checkpointed.
     """
     # Everything is checked before the module is touched: a refused call leaves it as it was,
     # so a corrected retry works.
@@ -360,6 +402,16 @@ def remove_checkpointing(module: torch.nn.Module) -> torch.nn.Module:
     and pending budget plans are removed; each module runs its class's own forward again. State
     dict keys never changed, so nothing else needs restoring. A module sac_plugin never touched
     is refused, so that a wrong object is noticed rather than silently accepted.
+
+    Args:
+        module: A module that sac_plugin checkpointed, or one with such submodules.
+
+    Returns:
+        `module`, as its classes define it.
+
+    Raises:
+        TypeError: `module` is not a `torch.nn.Module`.
+        ValueError: sac_plugin installed nothing on `module` or its submodules.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(

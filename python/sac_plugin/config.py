@@ -43,18 +43,21 @@ inputs, so budget and offload_inputs together are refused.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch import nn
 
 from .policy import MAX_EVERY_NTH, Policy, bounded_repr, describe_value
-from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
+from .targets import KeptCallables, KeptOps, RecomputeTargetMap
+from .units import RecomputeUnit
 
-__all__ = ["ConfigError", "RecomputeConfig", "check_target_map", "policy_for"]
+__all__ = ["ConfigError", "RecomputeConfig"]
 
 # A force-recomputed module runs in a unit of this prefix and its path, which the policy recomputes.
 RECOMPUTE_UNIT_PREFIX = "recompute:"
@@ -80,6 +83,42 @@ _HAND_SELECTION_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class RecomputeConfig:
+    """What a training config file says about checkpointing; every field is checked on construction.
+
+    Unset, a config keeps nothing: full recompute of every layer. The fields select what the
+    checkpointed layers keep (units, ops, every_nth_op, regions), offload (offloaded_*), force to
+    recompute, and which layers are checkpointed; a `budget` or a `peak_bytes` chooses by
+    measurement instead of by hand. `sac_plugin.apply_recompute_config` applies one to a model.
+
+    Args:
+        units: Units to keep, which the model's target map resolves to ops or callables.
+        ops: Op names to keep in every checkpointed layer.
+        every_nth_op: `{op: n}`: keep every n-th call of the op in each region.
+        every_nth_layer: Checkpoint every n-th layer, from `first_layer`.
+        first_layer: Index of the first checkpointed layer.
+        layer_ratio: The fraction of the layers to checkpoint, spread evenly from layer 0; set it
+            alone, without every_nth_layer or first_layer.
+        force_recompute_modules: Paths of submodules (in a layer) that are always recomputed.
+        preserve_rng_state: torch.utils.checkpoint's: whether the recompute replays random numbers.
+        budget: What the checkpointed layers may keep: a fraction of their activation bytes
+            without checkpointing, or bytes. The layers are profiled and keep what saves the most
+            recompute time within it (`sac_plugin.plan`).
+        peak_bytes: Plan the whole training step for this peak of allocated device bytes
+            (`sac_plugin.plan_step`); applying the config then needs the step.
+        offloaded_units: Units whose outputs are held in pinned host memory until the backward.
+        offloaded_ops: Op names whose outputs are held in pinned host memory until the backward.
+        offload_min_bytes: Outputs smaller than this stay on the device.
+        host_memory_limit: Bytes of host memory offloaded outputs may hold at once; None: no limit.
+        regions: torch_remat region names or patterns to keep, passed to the policy as written.
+        recomputed_regions: Region names or patterns that are always recomputed.
+        offloaded_regions: Region names or patterns to offload.
+        pin_routing: Serve MoE routing decisions from the forward (`Policy`'s pin_routing).
+        offload_inputs: Also hold the checkpointed layers' inputs in pinned host memory.
+
+    Raises:
+        ConfigError: A field is invalid, or set fields contradict each other.
+    """
+
     units: tuple[RecomputeUnit, ...] = ()
     ops: tuple[str, ...] = ()
     every_nth_op: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -192,7 +231,7 @@ class RecomputeConfig:
                 f"recompute config: preserve_rng_state must be true or false, got {bounded_repr(self.preserve_rng_state)}"
             )
         if self.budget is not None:
-            from .planner import check_budget
+            from .planner._plan import check_budget
 
             try:
                 check_budget(self.budget)
@@ -235,6 +274,11 @@ class RecomputeConfig:
     # --- files -----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
+        """The config as a mapping of every field to plain values (lists, not tuples).
+
+        Returns:
+            A dict that `from_dict` reads back to an equal config.
+        """
         return {
             "units": [unit.value for unit in self.units],
             "ops": list(self.ops),
@@ -259,6 +303,17 @@ class RecomputeConfig:
 
     @classmethod
     def from_dict(cls, data) -> RecomputeConfig:
+        """A config from a mapping of field names to values; fields left out keep their defaults.
+
+        Args:
+            data: The mapping, as a parsed config file gives it.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: `data` is not a mapping, has an unknown key, or a value is invalid.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(f"recompute config: expected a mapping of keys to values, got {type(data).__name__}")
         if len(data) > MAX_LIST_ENTRIES:
@@ -287,10 +342,27 @@ class RecomputeConfig:
         return cls(**values)
 
     def to_json(self) -> str:
+        """The config as JSON text.
+
+        Returns:
+            `to_dict()` as indented JSON, ending with a newline.
+        """
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> RecomputeConfig:
+        """A config from the text of a JSON file.
+
+        Args:
+            text: The JSON text: one object whose keys are fields.
+
+        Returns:
+            The config.
+
+        Raises:
+            TypeError: `text` is not a str.
+            ConfigError: The text is not valid JSON, gives a key twice, or its config is invalid.
+        """
         _check_text(text, "from_json")
         try:
             data = json.loads(text, object_pairs_hook=_unique_keys)
@@ -301,12 +373,29 @@ class RecomputeConfig:
         return cls.from_dict(data)
 
     def to_yaml(self) -> str:
+        """The config as YAML text (needs pyyaml).
+
+        Returns:
+            `to_dict()` as block-style YAML, in field order.
+        """
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
     @classmethod
     def from_yaml(cls, text: str) -> RecomputeConfig:
+        """A config from the text of a YAML file (needs pyyaml); an empty file is the default config.
+
+        Args:
+            text: The YAML text: one mapping whose keys are fields.
+
+        Returns:
+            The config.
+
+        Raises:
+            TypeError: `text` is not a str.
+            ConfigError: The text is not valid YAML, gives a key twice, or its config is invalid.
+        """
         import yaml
 
         _check_text(text, "from_yaml")
@@ -327,6 +416,18 @@ class RecomputeConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> RecomputeConfig:
+        """A config from a .json, .yaml or .yml file, read as UTF-8.
+
+        Args:
+            path: The file.
+
+        Returns:
+            The config.
+
+        Raises:
+            TypeError: `path` is not a str or os.PathLike.
+            ConfigError: The file has another suffix, cannot be read, or its config is invalid.
+        """
         path = _path_of(path, "load")
         parse = getattr(cls, "from_" + cls._format_of(path))
         try:
@@ -343,6 +444,15 @@ class RecomputeConfig:
         return parse(text)
 
     def save(self, path: str | Path) -> None:
+        """Writes the config to a .json, .yaml or .yml file, in the format its suffix names.
+
+        Args:
+            path: The file.
+
+        Raises:
+            TypeError: `path` is not a str or os.PathLike.
+            ConfigError: The file has another suffix.
+        """
         path = _path_of(path, "save")
         path.write_text(getattr(self, "to_" + self._format_of(path))(), encoding="utf-8")
 
@@ -352,6 +462,15 @@ class RecomputeConfig:
         """Indices of the wrap sites that are checkpointed, out of `count` (see the module docstring).
 
         every_nth_layer=2 of 4 is [0, 2]; with first_layer=1 it is [1, 3] (Modalities' ac_freq=2).
+
+        Args:
+            count: How many wrap sites (layers) the model has.
+
+        Returns:
+            The checkpointed indices, ascending.
+
+        Raises:
+            ConfigError: first_layer is not one of the `count` layers.
         """
         if self.layer_ratio is not None:
             chosen = max(1, round(count * self.layer_ratio)) if count else 0
@@ -474,7 +593,7 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 ops = target.resolve()
                 Policy(kept_ops=ops)
             except ValueError as error:
-                raise ConfigError(f"{where}: {error}") from None
+                raise ConfigError(f"{where}: {_policy_error_text(error)}") from None
             if not ops:
                 raise ConfigError(f"{where} is empty: it names no op")
         elif isinstance(target, KeptCallables):
@@ -485,6 +604,18 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 raise ConfigError(f"{where}: {list(target.paths)} match nothing in {', '.join(names)}")
         else:
             raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
+
+
+# A Policy error opens with the library's prefix and the Policy argument it concerns ("sac:
+# kept_ops: ..."); a config error names the config's own field instead, so that it reads with one prefix.
+_POLICY_ERROR_PREFIX = re.compile(
+    r"^(?:sac_plugin|sac): (?:(?:" + "|".join(name for name in inspect.signature(Policy).parameters) + r"): )?"
+)
+
+
+def _policy_error_text(error: Exception) -> str:
+    """What a Policy error says, without the prefixes a config error replaces."""
+    return _POLICY_ERROR_PREFIX.sub("", str(error), count=1)
 
 
 def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[set[str], list[str]]:
@@ -534,4 +665,4 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
             if any(op in text for op in config.ops)
             else "every_nth_op"
         )
-        raise ConfigError(f"recompute config: {field}: {error}") from None
+        raise ConfigError(f"recompute config: {field}: {_policy_error_text(error)}") from None

@@ -33,7 +33,12 @@ OFFLOAD_STATS = (
 
 
 class ActivationMemory(_observers.Observer):
-    """What a `track_activation_memory` block saw; `bytes()` counts it."""
+    """What a `track_activation_memory` block saw; `bytes()` counts it.
+
+    Args:
+        parameters: Tensors whose storages are not activations (the model's parameters): the
+            count leaves them out wherever they are saved.
+    """
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._saved: list[torch.Tensor] = []
@@ -42,6 +47,12 @@ class ActivationMemory(_observers.Observer):
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
 
     def add_source(self, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Counts more tensors as activations: those another mechanism holds for the backward
+        (torch's own selective-checkpointing caches, say).
+
+        Args:
+            tensors: Called by each `bytes()`; returns the tensors held at that moment.
+        """
         self._extra.append(tensors)
 
     def _tensors(self):
@@ -52,6 +63,14 @@ class ActivationMemory(_observers.Observer):
             yield from source()
 
     def bytes(self) -> int:
+        """Bytes of the unique storages held for the backward, parameters left out.
+
+        Counts the tensors autograd saved in the block, the outputs sac_plugin's regions keep on
+        the device, and the added sources' tensors; a storage several of them share counts once.
+
+        Returns:
+            The byte count.
+        """
         storages = {}
         for tensor in self._tensors():
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -64,19 +83,46 @@ class ActivationMemory(_observers.Observer):
         return sum(storages.values())
 
     def region_created(self, region) -> None:
+        """Counts a region made inside the block: the regions report what they keep.
+
+        Args:
+            region: The `sac_plugin.Region`.
+        """
         self._regions.append(region)
 
     def kept_by_plugin(self) -> int:
+        """Device bytes the block's regions keep for the backward (part of `bytes()`).
+
+        Returns:
+            The sum of the regions' `kept_bytes`.
+        """
         return sum(region.kept_bytes for region in self._regions)
 
     def offloaded_by_plugin(self) -> int:
-        """Pinned host bytes the plugin's offloaded outputs hold (not counted by bytes())."""
+        """Pinned host bytes the plugin's offloaded outputs hold (not counted by bytes()).
+
+        Returns:
+            The sum of the regions' `offloaded_bytes`.
+        """
         return sum(region.offloaded_bytes for region in self._regions)
 
 
 @contextlib.contextmanager
 def track_activation_memory(parameters: Iterable[torch.Tensor] = ()):
-    """with track_activation_memory(model.parameters()) as memory: loss = model(x) ...; memory.bytes()"""
+    """Context manager that counts the activation memory a forward holds for its backward.
+
+    ```python
+    with track_activation_memory(model.parameters()) as memory:
+        loss = model(x).sum()
+    print(memory.bytes())
+    ```
+
+    Args:
+        parameters: The model's parameters, which the count leaves out.
+
+    Yields:
+        The `ActivationMemory` that counts what the block saves.
+    """
     memory = ActivationMemory(parameters)
 
     def pack(tensor):
@@ -93,10 +139,20 @@ def offload_stats() -> dict[str, int]:
     pinned pool]: pinned bytes it holds, of them in use by offloaded outputs and cached for reuse,
     buffers it has allocated, idle buffers it has freed and their bytes), and exposed_copy_us: how long
     the compute streams waited for copies back, summed over the serves whose copy events have
-    completed (on an accelerator whose events carry times: CUDA, the test accelerator)."""
+    completed (on an accelerator whose events carry times: CUDA, the test accelerator).
+
+    Returns:
+        Each counter by name: copies_to_host, bytes_to_host, copies_to_device, bytes_to_device,
+            pool_bytes, pool_bytes_in_use, pool_bytes_cached, pool_allocations, pool_trims,
+            pool_bytes_trimmed and exposed_copy_us.
+    """
     return dict(zip(OFFLOAD_STATS, torch.ops.sac.offload_stats()))
 
 
 def empty_offload_pool() -> int:
-    """Frees the pinned pool's idle buffers (those no copy uses any more); returns the bytes freed."""
+    """Frees the pinned pool's idle buffers (those no copy uses any more).
+
+    Returns:
+        The bytes freed.
+    """
     return torch.ops.sac.empty_offload_pool()

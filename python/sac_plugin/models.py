@@ -1,6 +1,10 @@
 """Small reference models that declare recompute units the way real models do, each with its
 target map: GPT opens its units in code; Llama and MoEModel declare them by a map
-(`recompute_targets`), the way a model one cannot edit does."""
+(`recompute_targets`), the way a model one cannot edit does.
+
+They are public and stable: the command line (`python -m sac_plugin plan`), the examples and the
+documentation plan and measure them, and a model of one's own can copy how they declare units.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ LLAMA_TARGETS = RecomputeTargetMap(
         RecomputeUnit.NORM: KeptCallables(["attention_norm", "ffn_norm"]),
     },
 )
+"""Llama's units: attention as ops, the SwiGLU MLP and the two norms as callables."""
 
 MOE_TARGETS = RecomputeTargetMap(
     "MoEModel",
@@ -45,7 +50,11 @@ MOE_TARGETS = RecomputeTargetMap(
     },
 )
 
+"""MoEModel's units: attention as ops, the router's gate and the experts as callables, and the
+dispatch's sort and counts as ops, so that a recompute routes as the forward did."""
+
 SHIPPED_TARGET_MAPS = (LLAMA_TARGETS, MOE_TARGETS)
+"""The target maps these models declare, for checks that walk every shipped map."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,6 +91,14 @@ class MLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
+    """One GPT layer: pre-norm attention and MLP, each with a residual; it opens its units in code.
+
+    Args:
+        dim: The model width.
+        heads: Attention heads; they divide `dim`.
+        dropout: Dropout after the attention and the MLP projections.
+    """
+
     def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
@@ -90,12 +107,29 @@ class GPTBlock(nn.Module):
         self.mlp = MLP(dim, dropout)
 
     def forward(self, x):
+        """Runs the layer.
+
+        Args:
+            x: Activations, (batch, seq, dim).
+
+        Returns:
+            The layer's output, shaped as `x`.
+        """
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    """A GPT-2-style decoder: units "attn" (qkv projection + attention) and "mlp" (fc + GELU)."""
+    """A GPT-2-style decoder: units "attn" (qkv projection + attention) and "mlp" (fc + GELU).
+
+    Args:
+        vocab: Vocabulary size.
+        dim: The model width.
+        heads: Attention heads; they divide `dim`.
+        layers: How many GPTBlock layers (`blocks`).
+        seq: The longest sequence (learned positions).
+        dropout: Dropout after the attention and the MLP projections.
+    """
 
     def __init__(
         self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 4, seq: int = 128, dropout: float = 0.0
@@ -108,6 +142,14 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
+        """The logits of each next token.
+
+        Args:
+            tokens: Token ids, (batch, seq) with seq at most the model's `seq`.
+
+        Returns:
+            Logits, (batch, seq, vocab).
+        """
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
@@ -115,6 +157,15 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, tokens, targets):
+        """The cross-entropy of the next-token logits.
+
+        Args:
+            tokens: Token ids, (batch, seq).
+            targets: The expected next tokens, (batch, seq).
+
+        Returns:
+            The mean loss, a scalar tensor.
+        """
         logits = self(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
@@ -134,6 +185,17 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, seq: int, theta: float = 10000.0, device=None):
+    """The cosine and sine tables of rotary position embeddings, as Llama and its blocks take them.
+
+    Args:
+        head_dim: The width of one attention head (even).
+        seq: The longest sequence.
+        theta: The rotary base.
+        device: Where the tables are made; None: the default device.
+
+    Returns:
+        `(cos, sin)`, each (seq, head_dim // 2), float32.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
@@ -178,6 +240,15 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    """One Llama layer: RMSNorm, rotary attention through SDPA, RMSNorm, SwiGLU MLP, with residuals.
+
+    Args:
+        dim: The model width.
+        heads: Attention heads.
+        hidden: The SwiGLU width; None: 4 * dim.
+        kv_heads: Key and value heads (grouped-query attention); None: `heads`.
+    """
+
     def __init__(self, dim: int, heads: int, hidden: int | None = None, kv_heads: int | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(dim)
@@ -186,13 +257,32 @@ class LlamaBlock(nn.Module):
         self.feed_forward = SwiGLU(dim, hidden or 4 * dim)
 
     def forward(self, x, cos, sin):
+        """Runs the layer.
+
+        Args:
+            x: Activations, (batch, seq, dim).
+            cos: The rotary cosine table (`rotary_tables`).
+            sin: The rotary sine table.
+
+        Returns:
+            The layer's output, shaped as `x`.
+        """
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
     """A Llama-style dense decoder: RMSNorm, rotary attention through SDPA, SwiGLU MLP. Its
-    recompute units are declared by LLAMA_TARGETS, not opened in code."""
+    recompute units are declared by LLAMA_TARGETS, not opened in code.
+
+    Args:
+        vocab: Vocabulary size.
+        dim: The model width.
+        heads: Attention heads.
+        layers: How many LlamaBlock layers (`layers`).
+        seq: The longest sequence (the rotary tables' length).
+        kv_heads: Key and value heads (grouped-query attention); None: `heads`.
+    """
 
     recompute_targets = LLAMA_TARGETS
 
@@ -215,16 +305,37 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def recompute_wrap_sites(self):
-        """Where checkpointing applies: every decoder layer."""
+        """Where checkpointing applies: every decoder layer.
+
+        Returns:
+            The layers, first to last.
+        """
         return list(self.layers)
 
     def forward(self, tokens):
+        """The logits of each next token.
+
+        Args:
+            tokens: Token ids, (batch, seq) with seq at most the model's `seq`.
+
+        Returns:
+            Logits, (batch, seq, vocab).
+        """
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x))
 
     def loss(self, tokens, targets):
+        """The cross-entropy of the next-token logits, computed in float32.
+
+        Args:
+            tokens: Token ids, (batch, seq).
+            targets: The expected next tokens, (batch, seq).
+
+        Returns:
+            The mean loss, a scalar tensor.
+        """
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -278,6 +389,16 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
+    """One MoE layer: Llama's attention, then a top-k routed mixture of SwiGLU experts (`moe`).
+
+    Args:
+        dim: The model width.
+        heads: Attention heads.
+        hidden: Each expert's SwiGLU width; None: 2 * dim.
+        experts: How many experts.
+        top_k: How many experts each token is routed to.
+    """
+
     def __init__(self, dim: int, heads: int, hidden: int | None = None, experts: int = 4, top_k: int = 2):
         super().__init__()
         self.attention_norm = RMSNorm(dim)
@@ -286,13 +407,33 @@ class MoEBlock(nn.Module):
         self.moe = MoE(dim, hidden or 2 * dim, experts, top_k)
 
     def forward(self, x, cos, sin):
+        """Runs the layer.
+
+        Args:
+            x: Activations, (batch, seq, dim).
+            cos: The rotary cosine table (`rotary_tables`).
+            sin: The rotary sine table.
+
+        Returns:
+            The layer's output, shaped as `x`.
+        """
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.moe(self.ffn_norm(x))
 
 
 class MoEModel(Llama):
     """A MoE decoder: Llama attention, and a top-k routed MoE of SwiGLU experts. Its recompute
-    units are declared by MOE_TARGETS."""
+    units are declared by MOE_TARGETS.
+
+    Args:
+        vocab: Vocabulary size.
+        dim: The model width.
+        heads: Attention heads.
+        layers: How many MoEBlock layers (`layers`).
+        seq: The longest sequence (the rotary tables' length).
+        experts: How many experts each layer has.
+        top_k: How many experts each token is routed to.
+    """
 
     recompute_targets = MOE_TARGETS
 

@@ -14,25 +14,23 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ._forwards import run_in_unit
 from .policy import describe_value, resolve_kept_ops
 from .units import RecomputeUnit
 
-__all__ = [
-    "ATTENTION_OPS",
-    "KeptCallables",
-    "KeptOps",
-    "RecomputeTargetMap",
-    "RecomputeUnit",
-    "default_target_map",
-    "run_in_unit",
-]
+__all__ = ["ATTENTION_OPS", "KeptCallables", "KeptOps", "RecomputeTargetMap"]
 
 
 @dataclass(frozen=True)
 class KeptOps:
     """A unit resolved to op names. Spellings a build lacks are skipped (list the flash-attention
-    v2 and v3 spellings together); at least one must resolve."""
+    v2 and v3 spellings together); at least one must resolve.
+
+    Args:
+        ops: Op names, as `Policy(kept_ops=...)` spells them ("aten::mm", "aten::mm.default").
+
+    Raises:
+        TypeError: `ops` is a single str or not a collection of non-empty strs.
+    """
 
     ops: tuple[str, ...]
 
@@ -40,6 +38,14 @@ class KeptOps:
         object.__setattr__(self, "ops", _strings(ops, "KeptOps: ops", "['aten::mm']"))
 
     def resolve(self) -> frozenset[str]:
+        """The op names this build registers.
+
+        Returns:
+            The names of `ops` that resolve here; empty when `ops` is.
+
+        Raises:
+            ValueError: `ops` is not empty and none of its names resolves.
+        """
         return resolve_kept_ops(self.ops) if self.ops else frozenset()
 
 
@@ -47,7 +53,14 @@ class KeptOps:
 class KeptCallables:
     """A unit resolved to callables, by path from a wrap site (a layer): "feed_forward" (a
     submodule: its forward runs inside the unit), "moe.dispatch" (a method), "moe.experts.*"
-    (every child of a container; fnmatch patterns per segment)."""
+    (every child of a container; fnmatch patterns per segment).
+
+    Args:
+        paths: Dotted paths from the wrap site to the callables.
+
+    Raises:
+        TypeError: `paths` is a single str or not a collection of non-empty strs.
+    """
 
     paths: tuple[str, ...]
 
@@ -55,7 +68,14 @@ class KeptCallables:
         object.__setattr__(self, "paths", _strings(paths, "KeptCallables: paths", "['feed_forward']"))
 
     def find(self, site: nn.Module) -> list[tuple[object, str]]:
-        """(owner, attribute) of every callable the paths name under `site`."""
+        """The callables the paths name under `site`.
+
+        Args:
+            site: The wrap site (a layer) the paths start from.
+
+        Returns:
+            `(owner, attribute)` of each callable found; a path that matches nothing adds none.
+        """
         found = []
         for path in self.paths:
             found.extend(_find(site, path.split(".")))
@@ -66,7 +86,17 @@ UnitTarget = KeptOps | KeptCallables
 
 
 class RecomputeTargetMap(Mapping):
-    """A model's table: unit -> KeptOps or KeptCallables."""
+    """A model's table: unit -> KeptOps or KeptCallables; a read-only mapping keyed by unit.
+
+    Args:
+        model_name: What error messages call the model ("Llama").
+        targets: What each unit means for the model. Keys are RecomputeUnit members or their
+            values ("attn").
+
+    Raises:
+        TypeError: `model_name` is not a non-empty str, or a target is neither KeptOps nor KeptCallables.
+        ValueError: A key is not a unit.
+    """
 
     def __init__(self, model_name: str, targets: Mapping[RecomputeUnit, UnitTarget]):
         if not isinstance(model_name, str) or not model_name:
@@ -152,6 +182,8 @@ ATTENTION_OPS = KeptOps(
         "aten::_efficient_attention_forward",
     ]
 )
+"""Attention as ops: every spelling of scaled dot-product attention a build may have (the ones a
+build lacks are skipped), for a target map's attention unit."""
 
 
 def default_target_map(model: nn.Module) -> RecomputeTargetMap:

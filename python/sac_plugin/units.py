@@ -14,7 +14,6 @@ from .policy import check_unit_name, describe_value
 
 __all__ = [
     "RecomputeUnit",
-    "UNIT_ANNOTATION_PREFIX",
     "in_recompute_unit",
     "install_remat_regions",
     "open_units",
@@ -96,11 +95,23 @@ def _unit_id(name: str) -> int:
 def recompute_unit(name: str):
     """Context manager: ops run inside are part of unit `name` (units nest).
 
+    ```python
     with recompute_unit("attn"):
         out = attention(q, k, v)
+    ```
 
     Eager code opens the unit in C++; inside torch.compile the unit becomes node metadata that
     the compiled region's selection honours.
+
+    Args:
+        name: The unit, as policies name it ("attn", or any non-empty name).
+
+    Returns:
+        A context manager that opens the unit on entry and closes it on exit.
+
+    Raises:
+        TypeError: `name` is not a str.
+        ValueError: `name` is empty or not a valid unit name.
     """
     check_unit_name(name, "recompute_unit: name")
     if torch.compiler.is_compiling():
@@ -109,7 +120,20 @@ def recompute_unit(name: str):
 
 
 def in_recompute_unit(name: str, fn=None):
-    """Runs a callable inside unit `name`: a decorator, or `in_recompute_unit(name, fn)`."""
+    """Runs a callable inside unit `name`: a decorator, or `in_recompute_unit(name, fn)`.
+
+    Args:
+        name: The unit, as policies name it.
+        fn: The callable to wrap; None returns a decorator instead.
+
+    Returns:
+        `fn` wrapped so that each call runs inside the unit, or, without `fn`, a decorator that
+            wraps its function so.
+
+    Raises:
+        TypeError: `name` is not a str, or what is wrapped is not callable.
+        ValueError: `name` is empty or not a valid unit name.
+    """
     check_unit_name(name, "in_recompute_unit: name")
     _unit_checks.declare(name)
 
@@ -129,7 +153,11 @@ def in_recompute_unit(name: str, fn=None):
 
 
 def open_units() -> list[str]:
-    """The units open on this thread, outermost first."""
+    """The units open on this thread, outermost first.
+
+    Returns:
+        The names of the open units.
+    """
     return list(torch.ops.sac.open_units())
 
 
@@ -217,7 +245,11 @@ def _sac_region(function, name, *, recompute):
 
 def install_remat_regions() -> bool:
     """Makes torch_remat.region open a recompute unit (NOTE: [torch_remat regions are recompute
-    units]). Returns False when torch_remat is not installed; installing twice changes nothing."""
+    units]); importing sac_plugin does this, and installing twice changes nothing.
+
+    Returns:
+        Whether torch_remat is installed and could be hooked.
+    """
     global _remat_original
     if importlib.util.find_spec("torch_remat") is None:
         return False

@@ -16,7 +16,8 @@ import torch
 from sac_plugin import ConfigError, PlanError, RecomputeConfig, StepPlan
 from sac_plugin.__main__ import main
 from sac_plugin.models import Llama
-from sac_plugin.planner import LayerProfile, OffloadModel, Plan, ProfiledCall
+from sac_plugin.planner import OffloadModel, Plan
+from sac_plugin.planner._profile import LayerProfile, ProfiledCall
 from sac_plugin.planner import _step
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
 from sac_plugin.planner._step import LayerChoice, Window, choose, lowest_peak, window_peaks

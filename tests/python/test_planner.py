@@ -21,7 +21,7 @@ from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import Llama, LlamaBlock, MoEBlock, rotary_tables
 from sac_plugin.planner import _knapsack as knapsack
-from sac_plugin.planner import split
+from sac_plugin.planner._split import split
 from torch.utils.checkpoint import checkpoint
 from torch import nn
 
@@ -650,7 +650,7 @@ def test_plot_keeps_coinciding_policies_visible(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from sac_plugin.planner import reference_policies
+    from sac_plugin.planner._reference import reference_policies
 
     block, args = llama_inputs()
     plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)

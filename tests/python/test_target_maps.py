@@ -47,7 +47,7 @@ def test_a_renamed_method_fails_the_check():
 
 def test_a_renamed_op_fails_the_check():
     renamed = RecomputeTargetMap("Llama", {RecomputeUnit.ATTN: KeptOps(["aten::_flash_attention_v9"])})
-    with pytest.raises(ConfigError, match=r"^target map of Llama: unit 'attn': sac: none of the op names resolves"):
+    with pytest.raises(ConfigError, match=r"^target map of Llama: unit 'attn': none of the op names resolves"):
         check_target_map(renamed)
 
 

@@ -51,15 +51,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _layers
-from .._forwards import checkpoint_call
+from .._forwards import checkpoint_call, run_in_unit
 from .._logging import describe_layers
 from .._logging import logger as _logger
 from ..checkpointing import context_fn
 from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
-from ..planner import Plan, plan, split, total_budget_bytes
+from ..planner import Plan, plan
+from ..planner._split import split, total_budget_bytes
 from ..planner._apply import _capture_inputs, layer_signature
 from ..policy import bounded_repr, describe_value
-from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, run_in_unit
+from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
+from ..units import RecomputeUnit
 
 __all__ = [
     "apply_recompute_config",
@@ -128,7 +130,14 @@ HF_TARGET_MAPS: Mapping[str, RecomputeTargetMap] = {
 
 
 def is_hf_model(model) -> bool:
-    """A transformers model, told without importing transformers."""
+    """Whether `model` is a transformers model, told without importing transformers.
+
+    Args:
+        model: Any object.
+
+    Returns:
+        True for an `nn.Module` from transformers with a config that names its model_type.
+    """
     return (
         isinstance(model, nn.Module)
         and type(model).__module__.startswith("transformers.")
@@ -143,7 +152,17 @@ def _model_type(model: nn.Module):
 
 def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     """The target map for a transformers model: the shipped one for its config.model_type, else
-    one derived from its layers (derived_target_map)."""
+    one derived from its layers (derived_target_map).
+
+    Args:
+        model: The transformers model.
+
+    Returns:
+        The model's target map.
+
+    Raises:
+        ConfigError: No map ships for the model type, and none can be derived.
+    """
     model_type = _model_type(model)
     if model_type in HF_TARGET_MAPS:
         return HF_TARGET_MAPS[model_type]
@@ -260,7 +279,18 @@ _logged_derived_maps: set = set()
 
 def derived_target_map(model: nn.Module, layers: list[nn.Module] | None = None) -> RecomputeTargetMap:
     """A target map derived from the structure of the model's layers (the module docstring says
-    how); units found in no layer are absent. Logged at INFO once per model class."""
+    how); units found in no layer are absent. Logged at INFO once per model class.
+
+    Args:
+        model: The transformers model.
+        layers: The layers to derive from; None: `decoder_layers(model)`.
+
+    Returns:
+        The derived map, named "<model_type> (Hugging Face, derived)".
+
+    Raises:
+        ConfigError: The layers have no attention, MLP or norm children, or no layers are found.
+    """
     layers = decoder_layers(model) if layers is None else layers
     moe = _declares_experts(model)
     paths: dict[RecomputeUnit, list[str]] = {}
@@ -302,7 +332,17 @@ def _is_checkpointing_layer(module: nn.Module) -> bool:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated layers (decoder or encoder), in order: the outermost modules
     transformers itself checkpoints (GradientCheckpointingLayer), or else the longest ModuleList
-    of one class. Never embeddings or heads."""
+    of one class. Never embeddings or heads.
+
+    Args:
+        model: The transformers model.
+
+    Returns:
+        The layers, first to last.
+
+    Raises:
+        ConfigError: The model has neither.
+    """
     layers, outer = [], []
     for name, module in model.named_modules():
         if _is_checkpointing_layer(module) and not any(name.startswith(prefix + ".") for prefix in outer):
@@ -557,6 +597,21 @@ def apply_recompute_config(
     the plugin's policy: transformers then also turns the KV cache off in training, as its
     gradient checkpointing does, so that the recompute does not write the cache a second time.
     sac_plugin.apply_recompute_config(model, config) calls this for a transformers model.
+
+    Args:
+        model: The transformers model.
+        config: What to keep and which layers to checkpoint; None keeps nothing (full recompute).
+        target_map: What the config's units mean for the model; None: `target_map_for(model)`.
+        wrap_sites: The layers to checkpoint, a list of modules; None: `decoder_layers(model)`.
+        example_inputs: The keyword batch the model takes, on which a budget is planned.
+
+    Returns:
+        `model`, its selected layers checkpointed.
+
+    Raises:
+        TypeError: `model` is not a transformers model, or an argument has the wrong type.
+        ConfigError: The config cannot be applied to the model (a unit it lacks, example_inputs
+            without a budget, a layer already checkpointed).
     """
     _check_model(model, "huggingface.apply_recompute_config")
     if config is not None and not isinstance(config, RecomputeConfig):
@@ -837,6 +892,21 @@ def gradient_checkpointing_kwargs(
     what the config keeps through the plugin (on this model: it is the model whose
     activation_checkpointing_enable this leaves the plugin's). A budget is planned per layer: use
     apply_recompute_config.
+
+    Args:
+        model: The transformers model.
+        config: What to keep; it selects every layer. None keeps nothing (full recompute).
+        target_map: What the config's units mean for the model; None: `target_map_for(model)`.
+        wrap_sites: The layers the units are installed on; None: `decoder_layers(model)`.
+
+    Returns:
+        The kwargs (use_reentrant, context_fn, preserve_rng_state) for transformers'
+            `activation_checkpointing_kwargs` (or `gradient_checkpointing_kwargs`).
+
+    Raises:
+        TypeError: `model` is not a transformers model, or `config` is not a RecomputeConfig.
+        ConfigError: The config sets a budget or selects fewer than every layer, or cannot be
+            applied to the model.
     """
     _check_model(model, "huggingface.gradient_checkpointing_kwargs")
     config = RecomputeConfig() if config is None else config

@@ -29,10 +29,12 @@ import warnings
 import torch
 from torch import nn
 
+from .._forwards import run_in_unit
 from ..checkpointing import apply_selective_checkpointing
 from ..policy import Policy, bounded_repr, describe_value, resolve_kept_ops
-from ..targets import run_in_unit
 
+# PluginSelectiveAC is public too, but it subclasses torchtitan's SelectiveAC and is built on first
+# use (the module's __getattr__): listing it here would make `import *` import torchtitan.
 __all__ = ["apply_ac", "cpu_debug_model", "forced_recompute_shapes", "policy_for_block", "save_ops", "save_ops_of"]
 
 FORCED_RECOMPUTE_UNIT = "torchtitan_forced_recompute"
@@ -73,7 +75,11 @@ def save_ops() -> list[str]:
     """torchtitan's save list in plugin names, collectives left out: the `.default` overload of
     each op in torch's partitioner list of compute-intensive ops, plus torchtitan's own additions
     that this installation registers. `aten::mm.default` is among them: it gets its every-second
-    rule instead of a kept-op entry (policy_for_block)."""
+    rule instead of a kept-op entry (policy_for_block).
+
+    Returns:
+        The op names, sorted.
+    """
     from torch._functorch.partitioners import get_default_op_list
 
     names = {f"{op._qualified_op_name}.default" for op in get_default_op_list().compute_intensive_ops}
@@ -82,7 +88,19 @@ def save_ops() -> list[str]:
 
 def forced_recompute_shapes(block: nn.Module, fqns, base_fqn: str | None = None) -> set[tuple[int, int]]:
     """torchtitan's rule: the (out, in) weight shapes of the block's nn.Linear modules whose FQN
-    (base_fqn.module_path) contains any of `fqns`. A match that is not an nn.Linear is refused."""
+    (base_fqn.module_path) contains any of `fqns`. A match that is not an nn.Linear is refused.
+
+    Args:
+        block: The block (a layer of model.layers).
+        fqns: Substrings of module names, torchtitan's force_recompute_mm_shapes_by_fqns.
+        base_fqn: The block's own name in the model, prefixed to its modules' paths.
+
+    Returns:
+        The weight shapes, as (out_features, in_features).
+
+    Raises:
+        ValueError: A module that matches is not an nn.Linear.
+    """
     shapes = set()
     for path, module in block.named_modules():
         fqn = f"{base_fqn}.{path}" if base_fqn else path
@@ -118,7 +136,17 @@ def save_ops_of(ops) -> list[str]:
     """A torchtitan save set (what `SelectiveAC.get_save_ops()` returns: op overloads, and
     higher-order ops) in plugin names, such as "aten::mm.default". Higher-order ops (flex
     attention, inductor's compiled code) are left out: they are not dispatcher ops, and the
-    plugin sees the aten ops inside them. Collectives stay in; policy_for_block leaves them out."""
+    plugin sees the aten ops inside them. Collectives stay in; policy_for_block leaves them out.
+
+    Args:
+        ops: The save set: OpOverload, OpOverloadPacket and HigherOrderOperator objects.
+
+    Returns:
+        The op names, sorted.
+
+    Raises:
+        TypeError: `ops` is not a collection of ops.
+    """
     if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
         raise TypeError(
             f"sac_plugin: torchtitan: get_save_ops() must return a set of ops such as "
@@ -157,7 +185,23 @@ def policy_for_block(
     (offloaded_ops, offload_min_bytes, host_memory_limit); the ops of the save list it names are
     offloaded instead of kept. `saved`: the save set in plugin names (save_ops_of), None for
     torchtitan's default (save_ops()); `aten::mm.default` in it gets the every-second rule, and
-    without it no matmul is kept, as torchtitan's policy does."""
+    without it no matmul is kept, as torchtitan's policy does.
+
+    Args:
+        block: The block (a layer of model.layers).
+        force_recompute_fqns: torchtitan's force_recompute_mm_shapes_by_fqns.
+        base_fqn: The block's own name in the model (forced_recompute_shapes).
+        offload: Policy's offload keywords, or None to offload nothing.
+        saved: The save set in plugin names, or None for torchtitan's default.
+
+    Returns:
+        `(policy, in_units)`: the Policy, and `(owner, attribute, unit)` for each callable that
+            runs in a unit of it.
+
+    Raises:
+        TypeError: `force_recompute_fqns` is not a list of non-empty names.
+        ValueError: A forced name matches a module that is not an nn.Linear, or `offload` names aten::mm.
+    """
     offload = dict(offload or {})
     saved = save_ops() if saved is None else [name for name in saved if not _is_collective(name)]
     _check_fqns(force_recompute_fqns)
@@ -272,6 +316,20 @@ def apply_ac(
     A SelectiveAC subclass (the config's owning class) that overrides get_save_ops saves what
     that returns, as torchtitan's policy does: its ops are kept, aten::mm every second call where
     it is among them, and none where it is not.
+
+    Args:
+        model: The torchtitan model, whose `layers` are checkpointed.
+        ac_config: torchtitan's SelectiveAC.Config, FullAC.Config, or None.
+        offloaded_ops: Ops of the save list to hold in pinned host memory instead.
+        offload_min_bytes: Outputs smaller than this stay on the device.
+        host_memory_limit: Bytes of host memory offloaded outputs may hold at once; None: no limit.
+
+    Returns:
+        `model`, its blocks checkpointed.
+
+    Raises:
+        TypeError: `model` is not an nn.Module, or `ac_config` is not one of torchtitan's configs.
+        ValueError: The model has no `layers`, or the config sets what the plugin does not implement.
     """
     return _apply_ac(
         model,
@@ -408,6 +466,17 @@ def cpu_debug_model(name: str = "llama3", *, n_layers: int | None = None, seed: 
     (max-autotune) and varlen needs CUDA, so on CPU each block's inner attention is swapped for
     torchtitan's own ScaledDotProductAttention (causal, as a model called without masks asks).
     n_layers keeps the first n blocks (deepseek_v3: block 0 is dense, the rest MoE).
+
+    Args:
+        name: The model: "llama3", "deepseek_v3" or "qwen3_moe".
+        n_layers: How many blocks to keep; None keeps them all.
+        seed: The seed of the initial weights.
+
+    Returns:
+        The model, initialised, on the CPU.
+
+    Raises:
+        ValueError: `name` is not one of these models, or `n_layers` is out of range.
     """
     import importlib
 

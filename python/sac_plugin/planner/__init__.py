@@ -1,29 +1,12 @@
-"""Memory-budget planning: profile a layer, keep (or offload) what saves the most step time within
-a byte budget (`plan`), split a model's budget over its layers (`split`), plan a training step
-for a peak-memory budget (`plan_step`)."""
+"""Memory-budget planning: profile a layer and keep (or offload) what saves the most step time
+within a byte budget (`plan`, giving a `Plan`; `OffloadModel` prices the copies), or plan a whole
+training step for a peak-memory budget (`plan_step`, giving a `StepPlan`). A recompute config's
+budget is split over the model's layers by the same planner."""
 
 from __future__ import annotations
 
-from ._plan import CopyCost, OffloadModel, Plan, PlanError, check_budget, plan
-from ._profile import LayerProfile, ProfiledCall, profile_layer
-from ._reference import reference_policies
-from ._split import split, total_budget_bytes
+from ._plan import OffloadModel, Plan, PlanError, plan
 from ._step import StepPlan, plan_step
 
 
-__all__ = [
-    "CopyCost",
-    "LayerProfile",
-    "OffloadModel",
-    "Plan",
-    "PlanError",
-    "ProfiledCall",
-    "StepPlan",
-    "check_budget",
-    "plan",
-    "plan_step",
-    "profile_layer",
-    "reference_policies",
-    "split",
-    "total_budget_bytes",
-]
+__all__ = ["OffloadModel", "Plan", "PlanError", "StepPlan", "plan", "plan_step"]

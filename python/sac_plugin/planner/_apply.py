@@ -19,7 +19,16 @@ log = logging.getLogger("sac_plugin")
 
 
 def layer_signature(site: torch.nn.Module, args, kwargs) -> tuple:
-    """What makes two layers the same planning problem: type, parameters and input shapes."""
+    """What makes two layers the same planning problem: type, parameters and input shapes.
+
+    Args:
+        site: The layer.
+        args: Its positional inputs.
+        kwargs: Its keyword inputs.
+
+    Returns:
+        A hashable key, equal for two layers that plan alike.
+    """
 
     def describe(value):
         if isinstance(value, torch.Tensor):
@@ -83,6 +92,19 @@ def _capture_inputs(model, sites, example_inputs):
 
 
 def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bool) -> None:
+    """Checkpoints each wrap site with the plan a budget gives it.
+
+    With `example_inputs`, the model runs once to capture each site's inputs, each distinct layer
+    (layer_signature) is profiled once, and the total budget is split over the sites. Without
+    them each site is planned on its first call within an equal share of the budget.
+
+    Args:
+        model: The model the sites belong to, run on `example_inputs`.
+        sites: The wrap sites to checkpoint.
+        budget: RecomputeConfig.budget: a fraction of the sites' activation bytes, or bytes.
+        example_inputs: The model's positional arguments as a tuple, or (args, kwargs); or None.
+        preserve_rng_state: apply_selective_checkpointing's.
+    """
     if example_inputs is None:
         share = budget if isinstance(budget, float) else budget // max(1, len(sites))
         cache: dict = {}

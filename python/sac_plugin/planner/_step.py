@@ -395,7 +395,21 @@ def _run(step: Callable[[], object], model, layers, names, device, *, capture: b
 
 class StepPlan:
     """A training step's plan: one LayerChoice per layer in forward order, the profiled step's
-    windows, the budget, the modelled peak and the peak measured with the plan applied."""
+    windows, the budget, the modelled peak and the peak measured with the plan applied.
+
+    `plan_step` makes one, and `StepPlan.load` reads one back; the constructor is theirs.
+
+    Args:
+        peak_bytes: The budget: the device's peak allocated bytes over the step.
+        windows: The profiled step's windows (kind, layer, peak): each layer's forward, the head
+            (loss and its backward), each layer's backward, with the peak full recompute reached.
+        layers: One choice per layer (name, plan, offload_inputs, input_bytes): the layer's
+            qualified name, the per-layer Plan it takes, whether it offloads its inputs, and the
+            device bytes of those inputs.
+        measured_peak: The step's peak measured with the plan applied; None before it ran.
+        measured_windows: Each window's peak measured with the plan applied; None before it ran.
+        offload: Whether the plan was allowed to offload.
+    """
 
     def __init__(
         self,
@@ -422,6 +436,7 @@ class StepPlan:
 
     @property
     def predicted_peak(self) -> int:
+        """The modelled peak with the plan applied: the highest window's."""
         return max(window_peaks(self.windows, self.layers))
 
     @property
@@ -436,7 +451,19 @@ class StepPlan:
 
     def apply(self, model: torch.nn.Module, *, preserve_rng_state: bool = True) -> torch.nn.Module:
         """Checkpoints each planned layer of `model` (found by its qualified name) with its policy.
-        Every layer is found and checked before any is changed."""
+        Every layer is found and checked before any is changed.
+
+        Args:
+            model: The model the plan was made for (or one of the same structure).
+            preserve_rng_state: apply_selective_checkpointing's.
+
+        Returns:
+            `model`, its planned layers checkpointed.
+
+        Raises:
+            TypeError: `model` is not a torch.nn.Module.
+            ValueError: A planned layer is missing, or is already checkpointed.
+        """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"sac_plugin: StepPlan.apply: model must be a torch.nn.Module, got {describe_value(model)}")
         modules = dict(model.named_modules())
@@ -469,6 +496,13 @@ class StepPlan:
         )
 
     def rows(self) -> list[dict]:
+        """What each layer keeps and offloads, and what that costs.
+
+        Returns:
+            One dict per layer, in forward order: name, offload_inputs, kept_calls, kept_bytes,
+                offloaded_calls, offloaded_bytes (its inputs included where it offloads them),
+                held_bytes and overhead_seconds.
+        """
         return [
             {
                 "name": c.name,
@@ -485,7 +519,11 @@ class StepPlan:
 
     def table(self) -> str:
         """Per layer what it keeps and offloads and what that costs; per window the measured
-        full-recompute peak and the plan's modelled one."""
+        full-recompute peak and the plan's modelled one.
+
+        Returns:
+            The table, as text.
+        """
         lines = [
             repr(self),
             f"{'layer':<28}{'inputs':>8}{'kept':>6}{'kept MiB':>10}{'offloaded':>10}{'host MiB':>10}"
@@ -514,7 +552,20 @@ class StepPlan:
     def plot(self, path, *, layer: str | None = None, title: str | None = None) -> Path:
         """A PNG of the step's memory: each window's measured full-recompute peak and this plan's
         modelled one, against the budget and the measured peak. With `layer` (a planned layer's
-        name), that layer's Pareto curve instead (Plan.plot)."""
+        name), that layer's Pareto curve instead (Plan.plot). Needs matplotlib.
+
+        Args:
+            path: The PNG file to write.
+            layer: A planned layer's qualified name, or None for the whole step.
+            title: The plot's title; None: a default.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: `layer` is not a planned layer.
+            ImportError: matplotlib is not installed.
+        """
         if layer is not None:
             by_name = {c.name: c for c in self.layers}
             if layer not in by_name:
@@ -565,6 +616,11 @@ class StepPlan:
     # --- files ------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
+        """The plan as plain data: the step plan file's JSON object.
+
+        Returns:
+            A dict that `from_dict` reads back to an equal plan.
+        """
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -586,17 +642,51 @@ class StepPlan:
         }
 
     def save(self, path) -> Path:
+        """Writes the plan as a JSON step plan file.
+
+        Args:
+            path: The file.
+
+        Returns:
+            The path written.
+
+        Raises:
+            TypeError: `path` is not a str or os.PathLike.
+        """
         return write_plan_file(_path_of(path, "save"), self.to_dict())
 
     @classmethod
     def load(cls, path) -> StepPlan:
+        """Reads a step plan file that `save` wrote.
+
+        Args:
+            path: The file.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError: `path` is not a str or os.PathLike.
+            PlanError: The file cannot be read, or is not a valid step plan.
+        """
         path = _path_of(path, "load")
         return cls.from_dict(read_plan_file(path, "step plan file"), where=f"step plan file {path}")
 
     @classmethod
     def from_dict(cls, data, where: str = "step plan") -> StepPlan:
         """A step plan from to_dict's form; every field is checked against its declaration and
-        each layer's plan as Plan.from_dict checks it: anything wrong is a PlanError naming it."""
+        each layer's plan as Plan.from_dict checks it: anything wrong is a PlanError naming it.
+
+        Args:
+            data: The plan as to_dict gives it (a parsed step plan file).
+            where: What error messages call the data.
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanError: A field is missing, has the wrong type, or contradicts another.
+        """
         try:
             return cls._from_checked_dict(data, where)
         except plan_file.FileError as error:
@@ -818,7 +908,30 @@ def plan_step(
 
     runs and warmup are each layer's profile's (sac_plugin.plan); offload_bandwidth and
     offload_min_bytes (with offload=True) are sac_plugin.plan's too; preserve_rng_state is
-    apply_selective_checkpointing's."""
+    apply_selective_checkpointing's.
+
+    Args:
+        model: The model, on an accelerator.
+        step: Runs one forward, loss and backward of `model` when called with no arguments.
+        peak_bytes: The budget: the device's peak allocated bytes over the step.
+        layers: The layers to plan, each called once per step; None: `model.recompute_wrap_sites()`.
+        offload: Whether plans may offload outputs and the layers' inputs to pinned host memory.
+        runs: Timed forwards per layer profile.
+        warmup: Untimed forwards per layer profile, before the timed ones.
+        max_rounds: How many times the step runs with a plan applied, tightening the budget.
+        offload_bandwidth: `sac_plugin.plan`'s: (device_to_host, host_to_device) copy bandwidths in
+            bytes per second; None: measured.
+        offload_min_bytes: `sac_plugin.plan`'s: outputs smaller than this are not offloaded.
+        preserve_rng_state: apply_selective_checkpointing's.
+
+    Returns:
+        The plan, applied to the layers.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: An argument is out of range, or the model is not on an accelerator.
+        PlanError: No plan reaches `peak_bytes`; the message names the lowest reachable peak.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: plan_step: model must be a torch.nn.Module, got {describe_value(model)}")
     if not callable(step):
