@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, as one command, for a machine with a CUDA build of torch and no network (an H200
-# with torch 2.11 + CUDA 13, no GoogleTest): builds and installs the package against that
-# machine's python3 torch (build_plugin below says how), then, in this order, so that what matters
+# The GPU check, as one command, for a machine with a CUDA build of torch that may have no network
+# and no GoogleTest (for instance an H200 with torch 2.11 + CUDA 13): builds and installs the
+# package against that python3's torch (build_plugin below says how), then, in this order, so that what matters
 # most runs first if time runs out:
 #   1. the CUDA tests (tests/python/test_cuda.py);
 #   2. layer inputs offloaded, and sac_plugin.plan_step, on a stack of Llama blocks at bf16, hidden
@@ -9,13 +9,13 @@
 #      a build without the feature reports "not available in this build", not a failure);
 #   3. the benchmarks (benchmarks/) on CUDA tensors at reduced sizes: overhead, memory, one Llama
 #      block, keep / offload / recompute (bytes, step times, exposed copy time), memory budget.
-# Everything goes to one file, $OUT/gpu_check.txt under the device tool, else ./gpu_check.txt:
+# Everything goes to one file, $OUT/gpu_check.txt where OUT names an output directory, else ./gpu_check.txt:
 # what each step prints, the benchmarks' JSON results, and last a machine-readable summary, one
 # line "gpu_check summary: {JSON}" with every step's result, exit status and seconds.
 # SAC_GPU_PYTHON picks another python.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
-# This machine's CUDA torch is installed for its own python, not in a venv.
+# A CUDA torch is often installed for the system's python rather than in a venv.
 python="${SAC_GPU_PYTHON:-python3}"
 cd "$root"
 out_dir="${OUT:-$root}"
@@ -29,11 +29,11 @@ status=0
 
 command -v "$python" >/dev/null || fail "$python not found; set SAC_GPU_PYTHON to the python with CUDA torch"
 "$python" -c 'import torch' 2>/dev/null || fail "torch is not importable by $python; set SAC_GPU_PYTHON to the python with CUDA torch"
-command -v cmake >/dev/null || fail "cmake is not installed on this machine"
+command -v cmake >/dev/null || fail "cmake is not installed"
 
 # NOTE: [The GPU check's time budget]
-# A device session has 15 minutes of device time, and one command at most 10, so the whole check
-# must run in 8 minutes, leaving room to start the machine and to run it again. Each step's time
+# The check is meant for a GPU that is rented by the minute, and possibly for one command of at
+# most 10 minutes: the whole check must run in 8 minutes, leaving room to run it again. Each step's time
 # limit comes from the budget named here; steps that share a budget share its seconds (the pip
 # build and the plain CMake build it falls back to), so the budgets below are the most the steps
 # can take together. They add up to 480 s: tests/python/test_gpu_check.py holds them to it, and to

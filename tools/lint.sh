@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The style checks, as CI's lint job runs them: ruff's lint rules and formatting on the Python
-# tree, clang-format on the C++ tree (configured in pyproject.toml and .clang-format). --fix
-# rewrites the tree instead of checking it. Prints one "lint: ..." line per check; exits 1 if any
+# tree, clang-format on the C++ tree (configured in pyproject.toml and .clang-format), and that every
+# path the docs and comments mention exists (tools/check_paths.py). --fix rewrites the tree instead
+# of checking it (paths are not fixed). Prints one "lint: ..." line per check; exits 1 if any
 # fails.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -22,4 +23,6 @@ if "$venv/bin/ruff" format --check --quiet "${python_files[@]}"; then echo "lint
 else echo "lint: ruff format FAILED (bash tools/lint.sh --fix rewrites the files)"; status=1; fi
 if "$venv/bin/clang-format" --dry-run --Werror "${cpp_files[@]}"; then echo "lint: clang-format clean"
 else echo "lint: clang-format FAILED (bash tools/lint.sh --fix rewrites the files)"; status=1; fi
+if "$python" tools/check_paths.py; then echo "lint: every path mentioned exists"
+else echo "lint: paths FAILED (tools/check_paths.py names each missing one)"; status=1; fi
 exit "$status"

@@ -68,7 +68,7 @@ double timeOnCuda(c10::Device device, c10::function_ref<void()> run_kernel) {
   run_kernel();
   end.record(stream);
   end.synchronize();
-  return start.elapsedTime(end) / 1000.0;  // milliseconds
+  return start.elapsedTime(end) / 1000.0;  // elapsedTime is in milliseconds; profiles count seconds
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #pragma once
-// Hash containers for the hot path. Abseil's Swiss tables where the build has abseil (the
-// project's own machines install libabsl-dev); std:: containers where it has not (the GPU
-// image ships no abseil C++ headers), so the plugin still builds there. Code uses only what both
+// Hash containers for the hot path. Abseil's Swiss tables where the build has abseil
+// (tools/setup.sh installs libabsl-dev); std:: containers where it has not (many CUDA images ship
+// no abseil C++ headers), so the plugin still builds there. Code uses only what both
 // offer: find/count/emplace/try_emplace/erase/operator[] and iteration.
 
 #include <cstddef>

@@ -38,7 +38,7 @@ def apply_recompute_config(
     With `config.budget`, each distinct layer (by type, parameter shapes and input shapes) is
     profiled and planned once. Given `example_inputs` (the model's positional arguments as a
     tuple, or (args, kwargs)), the model runs once to capture each layer's inputs, and the total
-    budget is split over the layers to save the most recompute time (planner/split.py).
+    budget is split over the layers to save the most recompute time (planner/_split.py).
     Without them each layer is planned on its first call, within its own share of the budget.
     What was chosen is logged on logging.getLogger("sac_plugin").
 
