@@ -38,7 +38,7 @@ import torch
 
 from . import _engine, _observers, memory
 from ._audit import Audit, AuditRow, PHASES
-from .policy import describe_value
+from ._validation import describe_value
 
 __all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "TraceEntry", "install_oom_observer", "report", "trace"]
 

@@ -51,7 +51,8 @@ from pathlib import Path
 
 from torch import nn
 
-from .policy import MAX_EVERY_NTH, Policy, bounded_repr, describe_value
+from ._validation import MAX_EVERY_NTH, bounded_repr, describe_value
+from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit
 
 __all__ = ["ConfigError", "RecomputeConfig", "check_target_map", "policy_for"]

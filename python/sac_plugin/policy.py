@@ -2,103 +2,25 @@
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = [
-    "Policy",
-    "bounded_repr",
-    "describe_value",
-    "op_spelling",
-    "check_unit_name",
-    "overload_of",
-    "resolve_kept_ops",
-]
+from ._validation import MAX_EVERY_NTH, bounded_repr, check_unit_name, describe_value, op_spelling, overload_of
 
-OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
-
-# Mirrors of the C++ bounds (kMaxOpNameLength in op_resolution.h, kMaxUnitNameLength in
-# unit_stack.h), checked here first so that the message names the argument.
-MAX_OP_NAME_LENGTH = 1024
-MAX_UNIT_NAME_LENGTH = 256
-# every_nth_op's n travels to C++ as int64 and is stored exactly.
-MAX_EVERY_NTH = 2**63 - 1
-
-_short = reprlib.Repr()
-_short.maxstring = 60
-_short.maxother = 60
-_short.maxlevel = 2
-_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 4
-
-
-def bounded_repr(value) -> str:
-    """repr(value), cut short: a huge or deeply nested value (a YAML alias bomb) costs nothing."""
-    return _short.repr(value)
-
-
-def describe_value(value) -> str:
-    """What a caller passed, for messages: a bounded repr (a huge or deeply nested value costs
-    nothing) and its type."""
-    return f"{_short.repr(value)} ({type(value).__name__})"
-
-
-def _check_text(name: str, where: str, what: str, limit: int, why: str = "") -> str:
-    """Refuses names the C++ side could not report faithfully or would keep forever."""
-    if "\x00" in name:
-        raise ValueError(f"sac_plugin: {where}: {what} cannot contain a NUL character, got {_short.repr(name)}")
-    if len(name) > limit:
-        raise ValueError(
-            f"sac_plugin: {where}: {what} has at most {limit} characters{why}, got one of {len(name)}: "
-            f"{_short.repr(name)}"
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"sac_plugin: {where}: {what} must be valid Unicode text, got {_short.repr(name)}") from None
-    return name
-
-
-def op_spelling(op, where: str = "op") -> str:
-    """The plugin's spelling of an op: "aten::mm.default" for an overload, "aten::mm" for a packet."""
-    if isinstance(op, str):
-        return _check_text(op, where, "an op name", MAX_OP_NAME_LENGTH)
-    if isinstance(op, torch._ops.OpOverload):
-        return f"{op._schema.name}.{op._overloadname}"
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return op._qualified_op_name
-    raise TypeError(
-        f"sac_plugin: {where}: expected an op name such as 'aten::mm.default' or an op such as "
-        f"torch.ops.aten.mm.default, got {describe_value(op)}"
-    )
-
+__all__ = ["Policy", "resolve_kept_ops"]
 
 def _names(values, what: str, example: str = "['aten::mm']") -> list:
     if isinstance(values, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(
             f"sac_plugin: {what} must be a collection of names, not a single {type(values).__name__}: "
-            f"{_short.repr(values)}; write [{_short.repr(values)}]"
+            f"{bounded_repr(values)}; write [{bounded_repr(values)}]"
         )
     if isinstance(values, Mapping) or not isinstance(values, Iterable):
         raise TypeError(
             f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}"
         )
     return list(values)
-
-
-def check_unit_name(name, where: str) -> str:
-    """A unit name as recompute_unit and policies accept it; the plain str of a StrEnum member."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"sac_plugin: {where}: a recompute unit name is a str such as 'attn', got {describe_value(name)}"
-        )
-    if not name:
-        raise ValueError(f"sac_plugin: {where}: a recompute unit needs a non-empty str name such as 'attn', got ''")
-    _check_text(
-        name, where, "a recompute unit name", MAX_UNIT_NAME_LENGTH, " (names are kept for the life of the process)"
-    )
-    return str(name)
 
 
 def _every_nth_rules(every_nth_op) -> dict[str, int]:
@@ -472,13 +394,6 @@ def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_c
         kept_calls=kept_calls,
         **(offload or {}),
     )
-
-
-def overload_of(name: str) -> torch._ops.OpOverload:
-    """torch.ops.aten.mm.out for "aten::mm.out", torch.ops.aten.mm.default for "aten::mm"."""
-    namespace, _, rest = name.partition("::")
-    op_name, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
 
 
 def _unit_names(values, what: str) -> list[str]:

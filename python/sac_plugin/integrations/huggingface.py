@@ -58,7 +58,7 @@ from ..checkpointing import context_fn
 from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
 from ..planner import Plan, plan, split, total_budget_bytes
 from ..planner._apply import _capture_inputs, layer_signature
-from ..policy import bounded_repr, describe_value
+from .._validation import bounded_repr, describe_value
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit, run_in_unit
 
 __all__ = [

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..checkpointing import apply_selective_checkpointing
-from ..policy import Policy, bounded_repr, describe_value, resolve_kept_ops
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy, resolve_kept_ops
 from ..targets import run_in_unit
 
 __all__ = ["apply_ac", "cpu_debug_model", "forced_recompute_shapes", "policy_for_block", "save_ops", "save_ops_of"]

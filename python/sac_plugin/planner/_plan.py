@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-from ..policy import Policy, bounded_repr, describe_value
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy
 from .. import _rule, _scopes
 from . import _knapsack as knapsack
 from . import _plan_file as plan_file

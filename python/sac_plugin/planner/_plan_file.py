@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 
-from ..policy import bounded_repr
+from .._validation import bounded_repr
 
 INT64_MAX = 2**63 - 1
 

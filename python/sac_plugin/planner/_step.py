@@ -31,7 +31,8 @@ from torch.utils._pytree import tree_leaves
 
 from .._forwards import _offloadable_input as offloadable_input
 from ..checkpointing import apply_selective_checkpointing, check_checkpointable, remove_checkpointing
-from ..policy import Policy, bounded_repr, describe_value
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy
 from . import _plan_file as plan_file
 from ._apply import layer_signature
 from ._plan import CopyCost, Plan, PlanError, read_plan_file, write_plan_file, plan as plan_layer
