@@ -38,14 +38,15 @@ import torch
 
 from . import _engine, _observers, memory
 from ._audit import Audit, AuditRow, PHASES
+from ._trace import CallTrace, TraceEntry, check_trace_supported, trace_table
 from ._validation import describe_value
 
-__all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "TraceEntry", "install_oom_observer", "report", "trace"]
+__all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "report", "trace"]
 
 OUTSIDE = "(outside regions)"
 # Tensor descriptions kept per saved-storage entry: enough to recognise it, bounded over steps.
 _TENSORS_PER_STORAGE = 8
-_active: list[Report] = []  # the running reports (the OOM observer prints the latest)
+running_reports: list[Report] = []  # innermost last (the OOM observer prints it)
 
 
 @dataclasses.dataclass
@@ -165,31 +166,6 @@ class _PassScope:
             report._pass_done(self, self._audit)
 
 
-@dataclasses.dataclass(frozen=True)
-class TraceEntry:
-    """One intercepted call inside a checkpointed region, in the order the calls ran."""
-
-    layer: str  # the checkpointed module (its qualified name in the report's model)
-    module: str  # the innermost module being called (qualified name; "" outside any module)
-    unit: str  # the innermost open recompute unit, "" for none
-    op: str  # the overload, "aten::mm.default"
-    phase: str  # "forward" or "recompute"
-    status: str  # forward: "kept" (kept or offloaded) or "recomputed"; recompute: "recomputed" or "served"
-
-
-def _check_trace_supported() -> None:
-    if _engine.engine() != "native":
-        raise RuntimeError(
-            "sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
-            "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
-            "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace"
-        )
-
-
-# The fallback's outcomes as TraceEntry statuses: an offloaded call is held like a kept one.
-_STATUS = {"kept": "kept", "offloaded": "kept", "recomputed": "recomputed", "served": "served"}
-
-
 def _stack(report) -> list:
     """The report's passes open on this thread (each report its own: reports nest)."""
     local = report._local
@@ -239,12 +215,7 @@ class Report:
         self._modules: list = []  # the modules being called on this thread (names regions)
         self._audit = Audit()
         self._exit = contextlib.ExitStack()
-        # NOTE: [The per-op trace is recorded below Python] (csrc/dispatch/call_trace.h): the
-        # fallback records each call's op, phase, unit and outcome; the report notes, at each
-        # position of the trace where its pass or innermost module changes, the layer and module
-        # that the calls from there on belong to.
-        self._call_trace = torch.classes.sac.CallTrace() if trace else None
-        self._trace_marks: list[tuple[int, str, str]] = []
+        self._call_trace = CallTrace() if trace else None
         self.totals: list[AuditRow] = []
         # Offload copies while the report ran (NOTE: [Offloading kept outputs]): each direction's
         # copies and bytes and the exposed copy time, process-wide counters read at entry and exit.
@@ -255,7 +226,7 @@ class Report:
 
     def __enter__(self):
         if self._trace:
-            _check_trace_supported()  # before anything is installed: a refusal leaves nothing behind
+            check_trace_supported()  # before anything is installed: a refusal leaves nothing behind
         self._thread = threading.get_ident()
         if self._model is not None:
             self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
@@ -267,8 +238,8 @@ class Report:
             torch.nn.modules.module.register_module_forward_hook(self._module_returned, always_call=True)
         )
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
-        _active.append(self)
-        stack.callback(_active.remove, self)
+        running_reports.append(self)
+        stack.callback(running_reports.remove, self)
         self._offload_at_entry = memory.offload_stats()
         return self
 
@@ -276,7 +247,7 @@ class Report:
         self._exit.close()
         self.totals = self._audit.rows()
         if self._call_trace is not None:
-            self.trace = self._joined_trace()
+            self.trace = self._call_trace.entries()
         now = memory.offload_stats()
         self.offload_copies = {name: now[name] - self._offload_at_entry[name] for name in _OFFLOAD_COUNTERS}
         return False
@@ -291,19 +262,7 @@ class Report:
             module = self._innermost_module() if len(self._modules) > depth else layer
         else:
             layer = module = ""
-        self._trace_marks.append((self._call_trace.size(), layer, module))
-
-    def _joined_trace(self) -> list[TraceEntry]:
-        ops, phases, outcomes, units = self._call_trace.rows()
-        marks, entries, m = self._trace_marks, [], -1
-        for i, (op, phase, outcome, unit) in enumerate(zip(ops, phases, outcomes, units)):
-            while m + 1 < len(marks) and marks[m + 1][0] <= i:
-                m += 1
-            _, layer, module = marks[m] if m >= 0 else (0, "", "")
-            entries.append(
-                TraceEntry(layer, module, unit, op if "." in op else f"{op}.default", phase, _STATUS[outcome])
-            )
-        return entries
+        self._call_trace.mark(layer, module)
 
     def _name(self, module) -> str:
         return self._names.get(id(module), type(module).__name__)
@@ -480,20 +439,7 @@ class Report:
                 "sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
                 "trace=True) or sac_plugin.trace(model)"
             )
-        width = max([len("module")] + [len(e.module) for e in self.trace])
-        unit_width = max([len("unit")] + [len(e.unit) for e in self.trace])
-        layer_width = max([5] + [len(e.layer) for e in self.trace])
-        header = (
-            f"{'#':>5}  {'layer':<{layer_width}}  {'module':<{width}}  {'unit':<{unit_width}}  "
-            f"{'phase':<9}  {'status':<10}  op"
-        )
-        lines = [header, "-" * len(header)]
-        for i, e in enumerate(self.trace):
-            lines.append(
-                f"{i:>5}  {e.layer:<{layer_width}}  {e.module or '-':<{width}}  {e.unit or '-':<{unit_width}}  "
-                f"{e.phase:<9}  {e.status:<10}  {e.op}"
-            )
-        return "\n".join(lines)
+        return trace_table(self.trace)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -586,24 +532,3 @@ def trace(model: torch.nn.Module | None = None) -> Report:
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)
 
-
-def install_oom_observer() -> None:
-    """On CUDA, prints the latest running report (and torch's memory summary) when an allocation
-    fails. Opt-in; needs a CUDA build of torch and a device."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
-            "the OOM observer is a CUDA caching-allocator hook"
-        )
-
-    def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-        print(
-            f"sac_plugin: CUDA out of memory on device {device}: {alloc} bytes requested, {device_alloc} "
-            f"allocated, {device_free} free"
-        )
-        if _active:
-            print(_active[-1].table())
-        else:
-            print("sac_plugin: no report is running; run the step inside sac_plugin.report(model) to see one")
-
-    torch._C._cuda_attach_out_of_memory_observer(observer)
