@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from . import _engine, _observers, memory
+from . import _observers, memory
 from ._audit import Audit, AuditRow, PHASES
 from ._trace import CallTrace, TraceEntry, check_trace_supported, trace_table
 from ._validation import describe_value
@@ -531,4 +531,3 @@ def trace(model: torch.nn.Module | None = None) -> Report:
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)
-

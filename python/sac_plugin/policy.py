@@ -10,6 +10,7 @@ from ._validation import MAX_EVERY_NTH, bounded_repr, check_unit_name, describe_
 
 __all__ = ["Policy", "resolve_kept_ops"]
 
+
 def _names(values, what: str, example: str = "['aten::mm']") -> list:
     if isinstance(values, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(
