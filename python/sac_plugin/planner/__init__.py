@@ -4,7 +4,8 @@ for a peak-memory budget (`plan_step`)."""
 
 from __future__ import annotations
 
-from ._plan import CopyCost, OffloadModel, Plan, PlanError, check_budget, plan
+from ._cost import CopyCost, OffloadModel, PlanError, check_budget
+from ._plan import Plan, plan
 from ._profile import LayerProfile, ProfiledCall, profile_layer
 from ._reference import reference_policies
 from ._split import split, total_budget_bytes

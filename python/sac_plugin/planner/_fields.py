@@ -1,5 +1,6 @@
-"""The plan file's fields, declared once: each field's name, the versions that have it, and the
-kind of value it accepts. Reading a file checks every field against its declaration, so a
+"""The fields of the planner's files (a plan's, a step plan's), declared once: each field's name,
+the versions that have it, and the kind of value it accepts, checked by one loop
+(check_object). Reading a file checks every field against its declaration, so a
 malformed file fails with one message naming the field, what it holds and what it accepts; no
 other exception escapes (a value too large for the library's int64, a float too large for a
 float, a JSON text nested deeper than the parser recurses)."""
