@@ -194,6 +194,28 @@ class _ReportObserver(_observers.Observer):
 
 
 class Report:
+    """What checkpointing kept and recomputed, per checkpointed module and unit, over the steps run
+    inside it, and every storage saved for backward.
+
+    Made by `sac_plugin.report` or `sac_plugin.trace` and entered as a context manager; the
+    results are read after it exits (the trace is filled at exit).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: each is named
+            by its class).
+        trace: Also record every call in the checkpointed regions, in order (native engine only).
+
+    Attributes:
+        layers: Breakdown by checkpointed module name: calls, ops per phase, hits, kept calls and
+            bytes, offloaded calls and bytes.
+        units: Breakdown by (checkpointed module name, unit name).
+        steps: Steps run inside the report (outermost calls of `model`).
+        totals: The audit's rows for every op run while the report ran.
+        offload_copies: Copies to the host and back, their bytes and the exposed copy time, while
+            the report ran.
+        trace: The traced calls (TraceEntry), when asked for a trace.
+    """
+
     def __init__(self, model: torch.nn.Module | None = None, *, trace: bool = False):
         self._model = model
         self._trace = trace
@@ -322,6 +344,8 @@ class Report:
     # --- units (called through _ReportObserver while a report runs) -----------------------------
 
     def unit_entered(self, unit: str):
+        """Opens a count for `unit` inside the innermost pass; returns the token unit_exited takes
+        (None outside a pass)."""
         passes = _stack(self)
         if not passes:
             return None
@@ -332,6 +356,7 @@ class Report:
         return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
 
     def unit_exited(self, unit: str, token) -> None:
+        """Adds what ran in `unit` since unit_entered gave `token` to the unit's breakdown."""
         layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
@@ -401,18 +426,25 @@ class Report:
     # --- results -------------------------------------------------------------------------------
 
     def saved_tensors(self) -> list[SavedStorage]:
-        """Storages saved for backward, by place, device and size (with how many such storages were
-        saved while the report ran), largest total first; each storage counted once per life, billed to where it
-        was first saved."""
+        """Storages saved for backward, each counted once per life, billed to where it was first saved.
+
+        Returns:
+            One SavedStorage per place, device and size (with how many such storages were saved
+            while the report ran), largest total first.
+        """
         return sorted(self._saved.values(), key=lambda s: (-s.nbytes * s.count, s.where))
 
     def saved_bytes_by_place(self) -> dict[str, int]:
+        """Bytes saved for backward by place (a checkpointed module, or outside regions by the
+        module that saved them), largest first."""
         totals: dict[str, int] = {}
         for storage in self._saved.values():
             totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes * storage.count
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict: layers with their units, storages saved for backward,
+        steps, offload copies, op totals per phase and, when traced, the trace."""
         return {
             "layers": [
                 dict(
@@ -432,8 +464,17 @@ class Report:
         }
 
     def trace_table(self) -> str:
-        """The per-op trace (report(..., trace=True) or sac_plugin.trace()), one line per call in
-        the order they ran: forward calls kept or recomputed, recompute calls recomputed or served."""
+        """The per-op trace as text, one line per call in the order they ran.
+
+        Forward calls are kept or recomputed; recompute calls are recomputed or served.
+
+        Returns:
+            The table.
+
+        Raises:
+            RuntimeError: The report was not asked for a trace (report(..., trace=True) or
+                sac_plugin.trace()).
+        """
         if not self._trace:
             raise RuntimeError(
                 "sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
@@ -442,9 +483,19 @@ class Report:
         return trace_table(self.trace)
 
     def to_json(self) -> str:
+        """to_dict() as indented JSON text."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def table(self, storages: int = 10) -> str:
+        """The report as text: a row per checkpointed module and unit, offload copies, bytes saved
+        for backward by place, and the largest storages.
+
+        Args:
+            storages: How many of the largest saved storages to list.
+
+        Returns:
+            The table.
+        """
         header = (
             f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}"
             f"{'kept calls':>12}{'kept bytes':>14}"
@@ -516,7 +567,18 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
     counts are those of the thread that entered the report (NOTE: [Counts are their thread's]);
     reports nest, each counting the steps run inside it. trace=True also records every call in the
     checkpointed regions, in order (Report.trace, filled when the report exits;
-    Report.trace_table(), "trace" in to_json())."""
+    Report.trace_table(), "trace" in to_json()).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: class names).
+        trace: Also record the per-op trace.
+
+    Returns:
+        The report, to enter as a context manager.
+
+    Raises:
+        TypeError: model is not a module or None, or trace is not a bool.
+    """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
     if not isinstance(trace, bool):
@@ -525,9 +587,21 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
 
 
 def trace(model: torch.nn.Module | None = None) -> Report:
-    """A report that also records the per-op trace: with sac_plugin.trace(model) as t: ...;
-    print(t.trace_table()). Each entry: checkpointed layer, innermost module, unit, op, phase
-    and kept / recomputed / served (torch_remat's collect_trace, per aten call)."""
+    """A report that also records the per-op trace.
+
+    with sac_plugin.trace(model) as t: ...; print(t.trace_table()). Each entry: checkpointed
+    layer, innermost module, unit, op, phase and kept / recomputed / served (torch_remat's
+    collect_trace, per aten call).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: class names).
+
+    Returns:
+        The report, to enter as a context manager.
+
+    Raises:
+        TypeError: model is not a module or None.
+    """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)

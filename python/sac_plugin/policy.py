@@ -104,42 +104,53 @@ def _unflatten(flat) -> dict[str, tuple[int, ...]]:
 class Policy:
     """Which calls a checkpointed region keeps, offloads or recomputes.
 
-    kept_ops: op overloads whose outputs are kept ("aten::mm" for every overload,
-        "aten::mm.default", or torch.ops.aten.mm.default).
-    kept_units: names of recompute units (see `recompute_unit`; a torch_remat region is one)
-        inside which every op is kept. Unit names in kept_units, recomputed_units and
-        offloaded_units may be patterns: each '*' matches any run of characters, dots included,
-        as torchtitan's region patterns ("*", "*routed_experts.w13.*"). A torch_remat region that
-        no list names follows its own recompute= flag.
-    every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region; {"aten::mm": 2}
-        is torchtitan's "every other matmul" rule.
-    recomputed_units: units whose ops are always recomputed, whatever else would keep them.
-    kept_calls: {op: [i, j, ...]}: keep exactly these calls of the op in each region, by 0-based
-        index among the region's forward calls of it, counted as every_nth_op counts them (what a
-        memory-budget plan produces: sac_plugin.plan). An op has one rule: kept_ops, every_nth_op
-        or kept_calls.
-    offloaded_ops, offloaded_units, offloaded_calls: the same selections as kept_ops, kept_units
-        and kept_calls, for outputs that are held in pinned host memory between the forward and the
-        backward instead of on the device: copied out on a side stream after the call, copied
-        back when the region's recompute begins, served like kept outputs. The invariants are the
-        kept ones. kept_calls and offloaded_calls may name one op with disjoint indices.
-    offload_min_bytes: a call whose outputs take fewer bytes is kept on the device (a copy would
-        cost more than it frees); 1 MiB by default.
-    host_memory_limit: the most pinned host memory the offload pool may hold, in use and cached,
-        when a call of this policy offloads (None: no limit); past it, once idle buffers are freed,
-        the call is kept on the device (NOTE: [A bounded pinned pool]).
-    pin_routing: under a policy that selects anything, the calls that route tokens (topk, sort,
-        argsort and argmax indices, nonzero and unique) and device->host copies
-        (.item(), .tolist(), .cpu()) are served from the forward, so the recompute routes as the
-        forward did and never waits on the device (docs/semantics.md). False opts out.
-    offload_inputs: the region's positional inputs that carry the activation (tensors that require
-        grad and are not leaves), which torch's checkpoint holds for the recompute, are held in
-        pinned host memory between the forward and the backward, with the offloaded outputs and
-        within the same host_memory_limit (docs/offload.md). False by default. With nothing
-        kept, this lowers full recompute's floor.
+    A policy is an immutable value: copies share it and pickles rebuild it from its names. Every
+    argument is checked here, at declaration, so a bad one is reported by name with what was given.
+    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per checkpoint
+    site.
 
-    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per checkpoint site.
-    Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
+    Args:
+        kept_ops: Op overloads whose outputs are kept ("aten::mm" for every overload,
+            "aten::mm.default", or torch.ops.aten.mm.default).
+        kept_units: Names of recompute units (see `recompute_unit`; a torch_remat region is one)
+            inside which every op is kept. Unit names in kept_units, recomputed_units and
+            offloaded_units may be patterns: each '*' matches any run of characters, dots
+            included, as torchtitan's region patterns ("*", "*routed_experts.w13.*"). A torch_remat
+            region that no list names follows its own recompute= flag.
+        every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region;
+            {"aten::mm": 2} is torchtitan's "every other matmul" rule.
+        recomputed_units: Units whose ops are always recomputed, whatever else would keep them.
+        kept_calls: {op: [i, j, ...]}: keep exactly these calls of the op in each region, by
+            0-based index among the region's forward calls of it, counted as every_nth_op counts
+            them (what a memory-budget plan produces: sac_plugin.plan). An op has one rule:
+            kept_ops, every_nth_op or kept_calls.
+        offloaded_ops: The selection kept_ops makes, for outputs held in pinned host memory
+            between the forward and the backward instead of on the device: copied out on a side
+            stream after the call, copied back when the region's recompute begins, served like
+            kept outputs. The invariants are the kept ones.
+        offloaded_units: The selection kept_units makes, offloaded as offloaded_ops.
+        offloaded_calls: The selection kept_calls makes, offloaded as offloaded_ops. kept_calls
+            and offloaded_calls may name one op with disjoint indices.
+        offload_min_bytes: A call whose outputs take fewer bytes is kept on the device (a copy
+            would cost more than it frees); 1 MiB by default.
+        host_memory_limit: The most pinned host memory the offload pool may hold, in use and
+            cached, when a call of this policy offloads (None: no limit); past it, once idle
+            buffers are freed, the call is kept on the device (NOTE: [A bounded pinned pool]).
+        pin_routing: Under a policy that selects anything, the calls that route tokens (topk,
+            sort, argsort and argmax indices, nonzero and unique) and device->host copies
+            (.item(), .tolist(), .cpu()) are served from the forward, so the recompute routes as
+            the forward did and never waits on the device (docs/semantics.md). False opts out.
+        offload_inputs: The region's positional inputs that carry the activation (tensors that
+            require grad and are not leaves), which torch's checkpoint holds for the recompute,
+            are held in pinned host memory between the forward and the backward, with the
+            offloaded outputs and within the same host_memory_limit (docs/offload.md). False by
+            default. With nothing kept, this lowers full recompute's floor.
+
+    Raises:
+        TypeError: An argument of the wrong type (a single name where a collection is expected,
+            a non-int index, count or byte count, a non-bool flag).
+        ValueError: An unknown op, a collective, random or mutating op, an op given two rules,
+            an index, n or byte count out of range, or a name too long or not valid text.
     """
 
     __slots__ = (

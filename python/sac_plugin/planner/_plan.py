@@ -75,7 +75,37 @@ def _calls_by_op(keys) -> dict[str, list[int]]:
 
 class Plan:
     """The calls one layer keeps (and, with an offload model, offloads) within a byte budget, and
-    what that is predicted to cost."""
+    what that is predicted to cost.
+
+    Made by `sac_plugin.plan` (which profiles the layer), `Plan.from_profile` or `Plan.load`;
+    `policy` is what `apply_selective_checkpointing` takes. A call is named by (op, index), its
+    index counted among the forward's calls of the op.
+
+    Args:
+        profile: The layer's measured calls and activation bytes.
+        budget: A fraction of the layer's no-checkpointing bytes (float) or bytes (int).
+        kept: The calls kept on the device. With anything kept or offloaded, the calls that route
+            tokens are kept too: the plan's policy holds them.
+        offloaded: The calls offloaded to pinned host memory.
+        offload: The offload model that prices the copies (None: a keep-or-recompute plan).
+        solver: The solver that chose the calls, reused by `with_budget` and `pareto`.
+
+    Attributes:
+        profile: The profile the plan was chosen from.
+        budget: The budget as given.
+        kept: The kept calls, as (op, index) pairs.
+        offloaded: The offloaded calls, as (op, index) pairs.
+        offload: The offload model, or None.
+        kept_bytes: Bytes of the kept outputs.
+        held_bytes: Bytes held between forward and backward: full recompute's floor plus the kept.
+        offloaded_bytes: Bytes held in pinned host memory.
+        recompute_seconds: Kernel time of the calls the recompute runs.
+        copy_seconds: Copy time no compute hides.
+        overhead_seconds: What the plan adds to a step: recompute plus exposed copies.
+
+    Raises:
+        ValueError: An offloaded call without an offload model, or one a plan may not offload.
+    """
 
     def __init__(
         self,
@@ -119,9 +149,24 @@ class Plan:
 
     @classmethod
     def from_profile(cls, profile: LayerProfile, budget=0.3, *, offload: OffloadModel | None = None) -> Plan:
-        """The plan for `budget` from a profile (no measurement): keep or recompute each call, or
-        with an OffloadModel keep, offload or recompute it (the three-way model in
-        planner/_cost.py)."""
+        """The plan for `budget` from a profile, with no measurement.
+
+        Keeps or recomputes each call or, with an OffloadModel, keeps, offloads or recomputes it
+        (the three-way model in planner/_cost.py), for the least predicted step time.
+
+        Args:
+            profile: The layer's measured calls (`profile_layer`, or made up).
+            budget: A fraction of the layer's no-checkpointing bytes (float from 0.0 to 1.0) or
+                bytes (int >= 0).
+            offload: The offload model, or None for keep or recompute only.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError: offload is not an OffloadModel, or budget is not a number.
+            PlanError: budget is out of range.
+        """
         if offload is not None and not isinstance(offload, OffloadModel):
             raise TypeError(
                 f"sac_plugin: Plan.from_profile: offload must be None or an OffloadModel, got {describe_value(offload)}"
@@ -133,8 +178,8 @@ class Plan:
 
     @property
     def policy(self) -> Policy:
-        """Policy(kept_calls=...), with offloaded_calls, offload_min_bytes and host_memory_limit
-        when the plan has an offload model."""
+        """The plan as a policy: Policy(kept_calls=...), with offloaded_calls, offload_min_bytes
+        and host_memory_limit when the plan has an offload model."""
         if self._policy is None:
             if self.offload is None:
                 self._policy = Policy(kept_calls=_calls_by_op(self.kept))
@@ -149,6 +194,7 @@ class Plan:
 
     @property
     def budget_bytes(self) -> int:
+        """The budget in bytes."""
         return budget_in_bytes(self.budget, self.profile)
 
     @property
@@ -157,7 +203,14 @@ class Plan:
         return sum(c.seconds for c in self.profile.calls if c.recomputed)
 
     def outcome(self, call: ProfiledCall) -> str:
-        """ "keep", "offload" or "recompute" for a call the recompute runs, "-" for one it never runs."""
+        """What the plan does with one profiled call.
+
+        Args:
+            call: A call of the plan's profile.
+
+        Returns:
+            "keep", "offload" or "recompute" for a call the recompute runs, "-" for one it never runs.
+        """
         key = call_key(call)
         if key in self.kept:
             return "keep"
@@ -181,7 +234,12 @@ class Plan:
         )
 
     def rows(self) -> list[dict]:
-        """Per op and unit: calls, bytes, time, and how many of them are kept and offloaded."""
+        """The plan by op and unit.
+
+        Returns:
+            One dict per (op, unit), most kernel time first: its calls, bytes, time, and how many
+            of them are kept and offloaded, with their bytes and the time they save.
+        """
         groups: dict[tuple[str, str], dict] = {}
         for c in self.profile.calls:
             row = groups.setdefault(
@@ -210,8 +268,13 @@ class Plan:
         return sorted(groups.values(), key=lambda r: (-r["seconds"], r["op"], r["unit"]))
 
     def call_rows(self) -> list[dict]:
-        """Per call the recompute would run with new bytes, in the forward's order: its outcome and,
-        where it may be offloaded, its predicted copies and whether the windows hide them."""
+        """The plan call by call.
+
+        Returns:
+            One dict per call the recompute would run with new bytes, in the forward's order: its
+            outcome and, where it may be offloaded, its predicted copies (a CopyCost) and, where
+            not, why not.
+        """
         rows = []
         for c in self.profile.calls:
             if not (c.keepable and c.bytes > 0):
@@ -232,6 +295,8 @@ class Plan:
         return rows
 
     def table(self) -> str:
+        """The plan as text: its summary, a row per op and unit and, with an offload model, a row
+        per call with its copies and whether they hide."""
         mib = 2**20
         lines = [
             repr(self),
@@ -272,10 +337,21 @@ class Plan:
     # --- other budgets ------------------------------------------------------------------------------
 
     def pareto(self, budgets=PARETO_BUDGETS) -> list[dict]:
-        """For each budget (fractions from 0 to 1 by default): the plan's predicted held bytes,
-        recompute time and overhead (recompute plus exposed copies). With an offload model, also
-        what it offloads and the two-way plan's held bytes and overhead at the same budget. One
-        knapsack table answers them all."""
+        """The plans for other budgets, predicted from the same profile (one knapsack table answers
+        them all).
+
+        Args:
+            budgets: Budgets as `plan` takes them; fractions from 0 to 1 by 0.05 by default.
+
+        Returns:
+            One dict per budget: the plan's predicted held bytes, recompute time and overhead
+            (recompute plus exposed copies). With an offload model, also what it offloads and the
+            two-way plan's held bytes and overhead at the same budget.
+
+        Raises:
+            TypeError: A budget that is not a number.
+            PlanError: A budget out of range.
+        """
         points = []
         for budget in budgets:
             plan = self.with_budget(check_budget(budget, "pareto: budget"))
@@ -303,13 +379,28 @@ class Plan:
         return points
 
     def with_budget(self, budget) -> Plan:
-        """The same profile (and offload model) planned for another budget (no new measurement)."""
+        """The same profile (and offload model) planned for another budget, with no new measurement.
+
+        Args:
+            budget: A fraction (float from 0.0 to 1.0) or bytes (int >= 0).
+
+        Returns:
+            The plan for `budget`.
+
+        Raises:
+            TypeError: A budget that is not a number.
+            PlanError: A budget out of range.
+        """
         check_budget(budget)
         solver = self._solver()
         return Plan(self.profile, budget, *solver.choose(budget), offload=self.offload, solver=solver)
 
     def without_offload(self) -> Plan:
-        """The two-way plan (keep or recompute) for the same profile and budget."""
+        """The two-way plan (keep or recompute) for the same profile and budget.
+
+        Returns:
+            A plan without an offload model.
+        """
         solver = self._solver().without_offload()
         return Plan(self.profile, self.budget, *solver.choose(self.budget), solver=solver)
 
@@ -319,9 +410,21 @@ class Plan:
         return self._solver_cache
 
     def evaluate(self, policy: Policy) -> dict:
-        """What a hand-written policy is predicted to hold and recompute on this profile: kept and
-        offloaded ops, every-nth rules, calls and units (by each call's innermost unit). With an
-        offload model, also its overhead: recompute plus the copies no window hides."""
+        """What a hand-written policy is predicted to hold and recompute on this profile.
+
+        Each call is asked of the one rule with its op, index and innermost unit, so kept and
+        offloaded ops, every-nth rules, calls and units all count.
+
+        Args:
+            policy: The policy to evaluate.
+
+        Returns:
+            A dict of held_bytes, kept_bytes, offloaded_bytes and recompute_seconds; with an
+            offload model, also overhead_seconds: recompute plus the copies no window hides.
+
+        Raises:
+            TypeError: policy is not a sac_plugin.Policy.
+        """
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
@@ -341,12 +444,23 @@ class Plan:
         return result
 
     def calls_kept_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
-        """The profiled calls, as (op, index among the op's calls), that `policy` keeps on the
-        device: each asked of the one rule (docs/semantics.md) with its op, index and innermost
-        unit; an offloaded call under the policy's offload_min_bytes, or past its host_memory_limit,
-        stays on the device as the runtime keeps it (docs/offload.md). These are the forward's
-        decisions: a call the forward writes later is among them, although the runtime demotes it
-        at the write and evaluate() counts it as recomputed, holding nothing."""
+        """The profiled calls `policy` keeps on the device.
+
+        Each call is asked of the one rule (docs/semantics.md) with its op, index and innermost
+        unit; an offloaded call under the policy's offload_min_bytes, or past its
+        host_memory_limit, stays on the device as the runtime keeps it (docs/offload.md). These
+        are the forward's decisions: a call the forward writes later is among them, although the
+        runtime demotes it at the write and evaluate() counts it as recomputed, holding nothing.
+
+        Args:
+            policy: The policy to ask.
+
+        Returns:
+            The calls, as (op, index among the op's calls).
+
+        Raises:
+            TypeError: policy is not a sac_plugin.Policy.
+        """
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
@@ -354,7 +468,17 @@ class Plan:
         return _held_by(policy, self.profile, decided=True)[0]
 
     def calls_offloaded_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
-        """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them."""
+        """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them.
+
+        Args:
+            policy: The policy to ask.
+
+        Returns:
+            The calls, as (op, index among the op's calls).
+
+        Raises:
+            TypeError: policy is not a sac_plugin.Policy.
+        """
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"sac_plugin: Plan.calls_offloaded_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
@@ -364,9 +488,23 @@ class Plan:
     # --- plot ------------------------------------------------------------------------------------
 
     def plot(self, path, policies: Mapping[str, Policy] | None = None, *, title: str | None = None) -> Path:
-        """A PNG of the Pareto curve (held bytes against the time the plan adds to a step), this
-        plan and the hand-written `policies` (default: sac_plugin.planner.reference_policies())
-        marked. With an offload model the three-way curve is drawn beside the two-way one."""
+        """Draws the Pareto curve (held bytes against the time the plan adds to a step) as a PNG.
+
+        This plan and the hand-written policies are marked on it. With an offload model the
+        three-way curve is drawn beside the two-way one.
+
+        Args:
+            path: Where to write the PNG (str or os.PathLike).
+            policies: Names and policies to mark (default: sac_plugin.planner.reference_policies()).
+            title: The chart's title.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ImportError: matplotlib is not installed (the `plot` extra).
+            TypeError: path is not a path.
+        """
         try:
             import matplotlib
 
@@ -447,8 +585,12 @@ class Plan:
         return path
 
     def curve(self) -> str:
-        """The Pareto curve as text, for terminals; with an offload model, the two-way curve's
-        overhead beside the three-way one's."""
+        """The Pareto curve as text, for terminals.
+
+        Returns:
+            A line per budget of `pareto()`; with an offload model, the two-way curve's overhead
+            beside the three-way one's.
+        """
         base = self.profile.no_checkpoint_bytes or 1
         header = f"{'budget':>7}{'held MiB':>10}{'held/none':>10}{'kept calls':>11}{'recompute ms':>14}"
         if self.offload is not None:
@@ -471,22 +613,59 @@ class Plan:
     # --- files -------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
+        """The plan as the JSON-ready dict a plan file holds (`from_dict` reads it back)."""
         return plan_file.plan_to_dict(self.profile, self.budget, self.kept, self.offloaded, self.offload)
 
     def save(self, path) -> Path:
+        """Writes the plan as a JSON file that `Plan.load` reads.
+
+        Args:
+            path: Where to write it (str or os.PathLike).
+
+        Returns:
+            The path written.
+
+        Raises:
+            TypeError: path is not a path.
+        """
         return plan_file.write_plan_file(_path_of(path, "save"), self.to_dict())
 
     @classmethod
     def load(cls, path) -> Plan:
+        """Reads a plan file written by `save` (this version or an earlier one).
+
+        Args:
+            path: The file (str or os.PathLike).
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError: path is not a path.
+            PlanError: The file cannot be read, is not JSON, or is not a valid plan here; the
+                message names the field.
+        """
         path = _path_of(path, "load")
         return cls.from_dict(plan_file.read_plan_file(path, "plan file"), where=f"plan file {path}")
 
     @classmethod
     def from_dict(cls, data, where: str = "plan") -> Plan:
-        """A plan from to_dict's form: this version, version 2 (without "rng_state_bytes": its
-        floor does not count the checkpoint's RNG state) or version 1 (keep or recompute only,
-        without "offload" and "offloaded"). Every field is checked against its declaration
-        (planner/_plan_file.py); anything wrong is a PlanError naming it."""
+        """A plan from to_dict's form.
+
+        Reads this version, version 2 (without "rng_state_bytes": its floor does not count the
+        checkpoint's RNG state) or version 1 (keep or recompute only, without "offload" and
+        "offloaded"). Every field is checked against its declaration (planner/_plan_file.py).
+
+        Args:
+            data: The dict.
+            where: What to call it in messages.
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanError: Anything wrong, named.
+        """
         try:
             return cls._from_checked_dict(data)
         except _fields.FileError as error:
@@ -637,17 +816,38 @@ def plan(
     offload_min_bytes: int | None = None,
     **example_kwargs,
 ) -> Plan:
-    """Profiles `module` on the example inputs (warm-up, then `runs` timed forwards and backwards;
-    the RNG state, gradients and buffers are restored afterwards) and keeps, within `budget`, the
-    calls that save the most recompute time. budget: a fraction of the bytes the module holds
-    between forward and backward without checkpointing (float, 0.0 to 1.0), or bytes (int).
+    """Profiles `module` on the example inputs and plans it for `budget`.
 
-    offload=True plans three outcomes per call, keep, offload or recompute, for the least predicted
-    step time (the three-way model, docs/memory-budget.md): the copy bandwidths are timed on the layer's
-    accelerator, or given as offload_bandwidth=(device_to_host, host_to_device) bytes per second;
-    host_memory_limit caps the host bytes offloaded (None: no cap); calls under offload_min_bytes
-    (default: the Policy's, 1 MiB) are never offloaded. With neither an accelerator nor
-    offload_bandwidth the plan is two-way, with one logged warning."""
+    The profile is a warm-up, then `runs` timed forwards and backwards; the RNG state, gradients
+    and buffers are restored afterwards. The plan keeps, within the budget, the calls that save
+    the most recompute time. offload=True plans three outcomes per call, keep, offload or
+    recompute, for the least predicted step time (the three-way model, docs/memory-budget.md).
+    With neither an accelerator nor offload_bandwidth the plan is two-way, with one logged warning.
+
+    Args:
+        module: The layer to plan (not yet checkpointed).
+        *example_args: Its positional inputs for the profile.
+        budget: A fraction of the bytes the module holds between forward and backward without
+            checkpointing (float, 0.0 to 1.0), or bytes (int).
+        runs: Timed forwards and backwards.
+        warmup: Untimed forwards and backwards first.
+        offload: Plan offload to pinned host memory too.
+        offload_bandwidth: (device_to_host, host_to_device) bytes per second; by default timed on
+            the layer's accelerator.
+        host_memory_limit: The most host bytes offloaded (None: no cap).
+        offload_min_bytes: Calls under this many bytes are never offloaded (default: the
+            Policy's, 1 MiB).
+        **example_kwargs: Its keyword inputs for the profile.
+
+    Returns:
+        The plan.
+
+    Raises:
+        TypeError: An argument of the wrong type.
+        ValueError: The module is already checkpointed, or an offload argument without
+            offload=True or out of range.
+        PlanError: budget is out of range.
+    """
     from ..checkpointing import check_checkpointable
 
     check_budget(budget)
