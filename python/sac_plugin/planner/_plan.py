@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -110,7 +110,7 @@ class Plan:
     def __init__(
         self,
         profile: LayerProfile,
-        budget,
+        budget: float | int,
         kept: frozenset[tuple[str, int]],
         offloaded: frozenset[tuple[str, int]] = frozenset(),
         *,
@@ -148,7 +148,9 @@ class Plan:
         self._policy = None
 
     @classmethod
-    def from_profile(cls, profile: LayerProfile, budget=0.3, *, offload: OffloadModel | None = None) -> Plan:
+    def from_profile(
+        cls, profile: LayerProfile, budget: float | int = 0.3, *, offload: OffloadModel | None = None
+    ) -> Plan:
         """The plan for `budget` from a profile, with no measurement.
 
         Keeps or recomputes each call or, with an OffloadModel, keeps, offloads or recomputes it
@@ -336,7 +338,7 @@ class Plan:
 
     # --- other budgets ------------------------------------------------------------------------------
 
-    def pareto(self, budgets=PARETO_BUDGETS) -> list[dict]:
+    def pareto(self, budgets: Iterable[float | int] = PARETO_BUDGETS) -> list[dict]:
         """The plans for other budgets, predicted from the same profile (one knapsack table answers
         them all).
 
@@ -378,7 +380,7 @@ class Plan:
             points.append(point)
         return points
 
-    def with_budget(self, budget) -> Plan:
+    def with_budget(self, budget: float | int) -> Plan:
         """The same profile (and offload model) planned for another budget, with no new measurement.
 
         Args:
@@ -487,7 +489,9 @@ class Plan:
 
     # --- plot ------------------------------------------------------------------------------------
 
-    def plot(self, path, policies: Mapping[str, Policy] | None = None, *, title: str | None = None) -> Path:
+    def plot(
+        self, path: str | os.PathLike, policies: Mapping[str, Policy] | None = None, *, title: str | None = None
+    ) -> Path:
         """Draws the Pareto curve (held bytes against the time the plan adds to a step) as a PNG.
 
         This plan and the hand-written policies are marked on it. With an offload model the
@@ -616,7 +620,7 @@ class Plan:
         """The plan as the JSON-ready dict a plan file holds (`from_dict` reads it back)."""
         return plan_file.plan_to_dict(self.profile, self.budget, self.kept, self.offloaded, self.offload)
 
-    def save(self, path) -> Path:
+    def save(self, path: str | os.PathLike) -> Path:
         """Writes the plan as a JSON file that `Plan.load` reads.
 
         Args:
@@ -631,7 +635,7 @@ class Plan:
         return plan_file.write_plan_file(_path_of(path, "save"), self.to_dict())
 
     @classmethod
-    def load(cls, path) -> Plan:
+    def load(cls, path: str | os.PathLike) -> Plan:
         """Reads a plan file written by `save` (this version or an earlier one).
 
         Args:
@@ -649,7 +653,7 @@ class Plan:
         return cls.from_dict(plan_file.read_plan_file(path, "plan file"), where=f"plan file {path}")
 
     @classmethod
-    def from_dict(cls, data, where: str = "plan") -> Plan:
+    def from_dict(cls, data: object, where: str = "plan") -> Plan:
         """A plan from to_dict's form.
 
         Reads this version, version 2 (without "rng_state_bytes": its floor does not count the
@@ -806,15 +810,15 @@ def _offload_model(
 
 def plan(
     module: torch.nn.Module,
-    *example_args,
-    budget=0.3,
+    *example_args: object,
+    budget: float | int = 0.3,
     runs: int = 5,
     warmup: int = 1,
     offload: bool = False,
     offload_bandwidth: tuple[float, float] | None = None,
     host_memory_limit: int | None = None,
     offload_min_bytes: int | None = None,
-    **example_kwargs,
+    **example_kwargs: object,
 ) -> Plan:
     """Profiles `module` on the example inputs and plans it for `budget`.
 
