@@ -189,7 +189,7 @@ def write_plan_file(path: Path, data: dict) -> Path:
 
 def read_plan_file(path: Path, what: str) -> dict:
     """The data of the plan file at `path` (`what`: "plan file", "step plan file", for messages),
-    parsed and checked by _plan_file; anything unreadable or malformed is a PlanError naming it."""
+    parsed by _fields; anything unreadable or malformed is a PlanError naming it."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
