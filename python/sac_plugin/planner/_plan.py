@@ -677,6 +677,9 @@ class Plan:
 
     @classmethod
     def _from_checked_dict(cls, data) -> Plan:
+        """The plan `data` makes, checked (_fields.FileError) field by field by the plan file and
+        then as only a made plan can be: held bytes within its budget, offloaded bytes within its
+        host cap, and a policy this torch can build."""
         fail = _fields.FileError
         contents = plan_file.plan_contents(data)
         offload = contents.offload
