@@ -38,7 +38,6 @@ OFFLOAD_MIN_BYTES = inspect.signature(Policy).parameters["offload_min_bytes"].de
 
 
 _scopes.declare(_scopes._lib, {"sac_offload_placement": (ctypes.c_int32, [ctypes.c_int64] * 4)})
-INT64_MAX = 2**63 - 1
 
 
 class Placement(enum.IntEnum):
@@ -57,7 +56,7 @@ def offload_placement(
     within host_memory_limit (None: no cap). Byte counts are ints from 0 to 2**63 - 1."""
     limit = -1 if host_memory_limit is None else host_memory_limit
     # A sum of reservations past int64 is past every limit: clamped, it still is.
-    reserved = min(reserved_host_bytes, INT64_MAX)
+    reserved = min(reserved_host_bytes, _fields.INT64_MAX)
     return Placement(_scopes._lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
 
 
