@@ -19,7 +19,9 @@ from .checkpointing import (  # noqa: E402
 from .config import ConfigError, RecomputeConfig  # noqa: E402
 from .planner import Plan, PlanError, StepPlan, plan, plan_step  # noqa: E402
 from .policy import Policy, resolve_kept_ops  # noqa: E402
-from ._report import Report, TraceEntry, install_oom_observer, report, trace  # noqa: E402
+from ._oom import install_oom_observer  # noqa: E402
+from ._report import Report, report, trace  # noqa: E402
+from ._trace import TraceEntry  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap  # noqa: E402
 from .units import RecomputeUnit, in_recompute_unit, open_units, recompute_unit  # noqa: E402
 

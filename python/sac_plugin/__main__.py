@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from .policy import bounded_repr
+from ._validation import bounded_repr
 
 
 def _positive_int(text: str) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 from . import _layers
 from .config import ConfigError, RecomputeConfig
 from .integrations import huggingface
-from .policy import describe_value
+from ._validation import describe_value
 from .targets import RecomputeTargetMap
 
 __all__ = ["apply_recompute_config"]

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from . import _observers
-from .policy import describe_value, op_spelling
+from ._validation import describe_value, op_spelling
 
 __all__ = ["Audit", "AuditRow", "PHASES", "audit"]
 

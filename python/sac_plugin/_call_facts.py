@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .policy import op_spelling
+from ._validation import op_spelling
 
 __all__ = ["OpTraits", "casts_a_parameter", "draws_random", "op_traits"]
 

@@ -13,7 +13,8 @@ from ._forwards import run_in_unit
 from ._logging import describe_layers, logger
 from .checkpointing import apply_selective_checkpointing, check_checkpointable
 from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
-from .policy import Policy, describe_value
+from ._validation import describe_value
+from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_map
 
 __all__ = ["apply_to_layers", "describe_application", "prepare_layers", "wrap_sites"]

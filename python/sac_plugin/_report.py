@@ -36,16 +36,17 @@ import weakref
 
 import torch
 
-from . import _engine, _observers, memory
+from . import _observers, memory
 from ._audit import Audit, AuditRow, PHASES
-from .policy import describe_value
+from ._trace import CallTrace, TraceEntry, check_trace_supported, trace_table
+from ._validation import describe_value
 
-__all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "TraceEntry", "install_oom_observer", "report", "trace"]
+__all__ = ["Breakdown", "OpCounts", "Report", "SavedStorage", "report", "trace"]
 
 OUTSIDE = "(outside regions)"
 # Tensor descriptions kept per saved-storage entry: enough to recognise it, bounded over steps.
 _TENSORS_PER_STORAGE = 8
-_active: list[Report] = []  # the running reports (the OOM observer prints the latest)
+running_reports: list[Report] = []  # innermost last (the OOM observer prints it)
 
 
 @dataclasses.dataclass
@@ -165,31 +166,6 @@ class _PassScope:
             report._pass_done(self, self._audit)
 
 
-@dataclasses.dataclass(frozen=True)
-class TraceEntry:
-    """One intercepted call inside a checkpointed region, in the order the calls ran."""
-
-    layer: str  # the checkpointed module (its qualified name in the report's model)
-    module: str  # the innermost module being called (qualified name; "" outside any module)
-    unit: str  # the innermost open recompute unit, "" for none
-    op: str  # the overload, "aten::mm.default"
-    phase: str  # "forward" or "recompute"
-    status: str  # forward: "kept" (kept or offloaded) or "recomputed"; recompute: "recomputed" or "served"
-
-
-def _check_trace_supported() -> None:
-    if _engine.engine() != "native":
-        raise RuntimeError(
-            "sac_plugin: the per-op trace reads the native engine's regions; this process runs the "
-            "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode), whose kept outputs are served by "
-            "torch's SAC mode before the trace could see the call. Unset SAC_PLUGIN_ENGINE to trace"
-        )
-
-
-# The fallback's outcomes as TraceEntry statuses: an offloaded call is held like a kept one.
-_STATUS = {"kept": "kept", "offloaded": "kept", "recomputed": "recomputed", "served": "served"}
-
-
 def _stack(report) -> list:
     """The report's passes open on this thread (each report its own: reports nest)."""
     local = report._local
@@ -218,6 +194,28 @@ class _ReportObserver(_observers.Observer):
 
 
 class Report:
+    """What checkpointing kept and recomputed, per checkpointed module and unit, over the steps run
+    inside it, and every storage saved for backward.
+
+    Made by `sac_plugin.report` or `sac_plugin.trace` and entered as a context manager; the
+    results are read after it exits (the trace is filled at exit).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: each is named
+            by its class).
+        trace: Also record every call in the checkpointed regions, in order (native engine only).
+
+    Attributes:
+        layers: Breakdown by checkpointed module name: calls, ops per phase, hits, kept calls and
+            bytes, offloaded calls and bytes.
+        units: Breakdown by (checkpointed module name, unit name).
+        steps: Steps run inside the report (outermost calls of `model`).
+        totals: The audit's rows for every op run while the report ran.
+        offload_copies: Copies to the host and back, their bytes and the exposed copy time, while
+            the report ran.
+        trace: The traced calls (TraceEntry), when asked for a trace.
+    """
+
     def __init__(self, model: torch.nn.Module | None = None, *, trace: bool = False):
         self._model = model
         self._trace = trace
@@ -239,12 +237,7 @@ class Report:
         self._modules: list = []  # the modules being called on this thread (names regions)
         self._audit = Audit()
         self._exit = contextlib.ExitStack()
-        # NOTE: [The per-op trace is recorded below Python] (csrc/dispatch/call_trace.h): the
-        # fallback records each call's op, phase, unit and outcome; the report notes, at each
-        # position of the trace where its pass or innermost module changes, the layer and module
-        # that the calls from there on belong to.
-        self._call_trace = torch.classes.sac.CallTrace() if trace else None
-        self._trace_marks: list[tuple[int, str, str]] = []
+        self._call_trace = CallTrace() if trace else None
         self.totals: list[AuditRow] = []
         # Offload copies while the report ran (NOTE: [Offloading kept outputs]): each direction's
         # copies and bytes and the exposed copy time, process-wide counters read at entry and exit.
@@ -255,7 +248,7 @@ class Report:
 
     def __enter__(self):
         if self._trace:
-            _check_trace_supported()  # before anything is installed: a refusal leaves nothing behind
+            check_trace_supported()  # before anything is installed: a refusal leaves nothing behind
         self._thread = threading.get_ident()
         if self._model is not None:
             self._parameters = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
@@ -267,8 +260,8 @@ class Report:
             torch.nn.modules.module.register_module_forward_hook(self._module_returned, always_call=True)
         )
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
-        _active.append(self)
-        stack.callback(_active.remove, self)
+        running_reports.append(self)
+        stack.callback(running_reports.remove, self)
         self._offload_at_entry = memory.offload_stats()
         return self
 
@@ -276,7 +269,7 @@ class Report:
         self._exit.close()
         self.totals = self._audit.rows()
         if self._call_trace is not None:
-            self.trace = self._joined_trace()
+            self.trace = self._call_trace.entries()
         now = memory.offload_stats()
         self.offload_copies = {name: now[name] - self._offload_at_entry[name] for name in _OFFLOAD_COUNTERS}
         return False
@@ -291,19 +284,7 @@ class Report:
             module = self._innermost_module() if len(self._modules) > depth else layer
         else:
             layer = module = ""
-        self._trace_marks.append((self._call_trace.size(), layer, module))
-
-    def _joined_trace(self) -> list[TraceEntry]:
-        ops, phases, outcomes, units = self._call_trace.rows()
-        marks, entries, m = self._trace_marks, [], -1
-        for i, (op, phase, outcome, unit) in enumerate(zip(ops, phases, outcomes, units)):
-            while m + 1 < len(marks) and marks[m + 1][0] <= i:
-                m += 1
-            _, layer, module = marks[m] if m >= 0 else (0, "", "")
-            entries.append(
-                TraceEntry(layer, module, unit, op if "." in op else f"{op}.default", phase, _STATUS[outcome])
-            )
-        return entries
+        self._call_trace.mark(layer, module)
 
     def _name(self, module) -> str:
         return self._names.get(id(module), type(module).__name__)
@@ -363,6 +344,8 @@ class Report:
     # --- units (called through _ReportObserver while a report runs) -----------------------------
 
     def unit_entered(self, unit: str):
+        """Opens a count for `unit` inside the innermost pass; returns the token unit_exited takes
+        (None outside a pass)."""
         passes = _stack(self)
         if not passes:
             return None
@@ -373,6 +356,7 @@ class Report:
         return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
 
     def unit_exited(self, unit: str, token) -> None:
+        """Adds what ran in `unit` since unit_entered gave `token` to the unit's breakdown."""
         layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
@@ -442,18 +426,25 @@ class Report:
     # --- results -------------------------------------------------------------------------------
 
     def saved_tensors(self) -> list[SavedStorage]:
-        """Storages saved for backward, by place, device and size (with how many such storages were
-        saved while the report ran), largest total first; each storage counted once per life, billed to where it
-        was first saved."""
+        """Storages saved for backward, each counted once per life, billed to where it was first saved.
+
+        Returns:
+            One SavedStorage per place, device and size (with how many such storages were saved
+            while the report ran), largest total first.
+        """
         return sorted(self._saved.values(), key=lambda s: (-s.nbytes * s.count, s.where))
 
     def saved_bytes_by_place(self) -> dict[str, int]:
+        """Bytes saved for backward by place (a checkpointed module, or outside regions by the
+        module that saved them), largest first."""
         totals: dict[str, int] = {}
         for storage in self._saved.values():
             totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes * storage.count
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict: layers with their units, storages saved for backward,
+        steps, offload copies, op totals per phase and, when traced, the trace."""
         return {
             "layers": [
                 dict(
@@ -473,32 +464,38 @@ class Report:
         }
 
     def trace_table(self) -> str:
-        """The per-op trace (report(..., trace=True) or sac_plugin.trace()), one line per call in
-        the order they ran: forward calls kept or recomputed, recompute calls recomputed or served."""
+        """The per-op trace as text, one line per call in the order they ran.
+
+        Forward calls are kept or recomputed; recompute calls are recomputed or served.
+
+        Returns:
+            The table.
+
+        Raises:
+            RuntimeError: The report was not asked for a trace (report(..., trace=True) or
+                sac_plugin.trace()).
+        """
         if not self._trace:
             raise RuntimeError(
                 "sac_plugin: this report was not asked for a trace; use sac_plugin.report(model, "
                 "trace=True) or sac_plugin.trace(model)"
             )
-        width = max([len("module")] + [len(e.module) for e in self.trace])
-        unit_width = max([len("unit")] + [len(e.unit) for e in self.trace])
-        layer_width = max([5] + [len(e.layer) for e in self.trace])
-        header = (
-            f"{'#':>5}  {'layer':<{layer_width}}  {'module':<{width}}  {'unit':<{unit_width}}  "
-            f"{'phase':<9}  {'status':<10}  op"
-        )
-        lines = [header, "-" * len(header)]
-        for i, e in enumerate(self.trace):
-            lines.append(
-                f"{i:>5}  {e.layer:<{layer_width}}  {e.module or '-':<{width}}  {e.unit or '-':<{unit_width}}  "
-                f"{e.phase:<9}  {e.status:<10}  {e.op}"
-            )
-        return "\n".join(lines)
+        return trace_table(self.trace)
 
     def to_json(self) -> str:
+        """to_dict() as indented JSON text."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def table(self, storages: int = 10) -> str:
+        """The report as text: a row per checkpointed module and unit, offload copies, bytes saved
+        for backward by place, and the largest storages.
+
+        Args:
+            storages: How many of the largest saved storages to list.
+
+        Returns:
+            The table.
+        """
         header = (
             f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}"
             f"{'kept calls':>12}{'kept bytes':>14}"
@@ -570,7 +567,18 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
     counts are those of the thread that entered the report (NOTE: [Counts are their thread's]);
     reports nest, each counting the steps run inside it. trace=True also records every call in the
     checkpointed regions, in order (Report.trace, filled when the report exits;
-    Report.trace_table(), "trace" in to_json())."""
+    Report.trace_table(), "trace" in to_json()).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: class names).
+        trace: Also record the per-op trace.
+
+    Returns:
+        The report, to enter as a context manager.
+
+    Raises:
+        TypeError: model is not a module or None, or trace is not a bool.
+    """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: report: model must be a torch.nn.Module or None, got {describe_value(model)}")
     if not isinstance(trace, bool):
@@ -579,31 +587,21 @@ def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Repo
 
 
 def trace(model: torch.nn.Module | None = None) -> Report:
-    """A report that also records the per-op trace: with sac_plugin.trace(model) as t: ...;
-    print(t.trace_table()). Each entry: checkpointed layer, innermost module, unit, op, phase
-    and kept / recomputed / served (torch_remat's collect_trace, per aten call)."""
+    """A report that also records the per-op trace.
+
+    with sac_plugin.trace(model) as t: ...; print(t.trace_table()). Each entry: checkpointed
+    layer, innermost module, unit, op, phase and kept / recomputed / served (torch_remat's
+    collect_trace, per aten call).
+
+    Args:
+        model: The model whose module names label the checkpointed layers (None: class names).
+
+    Returns:
+        The report, to enter as a context manager.
+
+    Raises:
+        TypeError: model is not a module or None.
+    """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: trace: model must be a torch.nn.Module or None, got {describe_value(model)}")
     return Report(model, trace=True)
-
-
-def install_oom_observer() -> None:
-    """On CUDA, prints the latest running report (and torch's memory summary) when an allocation
-    fails. Opt-in; needs a CUDA build of torch and a device."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "sac_plugin: install_oom_observer needs CUDA (torch.cuda.is_available() is False); "
-            "the OOM observer is a CUDA caching-allocator hook"
-        )
-
-    def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-        print(
-            f"sac_plugin: CUDA out of memory on device {device}: {alloc} bytes requested, {device_alloc} "
-            f"allocated, {device_free} free"
-        )
-        if _active:
-            print(_active[-1].table())
-        else:
-            print("sac_plugin: no report is running; run the step inside sac_plugin.report(model) to see one")
-
-    torch._C._cuda_attach_out_of_memory_observer(observer)

@@ -13,7 +13,8 @@ from ._site import Site
 from ._call_facts import casts_a_parameter, draws_random, op_traits
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
-from .policy import Policy, describe_value
+from ._validation import describe_value
+from .policy import Policy
 from .units import UNIT_ANNOTATION_PREFIX
 
 __all__ = ["Region", "apply_selective_checkpointing", "context_fn", "remove_checkpointing", "torch_policy_fn"]

@@ -53,7 +53,8 @@ from pathlib import Path
 
 from torch import nn
 
-from .policy import MAX_EVERY_NTH, Policy, bounded_repr, describe_value
+from ._validation import MAX_EVERY_NTH, bounded_repr, describe_value
+from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap
 from .units import RecomputeUnit
 
@@ -231,7 +232,7 @@ class RecomputeConfig:
                 f"recompute config: preserve_rng_state must be true or false, got {bounded_repr(self.preserve_rng_state)}"
             )
         if self.budget is not None:
-            from .planner._plan import check_budget
+            from .planner._cost import check_budget
 
             try:
                 check_budget(self.budget)

@@ -2,103 +2,26 @@
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = [
-    "Policy",
-    "bounded_repr",
-    "describe_value",
-    "op_spelling",
-    "check_unit_name",
-    "overload_of",
-    "resolve_kept_ops",
-]
+from ._validation import MAX_EVERY_NTH, bounded_repr, check_unit_name, describe_value, op_spelling, overload_of
 
-OpLike = "str | torch._ops.OpOverload | torch._ops.OpOverloadPacket"
-
-# Mirrors of the C++ bounds (kMaxOpNameLength in op_resolution.h, kMaxUnitNameLength in
-# unit_stack.h), checked here first so that the message names the argument.
-MAX_OP_NAME_LENGTH = 1024
-MAX_UNIT_NAME_LENGTH = 256
-# every_nth_op's n travels to C++ as int64 and is stored exactly.
-MAX_EVERY_NTH = 2**63 - 1
-
-_short = reprlib.Repr()
-_short.maxstring = 60
-_short.maxother = 60
-_short.maxlevel = 2
-_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 4
-
-
-def bounded_repr(value) -> str:
-    """repr(value), cut short: a huge or deeply nested value (a YAML alias bomb) costs nothing."""
-    return _short.repr(value)
-
-
-def describe_value(value) -> str:
-    """What a caller passed, for messages: a bounded repr (a huge or deeply nested value costs
-    nothing) and its type."""
-    return f"{_short.repr(value)} ({type(value).__name__})"
-
-
-def _check_text(name: str, where: str, what: str, limit: int, why: str = "") -> str:
-    """Refuses names the C++ side could not report faithfully or would keep forever."""
-    if "\x00" in name:
-        raise ValueError(f"sac_plugin: {where}: {what} cannot contain a NUL character, got {_short.repr(name)}")
-    if len(name) > limit:
-        raise ValueError(
-            f"sac_plugin: {where}: {what} has at most {limit} characters{why}, got one of {len(name)}: "
-            f"{_short.repr(name)}"
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"sac_plugin: {where}: {what} must be valid Unicode text, got {_short.repr(name)}") from None
-    return name
-
-
-def op_spelling(op, where: str = "op") -> str:
-    """The plugin's spelling of an op: "aten::mm.default" for an overload, "aten::mm" for a packet."""
-    if isinstance(op, str):
-        return _check_text(op, where, "an op name", MAX_OP_NAME_LENGTH)
-    if isinstance(op, torch._ops.OpOverload):
-        return f"{op._schema.name}.{op._overloadname}"
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return op._qualified_op_name
-    raise TypeError(
-        f"sac_plugin: {where}: expected an op name such as 'aten::mm.default' or an op such as "
-        f"torch.ops.aten.mm.default, got {describe_value(op)}"
-    )
+__all__ = ["Policy", "resolve_kept_ops"]
 
 
 def _names(values, what: str, example: str = "['aten::mm']") -> list:
     if isinstance(values, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(
             f"sac_plugin: {what} must be a collection of names, not a single {type(values).__name__}: "
-            f"{_short.repr(values)}; write [{_short.repr(values)}]"
+            f"{bounded_repr(values)}; write [{bounded_repr(values)}]"
         )
     if isinstance(values, Mapping) or not isinstance(values, Iterable):
         raise TypeError(
             f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}"
         )
     return list(values)
-
-
-def check_unit_name(name, where: str) -> str:
-    """A unit name as recompute_unit and policies accept it; the plain str of a StrEnum member."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"sac_plugin: {where}: a recompute unit name is a str such as 'attn', got {describe_value(name)}"
-        )
-    if not name:
-        raise ValueError(f"sac_plugin: {where}: a recompute unit needs a non-empty str name such as 'attn', got ''")
-    _check_text(
-        name, where, "a recompute unit name", MAX_UNIT_NAME_LENGTH, " (names are kept for the life of the process)"
-    )
-    return str(name)
 
 
 def _every_nth_rules(every_nth_op) -> dict[str, int]:
@@ -181,42 +104,53 @@ def _unflatten(flat) -> dict[str, tuple[int, ...]]:
 class Policy:
     """Which calls a checkpointed region keeps, offloads or recomputes.
 
-    kept_ops: op overloads whose outputs are kept ("aten::mm" for every overload,
-        "aten::mm.default", or torch.ops.aten.mm.default).
-    kept_units: names of recompute units (see `recompute_unit`; a torch_remat region is one)
-        inside which every op is kept. Unit names in kept_units, recomputed_units and
-        offloaded_units may be patterns: each '*' matches any run of characters, dots included,
-        as torchtitan's region patterns ("*", "*routed_experts.w13.*"). A torch_remat region that
-        no list names follows its own recompute= flag.
-    every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region; {"aten::mm": 2}
-        is torchtitan's "every other matmul" rule.
-    recomputed_units: units whose ops are always recomputed, whatever else would keep them.
-    kept_calls: {op: [i, j, ...]}: keep exactly these calls of the op in each region, by 0-based
-        index among the region's forward calls of it, counted as every_nth_op counts them (what a
-        memory-budget plan produces: sac_plugin.plan). An op has one rule: kept_ops, every_nth_op
-        or kept_calls.
-    offloaded_ops, offloaded_units, offloaded_calls: the same selections as kept_ops, kept_units
-        and kept_calls, for outputs that are held in pinned host memory between the forward and the
-        backward instead of on the device: copied out on a side stream after the call, copied
-        back when the region's recompute begins, served like kept outputs. The invariants are the
-        kept ones. kept_calls and offloaded_calls may name one op with disjoint indices.
-    offload_min_bytes: a call whose outputs take fewer bytes is kept on the device (a copy would
-        cost more than it frees); 1 MiB by default.
-    host_memory_limit: the most pinned host memory the offload pool may hold, in use and cached,
-        when a call of this policy offloads (None: no limit); past it, once idle buffers are freed,
-        the call is kept on the device (NOTE: [A bounded pinned pool]).
-    pin_routing: under a policy that selects anything, the calls that route tokens (topk, sort,
-        argsort and argmax indices, nonzero and unique) and device->host copies
-        (.item(), .tolist(), .cpu()) are served from the forward, so the recompute routes as the
-        forward did and never waits on the device (docs/semantics.md). False opts out.
-    offload_inputs: the region's positional inputs that carry the activation (tensors that require
-        grad and are not leaves), which torch's checkpoint holds for the recompute, are held in
-        pinned host memory between the forward and the backward, with the offloaded outputs and
-        within the same host_memory_limit (docs/offload.md). False by default. With nothing
-        kept, this lowers full recompute's floor.
+    A policy is an immutable value: copies share it and pickles rebuild it from its names. Every
+    argument is checked here, at declaration, so a bad one is reported by name with what was given.
+    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per checkpoint
+    site.
 
-    Where outputs are on the CPU (no accelerator), offloading is keeping, said once per checkpoint site.
-    Unknown ops, collectives, random and mutating ops raise ValueError here, at declaration.
+    Args:
+        kept_ops: Op overloads whose outputs are kept ("aten::mm" for every overload,
+            "aten::mm.default", or torch.ops.aten.mm.default).
+        kept_units: Names of recompute units (see `recompute_unit`; a torch_remat region is one)
+            inside which every op is kept. Unit names in kept_units, recomputed_units and
+            offloaded_units may be patterns: each '*' matches any run of characters, dots
+            included, as torchtitan's region patterns ("*", "*routed_experts.w13.*"). A torch_remat
+            region that no list names follows its own recompute= flag.
+        every_nth_op: {op: n}: keep calls 1, n+1, 2n+1, ... of the op in each region;
+            {"aten::mm": 2} is torchtitan's "every other matmul" rule.
+        recomputed_units: Units whose ops are always recomputed, whatever else would keep them.
+        kept_calls: {op: [i, j, ...]}: keep exactly these calls of the op in each region, by
+            0-based index among the region's forward calls of it, counted as every_nth_op counts
+            them (what a memory-budget plan produces: sac_plugin.plan). An op has one rule:
+            kept_ops, every_nth_op or kept_calls.
+        offloaded_ops: The selection kept_ops makes, for outputs held in pinned host memory
+            between the forward and the backward instead of on the device: copied out on a side
+            stream after the call, copied back when the region's recompute begins, served like
+            kept outputs. The invariants are the kept ones.
+        offloaded_units: The selection kept_units makes, offloaded as offloaded_ops.
+        offloaded_calls: The selection kept_calls makes, offloaded as offloaded_ops. kept_calls
+            and offloaded_calls may name one op with disjoint indices.
+        offload_min_bytes: A call whose outputs take fewer bytes is kept on the device (a copy
+            would cost more than it frees); 1 MiB by default.
+        host_memory_limit: The most pinned host memory the offload pool may hold, in use and
+            cached, when a call of this policy offloads (None: no limit); past it, once idle
+            buffers are freed, the call is kept on the device (NOTE: [A bounded pinned pool]).
+        pin_routing: Under a policy that selects anything, the calls that route tokens (topk,
+            sort, argsort and argmax indices, nonzero and unique) and device->host copies
+            (.item(), .tolist(), .cpu()) are served from the forward, so the recompute routes as
+            the forward did and never waits on the device (docs/semantics.md). False opts out.
+        offload_inputs: The region's positional inputs that carry the activation (tensors that
+            require grad and are not leaves), which torch's checkpoint holds for the recompute,
+            are held in pinned host memory between the forward and the backward, with the
+            offloaded outputs and within the same host_memory_limit (docs/offload.md). False by
+            default. With nothing kept, this lowers full recompute's floor.
+
+    Raises:
+        TypeError: An argument of the wrong type (a single name where a collection is expected,
+            a non-int index, count or byte count, a non-bool flag).
+        ValueError: An unknown op, a collective, random or mutating op, an op given two rules,
+            an index, n or byte count out of range, or a name too long or not valid text.
     """
 
     __slots__ = (
@@ -472,13 +406,6 @@ def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_c
         kept_calls=kept_calls,
         **(offload or {}),
     )
-
-
-def overload_of(name: str) -> torch._ops.OpOverload:
-    """torch.ops.aten.mm.out for "aten::mm.out", torch.ops.aten.mm.default for "aten::mm"."""
-    namespace, _, rest = name.partition("::")
-    op_name, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
 
 
 def _unit_names(values, what: str) -> list[str]:

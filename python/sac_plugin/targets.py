@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .policy import describe_value, resolve_kept_ops
+from ._validation import describe_value
+from .policy import resolve_kept_ops
 from .units import RecomputeUnit
 
 __all__ = ["ATTENTION_OPS", "KeptCallables", "KeptOps", "RecomputeTargetMap"]

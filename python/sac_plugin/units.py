@@ -10,7 +10,7 @@ import threading
 import torch
 
 from . import _observers, _scopes, _unit_checks
-from .policy import check_unit_name, describe_value
+from ._validation import check_unit_name, describe_value
 
 __all__ = [
     "RecomputeUnit",

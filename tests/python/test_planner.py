@@ -16,7 +16,7 @@ import sac_plugin
 import torch
 from sac_plugin import ConfigError, Plan, PlanError, RecomputeConfig
 from sac_plugin import Policy, _scopes
-from sac_plugin.policy import bounded_repr
+from sac_plugin._validation import bounded_repr
 from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import Llama, LlamaBlock, MoEBlock, rotary_tables

@@ -15,7 +15,7 @@ import sac_plugin
 import torch
 from sac_plugin import Plan, PlanError, Policy
 from sac_plugin.planner import OffloadModel
-from sac_plugin.planner._plan import CopyCost
+from sac_plugin.planner._cost import CopyCost
 from sac_plugin.planner._profile import LayerProfile, ProfiledCall
 from sac_plugin.planner import _knapsack as knapsack, _plan
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS

@@ -118,7 +118,7 @@ def test_no_report_no_hooks():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_oom_observer_needs_cuda():
-    from sac_plugin._report import install_oom_observer
+    from sac_plugin._oom import install_oom_observer
 
     with pytest.raises(RuntimeError) as error:
         install_oom_observer()
@@ -132,7 +132,7 @@ def test_oom_observer_needs_cuda():
     not torch.cuda.is_available(), reason="CUDA is not available: the OOM observer is a CUDA caching-allocator hook"
 )
 def test_oom_observer_prints_the_report(capfd):
-    from sac_plugin._report import install_oom_observer
+    from sac_plugin._oom import install_oom_observer
 
     install_oom_observer()
     with sac_plugin.report():

@@ -59,7 +59,7 @@ from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
 from ..planner import Plan, plan
 from ..planner._split import split, total_budget_bytes
 from ..planner._apply import _capture_inputs, layer_signature
-from ..policy import bounded_repr, describe_value
+from .._validation import bounded_repr, describe_value
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
 from ..units import RecomputeUnit
 

@@ -31,7 +31,8 @@ from torch import nn
 
 from .._forwards import run_in_unit
 from ..checkpointing import apply_selective_checkpointing
-from ..policy import Policy, bounded_repr, describe_value, resolve_kept_ops
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy, resolve_kept_ops
 
 # PluginSelectiveAC is public too, but it subclasses torchtitan's SelectiveAC and is built on first
 # use (the module's __getattr__): listing it here would make `import *` import torchtitan.

@@ -5,7 +5,8 @@ budget is split over the model's layers by the same planner."""
 
 from __future__ import annotations
 
-from ._plan import OffloadModel, Plan, PlanError, plan
+from ._cost import OffloadModel, PlanError
+from ._plan import Plan, plan
 from ._step import StepPlan, plan_step
 
 

@@ -1,122 +1,200 @@
-"""The plan file's fields, declared once: each field's name, the versions that have it, and the
-kind of value it accepts. Reading a file checks every field against its declaration, so a
-malformed file fails with one message naming the field, what it holds and what it accepts; no
-other exception escapes (a value too large for the library's int64, a float too large for a
-float, a JSON text nested deeper than the parser recurses)."""
+"""The file a Plan saves and loads: its format and versions, its fields declared once (each
+checked against its declaration by _fields.py), the JSON written, and what a file must hold
+beyond the kinds of its fields: each call listed once, kept and offloaded calls that were profiled
+and may be held, an offload model for any offloaded call."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from pathlib import Path
 
-from ..policy import bounded_repr
+import torch
 
-INT64_MAX = 2**63 - 1
+from .._validation import bounded_repr
+from . import _fields
+from ._cost import OffloadModel, PlanError, call_key, check_budget
+from ._profile import LayerProfile, ProfiledCall
 
+FORMAT = "sac_plugin.plan"
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
-@dataclasses.dataclass(frozen=True)
-class Kind:
-    """What a field accepts: `accepts` says it in words (for messages), `check` tests a value."""
-
-    accepts: str
-    check: Callable[[object], bool]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return _is_int(value) or isinstance(value, float)
-
-
-def _finite(value) -> bool:
-    # An int too large for a float is not finite here: the planner computes in floats.
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-COUNT = Kind("an int from 0 to 2**63 - 1", lambda v: _is_int(v) and 0 <= v <= INT64_MAX)
-SECONDS = Kind("a finite number >= 0", lambda v: _is_number(v) and _finite(v) and v >= 0)
-RATE = Kind("a finite number of bytes per second > 0", lambda v: _is_number(v) and _finite(v) and v > 0)
-TEXT = Kind("a string", lambda v: isinstance(v, str))
-FLAG = Kind("true or false", lambda v: isinstance(v, bool))
-LIST = Kind("a list", lambda v: isinstance(v, list))
-OBJECT = Kind("an object", lambda v: isinstance(v, Mapping))
-OPTIONAL_COUNT = Kind("null or an int from 0 to 2**63 - 1", lambda v: v is None or COUNT.check(v))
-OPTIONAL_OBJECT = Kind("null or an object", lambda v: v is None or isinstance(v, Mapping))
-CALL_KEY = Kind(
-    "an [op, index] pair (a string and an int from 0 to 2**63 - 1)",
-    lambda v: isinstance(v, list) and len(v) == 2 and TEXT.check(v[0]) and COUNT.check(v[1]),
+# The plan file's fields: name, kind, first version.
+_PLAN_FIELDS = (
+    _fields.Field("format", _fields.TEXT),
+    _fields.Field("version", _fields.COUNT),
+    _fields.Field("torch", _fields.TEXT, required=False),
+    _fields.Field(
+        "budget",
+        _fields.Kind(
+            "a fraction (a float from 0.0 to 1.0) or a byte count (an int >= 0)",
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        ),
+    ),
+    _fields.Field("no_checkpoint_bytes", _fields.COUNT),
+    _fields.Field("full_recompute_bytes", _fields.COUNT),
+    _fields.Field("rng_state_bytes", _fields.COUNT, since=3),
+    _fields.Field("runs", _fields.COUNT),
+    _fields.Field("calls", _fields.LIST),
+    _fields.Field("kept", _fields.LIST),
+    _fields.Field("offload", _fields.OPTIONAL_OBJECT, since=2),
+    _fields.Field("offloaded", _fields.LIST, since=2),
+)
+_CALL_FIELDS = (
+    _fields.Field("op", _fields.TEXT),
+    _fields.Field("index", _fields.COUNT),
+    _fields.Field("unit", _fields.TEXT),
+    _fields.Field("bytes", _fields.COUNT),
+    _fields.Field("seconds", _fields.SECONDS),
+    _fields.Field("not_keepable", _fields.TEXT),
+    _fields.Field("recomputed", _fields.FLAG),
+)
+_OFFLOAD_FIELDS = (
+    _fields.Field("d2h_bytes_per_s", _fields.RATE),
+    _fields.Field("h2d_bytes_per_s", _fields.RATE),
+    _fields.Field("min_bytes", _fields.COUNT),
+    _fields.Field("host_memory_limit", _fields.OPTIONAL_COUNT),
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Field:
-    name: str
-    kind: Kind
-    since: int = 1  # the first version that has it
-    required: bool = True  # within the versions that have it
+class PlanContents:
+    """What a plan file holds, checked: enough to make the Plan it was saved from."""
+
+    profile: LayerProfile
+    budget: int | float
+    kept: frozenset[tuple[str, int]]
+    offloaded: frozenset[tuple[str, int]]
+    offload: OffloadModel | None
 
 
-class FileError(Exception):
-    """A field that does not match its declaration; the message names it."""
+def plan_to_dict(
+    profile: LayerProfile,
+    budget,
+    kept: frozenset[tuple[str, int]],
+    offloaded: frozenset[tuple[str, int]],
+    offload: OffloadModel | None,
+) -> dict:
+    """A plan as the current version of the file writes it."""
+    p = profile
+    offload = None if offload is None else dataclasses.asdict(offload)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "torch": torch.__version__.split("+")[0],
+        "budget": budget,
+        "no_checkpoint_bytes": p.no_checkpoint_bytes,
+        "full_recompute_bytes": p.full_recompute_bytes,
+        "rng_state_bytes": p.rng_state_bytes,
+        "runs": p.runs,
+        "calls": [
+            {
+                "op": c.op,
+                "index": c.index,
+                "unit": c.unit,
+                "bytes": c.bytes,
+                "seconds": c.seconds,
+                "not_keepable": c.why_not_keepable,
+                "recomputed": c.recomputed,
+            }
+            for c in p.calls
+        ],
+        "kept": [[op, index] for op, index in sorted(kept)],
+        "offload": offload,
+        "offloaded": [[op, index] for op, index in sorted(offloaded)],
+    }
 
 
-def described(value) -> str:
-    """A value as a message shows it: bounded, and cheap however large or deeply nested."""
-    return bounded_repr(value)
-
-
-def check_object(value, fields: tuple[Field, ...], where: str, version: int) -> dict:
-    """The fields of `value` (an object) that `version` has, each checked against its kind.
-    `where` names the object in messages ("" for the file itself, "calls[3]")."""
-    prefix = f"{where}." if where else ""
-    if not isinstance(value, Mapping):
-        raise FileError(f"{where or 'the plan'} must be an object, got {described(value)}")
-    known = {f.name: f for f in fields if f.since <= version}
-    for key in value:
-        if key not in known:
-            raise FileError(
-                f"unknown key {described(key)}{' in ' + where if where else ''}; known keys in version "
-                f"{version}: {', '.join(sorted(known))}"
-            )
-    checked = {}
-    for field in known.values():
-        if field.name not in value:
-            if field.required:
-                raise FileError(f"missing key {field.name!r}{' in ' + where if where else ''}")
-            continue
-        item = value[field.name]
-        if not field.kind.check(item):
-            raise FileError(f"{prefix}{field.name} must be {field.kind.accepts}, got {described(item)}")
-        checked[field.name] = item
-    return checked
-
-
-def check_list(values: list, kind: Kind, name: str) -> list:
-    for i, value in enumerate(values):
-        if not kind.check(value):
-            raise FileError(f"{name}[{i}] must be {kind.accepts}, got {described(value)}")
-    return values
-
-
-def parse(text: str):
-    """The JSON value of a plan file's text; FileError for any text that is not JSON the planner
-    can read (including one nested deeper than the parser recurses, or an int of more digits than
-    Python converts)."""
+def plan_contents(data) -> PlanContents:
+    """The contents of a plan's dict form, in any readable version, each field checked against its
+    declaration and the fields against each other; a _fields.FileError names what is wrong."""
+    fail = _fields.FileError
+    if not isinstance(data, Mapping):
+        raise fail(f"expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise fail(f"'format' must be {FORMAT!r}, got {bounded_repr(data.get('format'))}: not a sac_plugin plan")
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
+        raise fail(
+            f"version {bounded_repr(version)} is not supported; this sac_plugin reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    fields = _fields.check_object(data, _PLAN_FIELDS, "", version)
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise FileError(f"not valid JSON: {error}") from None
-    except RecursionError:
-        raise FileError(
-            "not valid JSON for a plan: nested too deeply to read (a plan file nests 3 levels: "
-            "the plan, its lists, their entries)"
-        ) from None
-    except ValueError as error:  # an int of more digits than Python converts
-        raise FileError(f"not valid JSON for a plan: {error}") from None
+        budget = check_budget(fields["budget"], "budget")
+    except (TypeError, ValueError) as error:
+        raise fail(str(error).removeprefix("sac_plugin: ")) from None
+    calls = []
+    for i, call in enumerate(fields["calls"]):
+        c = _fields.check_object(call, _CALL_FIELDS, f"calls[{i}]", version)
+        calls.append(
+            ProfiledCall(
+                c["op"], c["index"], c["unit"], c["bytes"], float(c["seconds"]), c["not_keepable"], c["recomputed"]
+            )
+        )
+    by_key = {call_key(c): c for c in calls}
+    if len(by_key) != len(calls):
+        raise fail("calls lists one (op, index) twice")
+
+    def call_keys(name: str) -> set[tuple[str, int]]:
+        keys = set()
+        for i, pair in enumerate(_fields.check_list(fields[name], _fields.CALL_KEY, name)):
+            call = by_key.get(tuple(pair))
+            if call is None:
+                raise fail(f"{name}[{i}] = {bounded_repr(pair)} is not a profiled call")
+            if not call.keepable:
+                raise fail(f"{name}[{i}] = {bounded_repr(pair)} cannot be {name}: {call.why_not_keepable}")
+            keys.add(tuple(pair))
+        return keys
+
+    kept = call_keys("kept")
+    offload, offloaded = None, set()
+    if version >= 2:
+        if fields["offload"] is not None:
+            model = _fields.check_object(fields["offload"], _OFFLOAD_FIELDS, "offload", version)
+            offload = OffloadModel(
+                float(model["d2h_bytes_per_s"]),
+                float(model["h2d_bytes_per_s"]),
+                model["min_bytes"],
+                model["host_memory_limit"],
+            )
+        offloaded = call_keys("offloaded")
+        if offloaded and offload is None:
+            raise fail("'offloaded' lists calls but 'offload' is null: an offloaded call needs the offload model")
+        for pair in sorted(offloaded):
+            if pair in kept:
+                raise fail(f"{list(pair)!r} is both kept and offloaded")
+            why = offload.why_not_offloadable(by_key[pair])
+            if why:
+                raise fail(f"offloaded {list(pair)!r} cannot be offloaded: {why}")
+    rng_state = fields.get("rng_state_bytes", 0)
+    if rng_state > fields["full_recompute_bytes"]:
+        raise fail(
+            f"rng_state_bytes ({rng_state}) is part of full_recompute_bytes "
+            f"({fields['full_recompute_bytes']}), so it cannot be larger"
+        )
+    profile = LayerProfile(
+        tuple(calls), fields["no_checkpoint_bytes"], fields["full_recompute_bytes"], fields["runs"], rng_state
+    )
+    return PlanContents(profile, budget, frozenset(kept), frozenset(offloaded), offload)
+
+
+def write_plan_file(path: Path, data: dict) -> Path:
+    """Writes a plan's to_dict form as the JSON text read_plan_file reads; returns the path."""
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_plan_file(path: Path, what: str) -> dict:
+    """The data of the plan file at `path` (`what`: "plan file", "step plan file", for messages),
+    parsed by _fields; anything unreadable or malformed is a PlanError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"sac_plugin: {what} {path}: cannot read it: {error}") from None
+    try:
+        return _fields.parse(text)
+    except _fields.FileError as error:
+        raise PlanError(f"sac_plugin: {what} {path}: {error}") from None

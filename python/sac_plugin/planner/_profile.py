@@ -19,7 +19,8 @@ from .. import _scopes
 from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
-from ..policy import Policy, bounded_repr
+from .._validation import bounded_repr
+from ..policy import Policy
 
 
 AFTER_THE_RECOMPUTE_STOPS = "after the recompute stops"

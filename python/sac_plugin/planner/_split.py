@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ._plan import Plan, budget_in_bytes
+from ._cost import budget_in_bytes
+from ._plan import Plan
 
 CANDIDATE_FRACTIONS = tuple(i / 40 for i in range(41))
 MAX_CELLS = 1 << 14

@@ -31,10 +31,13 @@ from torch.utils._pytree import tree_leaves
 
 from .._forwards import _offloadable_input as offloadable_input
 from ..checkpointing import apply_selective_checkpointing, check_checkpointable, remove_checkpointing
-from ..policy import Policy, bounded_repr, describe_value
-from . import _plan_file as plan_file
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy
+from . import _fields
 from ._apply import layer_signature
-from ._plan import CopyCost, Plan, PlanError, read_plan_file, write_plan_file, plan as plan_layer
+from ._cost import CopyCost, PlanError
+from ._plan import Plan, plan as plan_layer
+from ._plan_file import read_plan_file, write_plan_file
 from ._split import candidates
 
 FORMAT = "sac_plugin.step_plan"
@@ -689,12 +692,12 @@ class StepPlan:
         """
         try:
             return cls._from_checked_dict(data, where)
-        except plan_file.FileError as error:
+        except _fields.FileError as error:
             raise PlanError(f"sac_plugin: {where}: {error}") from None
 
     @classmethod
     def _from_checked_dict(cls, data, where: str) -> StepPlan:
-        fail = plan_file.FileError
+        fail = _fields.FileError
         if not isinstance(data, Mapping):
             raise fail(f"expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
@@ -707,12 +710,12 @@ class StepPlan:
                 f"version {bounded_repr(version)} is not supported; this sac_plugin reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
-        fields = plan_file.check_object(data, _STEP_FIELDS, "", version)
+        fields = _fields.check_object(data, _STEP_FIELDS, "", version)
         if fields["peak_bytes"] < 1:
             raise fail(f"peak_bytes must be an int >= 1, got {fields['peak_bytes']}")
         layers = []
         for i, entry in enumerate(fields["layers"]):
-            layer = plan_file.check_object(entry, _LAYER_FIELDS, f"layers[{i}]", version)
+            layer = _fields.check_object(entry, _LAYER_FIELDS, f"layers[{i}]", version)
             try:
                 layer_plan = Plan.from_dict(layer["plan"], where=f"{where}: layers[{i}].plan")
             except PlanError as error:
@@ -727,7 +730,7 @@ class StepPlan:
             raise fail("layers names one layer twice")
         windows = []
         for i, entry in enumerate(fields["windows"]):
-            w = plan_file.check_object(entry, _WINDOW_FIELDS, f"windows[{i}]", version)
+            w = _fields.check_object(entry, _WINDOW_FIELDS, f"windows[{i}]", version)
             windows.append(Window(w["kind"], w["layer"], w["peak"]))
         expected = (
             [(_FORWARD, j) for j in range(len(layers))]
@@ -753,34 +756,34 @@ class StepPlan:
 
 
 _STEP_FIELDS = (
-    plan_file.Field("format", plan_file.TEXT),
-    plan_file.Field("version", plan_file.COUNT),
-    plan_file.Field("torch", plan_file.TEXT, required=False),
-    plan_file.Field("peak_bytes", plan_file.COUNT),
-    plan_file.Field("measured_peak", plan_file.OPTIONAL_COUNT),
-    plan_file.Field(
+    _fields.Field("format", _fields.TEXT),
+    _fields.Field("version", _fields.COUNT),
+    _fields.Field("torch", _fields.TEXT, required=False),
+    _fields.Field("peak_bytes", _fields.COUNT),
+    _fields.Field("measured_peak", _fields.OPTIONAL_COUNT),
+    _fields.Field(
         "measured_windows",
-        plan_file.Kind(
+        _fields.Kind(
             "null or a list of ints from 0 to 2**63 - 1",
-            lambda v: v is None or (isinstance(v, list) and all(plan_file.COUNT.check(x) for x in v)),
+            lambda v: v is None or (isinstance(v, list) and all(_fields.COUNT.check(x) for x in v)),
         ),
     ),
-    plan_file.Field("offload", plan_file.FLAG),
-    plan_file.Field("windows", plan_file.LIST),
-    plan_file.Field("layers", plan_file.LIST),
+    _fields.Field("offload", _fields.FLAG),
+    _fields.Field("windows", _fields.LIST),
+    _fields.Field("layers", _fields.LIST),
 )
 _WINDOW_FIELDS = (
-    plan_file.Field(
-        "kind", plan_file.Kind("one of 'forward', 'head', 'backward'", lambda v: v in (_FORWARD, _HEAD, _BACKWARD))
+    _fields.Field(
+        "kind", _fields.Kind("one of 'forward', 'head', 'backward'", lambda v: v in (_FORWARD, _HEAD, _BACKWARD))
     ),
-    plan_file.Field("layer", plan_file.OPTIONAL_COUNT),
-    plan_file.Field("peak", plan_file.COUNT),
+    _fields.Field("layer", _fields.OPTIONAL_COUNT),
+    _fields.Field("peak", _fields.COUNT),
 )
 _LAYER_FIELDS = (
-    plan_file.Field("name", plan_file.TEXT),
-    plan_file.Field("offload_inputs", plan_file.FLAG),
-    plan_file.Field("input_bytes", plan_file.COUNT),
-    plan_file.Field("plan", plan_file.OBJECT),
+    _fields.Field("name", _fields.TEXT),
+    _fields.Field("offload_inputs", _fields.FLAG),
+    _fields.Field("input_bytes", _fields.COUNT),
+    _fields.Field("plan", _fields.OBJECT),
 )
 
 

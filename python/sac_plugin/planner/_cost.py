@@ -1,0 +1,191 @@
+"""What a call costs a plan: the bytes it holds against the budget, the time its recompute takes,
+and with offload, its copies to the host and back and the compute they hide behind.
+
+The three-way model. With offload=True each call the recompute would run has three
+outcomes, and the plan takes the least predicted step time within the budget:
+  - keep: its output stays on the device (its bytes count against the budget), costs nothing;
+  - offload: its output lives in pinned host memory between forward and backward (no device
+    bytes; its bytes count against host_memory_limit), costs the copy time its windows do not
+    hide: max(0, to_host - forward_window) + max(0, to_device - backward_window), where a copy
+    takes bytes / the measured bandwidth of its direction;
+  - recompute: no bytes, costs its kernel time.
+The forward window of call i is the kernel time of the calls after it in the forward (its copy to
+the host runs beside them). The backward window is the kernel time of the same calls again: the
+region's backward runs roughly in reverse, so the gradients of the calls after i run before
+call i's output is needed, and their forward kernel times stand in for their gradients' (which
+usually take longer). The model does not see data flow (a recomputed call that reads the output
+needs it sooner) nor the copy stream's queue (copies are costed one by one: several copies in one
+window each count it whole). Where an offloaded call's outputs live (host, or the device under the
+size floor offload_min_bytes or past host_memory_limit) is the runtime's rule, asked of the C++
+library (offload_placement), never restated here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import inspect
+import math
+
+from .. import _scopes
+from .._validation import bounded_repr, describe_value
+from ..policy import Policy
+from . import _fields
+from ._profile import LayerProfile, ProfiledCall
+
+OFFLOAD_MIN_BYTES = inspect.signature(Policy).parameters["offload_min_bytes"].default
+
+
+_scopes.declare(_scopes._lib, {"sac_offload_placement": (ctypes.c_int32, [ctypes.c_int64] * 4)})
+
+
+class Placement(enum.IntEnum):
+    """Where an offloaded call's outputs live (values as in C++ sac::OffloadPlacement)."""
+
+    HOST = 0
+    DEVICE_BELOW_FLOOR = 1
+    DEVICE_HOST_LIMIT = 2
+
+
+def offload_placement(
+    nbytes: int, reserved_host_bytes: int, offload_min_bytes: int, host_memory_limit: int | None
+) -> Placement:
+    """The runtime's rule (NOTE: [Where an offloaded call's outputs live] in
+    csrc/policy/offload_rule.cpp): HOST when nbytes >= offload_min_bytes and reserved + nbytes fits
+    within host_memory_limit (None: no cap). Byte counts are ints from 0 to 2**63 - 1."""
+    limit = -1 if host_memory_limit is None else host_memory_limit
+    # A sum of reservations past int64 is past every limit: clamped, it still is.
+    reserved = min(reserved_host_bytes, _fields.INT64_MAX)
+    return Placement(_scopes._lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
+
+
+class PlanError(ValueError):
+    """A budget or a plan file that cannot be used; the message says what is wrong and what is right."""
+
+
+def check_budget(budget, where: str = "budget"):
+    """A fraction in [0, 1] (float) or a byte count >= 0 (int)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"sac_plugin: {where} must be a fraction of the layer's no-checkpointing activation bytes "
+            f"(a float from 0.0 to 1.0) or a byte count (an int >= 0), got {describe_value(budget)}"
+        )
+    if isinstance(budget, float) and not (math.isfinite(budget) and 0.0 <= budget <= 1.0):
+        raise PlanError(
+            f"sac_plugin: {where} as a fraction must be from 0.0 to 1.0, got {budget!r}; pass an int for a byte count"
+        )
+    if isinstance(budget, int) and budget < 0:
+        raise PlanError(f"sac_plugin: {where} as a byte count must be >= 0, got {budget}")
+    return budget
+
+
+def budget_in_bytes(budget, profile: LayerProfile) -> int:
+    if isinstance(budget, float):
+        return int(budget * profile.no_checkpoint_bytes)
+    return int(budget)
+
+
+def call_key(call: ProfiledCall) -> tuple[str, int]:
+    """How plans name a call: (op, index among the forward's calls of the op)."""
+    return call.op, call.index
+
+
+def is_byte_count(value) -> bool:
+    """An int from 0 to 2**63 - 1: the library counts bytes in int64."""
+    return _fields.COUNT.check(value)
+
+
+def is_rate(value) -> bool:
+    return _fields.RATE.check(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadModel:
+    """What offloading costs on the layer's device: the copy bandwidth each way (bytes per second,
+    timed at plan time or given by the caller), the size under which a call is never offloaded,
+    and the host memory the offloaded outputs may hold together (None: no cap)."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    min_bytes: int = OFFLOAD_MIN_BYTES
+    host_memory_limit: int | None = None
+
+    def __post_init__(self):
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
+            if not is_rate(getattr(self, name)):
+                raise ValueError(
+                    f"sac_plugin: OffloadModel.{name} must be a finite number of bytes per second > 0, "
+                    f"got {bounded_repr(getattr(self, name))}"
+                )
+        if not is_byte_count(self.min_bytes):
+            raise ValueError(
+                f"sac_plugin: OffloadModel.min_bytes must be an int from 0 to 2**63 - 1 (bytes), got "
+                f"{bounded_repr(self.min_bytes)}"
+            )
+        if self.host_memory_limit is not None and not is_byte_count(self.host_memory_limit):
+            raise ValueError(
+                f"sac_plugin: OffloadModel.host_memory_limit must be None (no cap) or an int from 0 to "
+                f"2**63 - 1 (bytes), got {bounded_repr(self.host_memory_limit)}"
+            )
+
+    def why_not_offloadable(self, call: ProfiledCall) -> str:
+        """ "" when a plan may offload the call."""
+        if not call.keepable:
+            return call.why_not_keepable
+        # A call that holds no new bytes has nothing to move off the device.
+        if call.bytes == 0 or offload_placement(call.bytes, 0, self.min_bytes, None) == Placement.DEVICE_BELOW_FLOOR:
+            return f"under {self.min_bytes} bytes"
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyCost:
+    """One call's two copies and the compute each can hide behind, in seconds (the three-way
+    model, in this module's docstring)."""
+
+    to_host: float
+    to_device: float
+    forward_window: float
+    backward_window: float
+
+    @property
+    def exposed(self) -> float:
+        """The copy time the windows do not hide: what offloading the call adds to a step."""
+        return max(0.0, self.to_host - self.forward_window) + max(0.0, self.to_device - self.backward_window)
+
+    @property
+    def hides(self) -> bool:
+        return self.exposed == 0.0
+
+
+def copy_windows(profile: LayerProfile) -> list[float]:
+    """Per call, the kernel time of the calls after it in the forward: the window its copy to the
+    host hides in, and (the backward meeting those calls first) the one its copy back hides in."""
+    windows, after = [0.0] * len(profile.calls), 0.0
+    for i in range(len(profile.calls) - 1, -1, -1):
+        windows[i] = after
+        after += profile.calls[i].seconds
+    return windows
+
+
+def copy_costs(profile: LayerProfile, offload: OffloadModel) -> dict[tuple[str, int], CopyCost]:
+    """The copies of every call a plan may offload, by (op, index)."""
+    windows = copy_windows(profile)
+    return {
+        call_key(c): CopyCost(c.bytes / offload.d2h_bytes_per_s, c.bytes / offload.h2d_bytes_per_s, window, window)
+        for c, window in zip(profile.calls, windows)
+        if not offload.why_not_offloadable(c)
+    }
+
+
+def step_overhead(profile: LayerProfile, kept, offloaded, copies) -> float:
+    """The time a plan adds to a step: kernel time of the calls it recomputes plus the copy time of
+    the calls it offloads that no window hides. Summed in the forward's order, term by term, so
+    that a plan that replaces recomputes by cheaper copies never sums to more."""
+    total = 0.0
+    for c in profile.calls:
+        key = call_key(c)
+        if c.recomputed and key not in kept:
+            total += copies[key].exposed if key in offloaded else c.seconds
+    return total
