@@ -84,6 +84,10 @@ def load() -> str | None:
 
 
 def interception_path() -> str:
-    """How the plugin receives ops: "native" (its own fallback on the dispatch key) or
-    "coexisting" (per-op kernels beside another library's fallback on the same key)."""
+    """How the plugin receives ops.
+
+    Returns:
+        "native" (its own fallback on the dispatch key) or "coexisting" (per-op kernels beside
+        another library's fallback on the same key).
+    """
     return torch.ops.sac.interception_path()

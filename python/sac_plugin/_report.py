@@ -344,8 +344,14 @@ class Report:
     # --- units (called through _ReportObserver while a report runs) -----------------------------
 
     def unit_entered(self, unit: str):
-        """Opens a count for `unit` inside the innermost pass; returns the token unit_exited takes
-        (None outside a pass)."""
+        """Opens a count for `unit` inside the innermost pass.
+
+        Args:
+            unit: The recompute unit's name.
+
+        Returns:
+            The token `unit_exited` takes, or None outside a pass (nothing to count).
+        """
         passes = _stack(self)
         if not passes:
             return None
@@ -356,7 +362,12 @@ class Report:
         return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
 
     def unit_exited(self, unit: str, token) -> None:
-        """Adds what ran in `unit` since unit_entered gave `token` to the unit's breakdown."""
+        """Adds what ran in `unit` since `unit_entered` gave `token` to the unit's breakdown.
+
+        Args:
+            unit: The recompute unit's name, as given to `unit_entered`.
+            token: What `unit_entered` returned for it (not None).
+        """
         layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
@@ -435,16 +446,24 @@ class Report:
         return sorted(self._saved.values(), key=lambda s: (-s.nbytes * s.count, s.where))
 
     def saved_bytes_by_place(self) -> dict[str, int]:
-        """Bytes saved for backward by place (a checkpointed module, or outside regions by the
-        module that saved them), largest first."""
+        """Bytes saved for backward by place.
+
+        Returns:
+            The bytes by place (a checkpointed module, or outside regions by the module that saved
+            them), largest first.
+        """
         totals: dict[str, int] = {}
         for storage in self._saved.values():
             totals[storage.where] = totals.get(storage.where, 0) + storage.nbytes * storage.count
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
     def to_dict(self) -> dict:
-        """The report as a JSON-ready dict: layers with their units, storages saved for backward,
-        steps, offload copies, op totals per phase and, when traced, the trace."""
+        """The report as a JSON-ready dict.
+
+        Returns:
+            The layers with their units, the storages saved for backward, the steps, the offload
+            copies, the op totals per phase and, when traced, the trace.
+        """
         return {
             "layers": [
                 dict(
@@ -483,7 +502,11 @@ class Report:
         return trace_table(self.trace)
 
     def to_json(self) -> str:
-        """to_dict() as indented JSON text."""
+        """The report as JSON text.
+
+        Returns:
+            `to_dict()` as indented JSON, ending in a newline.
+        """
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def table(self, storages: int = 10) -> str:

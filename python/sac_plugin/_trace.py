@@ -18,14 +18,24 @@ from . import _engine
 
 @dataclasses.dataclass(frozen=True)
 class TraceEntry:
-    """One intercepted call inside a checkpointed region, in the order the calls ran."""
+    """One intercepted call inside a checkpointed region, in the order the calls ran.
 
-    layer: str  # the checkpointed module (its qualified name in the report's model)
-    module: str  # the innermost module being called (qualified name; "" outside any module)
-    unit: str  # the innermost open recompute unit, "" for none
-    op: str  # the overload, "aten::mm.default"
-    phase: str  # "forward" or "recompute"
-    status: str  # forward: "kept" (kept or offloaded) or "recomputed"; recompute: "recomputed" or "served"
+    Attributes:
+        layer: The checkpointed module (its qualified name in the report's model).
+        module: The innermost module being called (qualified name; "" outside any module).
+        unit: The innermost open recompute unit ("" for none).
+        op: The overload, as "aten::mm.default".
+        phase: "forward" or "recompute".
+        status: In the forward, "kept" (kept or offloaded) or "recomputed"; in the recompute,
+            "recomputed" or "served".
+    """
+
+    layer: str
+    module: str
+    unit: str
+    op: str
+    phase: str
+    status: str
 
 
 def check_trace_supported() -> None:

@@ -253,10 +253,12 @@ class Policy:
 
     @property
     def kept_units(self) -> frozenset[str]:
+        """The names and patterns of the units inside which every op is kept."""
         return self._kept_units
 
     @property
     def recomputed_units(self) -> frozenset[str]:
+        """The names and patterns of the units whose ops are always recomputed."""
         return self._recomputed_units
 
     @property
@@ -277,6 +279,7 @@ class Policy:
 
     @property
     def offloaded_units(self) -> frozenset[str]:
+        """The names and patterns of the units inside which every op is offloaded."""
         return self._offloaded_units
 
     @property
@@ -286,10 +289,13 @@ class Policy:
 
     @property
     def offload_min_bytes(self) -> int:
+        """The bytes under which a call's outputs stay on the device rather than being offloaded."""
         return self._offload_min_bytes
 
     @property
     def host_memory_limit(self) -> int | None:
+        """The most pinned host memory the offload pool may hold when a call of this policy
+        offloads (None: no limit)."""
         return self._host_memory_limit
 
     @property
@@ -304,6 +310,7 @@ class Policy:
 
     @property
     def offloads_nothing(self) -> bool:
+        """Whether the policy names no op, unit or call to offload."""
         return not self._offloaded_ops and not self._offloaded_units and not self._offloaded_calls
 
     @property
@@ -318,7 +325,11 @@ class Policy:
         )
 
     def kept_overloads(self) -> list[torch._ops.OpOverload]:
-        """The kept ops as OpOverload objects (what torch.compile's policy functions see)."""
+        """The kept ops as OpOverload objects (what torch.compile's policy functions see).
+
+        Returns:
+            One OpOverload per kept overload, sorted by name.
+        """
         return [overload_of(name) for name in sorted(self._kept_ops)]
 
     def _identity(self):
@@ -416,7 +427,19 @@ def resolve_kept_ops(names: Iterable) -> frozenset[str]:
     """The names among `names` that name a registered op; the rest are skipped.
 
     Lets a model list every spelling of an op (say flash-attention v2 and v3) and keep the ones
-    this installation has. Raises ValueError when none of them resolves.
+    this installation has.
+
+    Args:
+        names: Op names ("aten::mm", "aten::mm.default") or ops (torch.ops.aten.mm.default).
+
+    Returns:
+        The resolvable ones, spelled as the plugin spells them ("aten::mm.default" for an
+        overload, "aten::mm" for a packet), ready for `Policy(kept_ops=...)`.
+
+    Raises:
+        TypeError: A single name instead of a collection, or an entry that is neither a str nor
+            an op.
+        ValueError: None of the names resolves, or a name is too long or not valid text.
     """
     spellings = [
         op_spelling(op, f"resolve_kept_ops: names[{i}]")

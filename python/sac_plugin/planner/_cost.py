@@ -102,9 +102,21 @@ def is_rate(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadModel:
-    """What offloading costs on the layer's device: the copy bandwidth each way (bytes per second,
-    timed at plan time or given by the caller), the size under which a call is never offloaded,
-    and the host memory the offloaded outputs may hold together (None: no cap)."""
+    """What offloading costs on the layer's device, as a plan prices its copies.
+
+    Args:
+        d2h_bytes_per_s: Copy bandwidth from the device to the host, in bytes per second (timed
+            at plan time or given by the caller).
+        h2d_bytes_per_s: Copy bandwidth from the host back to the device, in bytes per second.
+        min_bytes: The bytes under which a call is never offloaded (the policy's
+            offload_min_bytes).
+        host_memory_limit: The most bytes the offloaded outputs may hold in host memory together
+            (None: no cap).
+
+    Raises:
+        ValueError: A bandwidth that is not a finite number > 0, or a byte count that is not an
+            int from 0 to 2**63 - 1.
+    """
 
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
@@ -130,7 +142,15 @@ class OffloadModel:
             )
 
     def why_not_offloadable(self, call: ProfiledCall) -> str:
-        """ "" when a plan may offload the call."""
+        """Why a plan may not offload a call.
+
+        Args:
+            call: A call of the layer's profile.
+
+        Returns:
+            "" when a plan may offload the call; otherwise why not: why it may not be kept, or
+            "under N bytes" when its new outputs take no bytes or fewer than `min_bytes`.
+        """
         if not call.keepable:
             return call.why_not_keepable
         # A call that holds no new bytes has nothing to move off the device.

@@ -297,8 +297,12 @@ class Plan:
         return rows
 
     def table(self) -> str:
-        """The plan as text: its summary, a row per op and unit and, with an offload model, a row
-        per call with its copies and whether they hide."""
+        """The plan as text, for reading.
+
+        Returns:
+            Its summary (the plan's repr), a row per op and unit and, with an offload model, a
+            row per call with its copies and whether they hide, one line each.
+        """
         mib = 2**20
         lines = [
             repr(self),
@@ -617,7 +621,12 @@ class Plan:
     # --- files -------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        """The plan as the JSON-ready dict a plan file holds (`from_dict` reads it back)."""
+        """The plan as the JSON-ready dict a plan file holds.
+
+        Returns:
+            The plan file's contents, in the current version: the profile's calls, the budget, the
+            kept and offloaded calls and the offload model (`from_dict` reads it back).
+        """
         return plan_file.plan_to_dict(self.profile, self.budget, self.kept, self.offloaded, self.offload)
 
     def save(self, path: str | os.PathLike) -> Path:
