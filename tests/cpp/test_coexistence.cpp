@@ -14,6 +14,7 @@
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
 #include "dispatch/thread_state.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
@@ -34,13 +35,6 @@ at::Tensor ownersTensor(const at::Tensor& tensor) {
                        .findSchemaOrThrow("sac_test_foreign::mark", "")
                        .typed<at::Tensor(const at::Tensor&)>();
   return op.call(tensor);
-}
-
-uint64_t countOf(const std::vector<AuditRow>& rows, const std::string& op, int phase) {
-  for (const AuditRow& row : rows) {
-    if (row.op == op) return phase < 0 ? row.counts.hits : row.counts.executions[phase];
-  }
-  return 0;
 }
 
 // The model of a region: tanh kept, sin recomputed.

@@ -16,6 +16,7 @@
 #include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
 #include "policy/unit_stack.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
@@ -25,13 +26,6 @@ bool keySetsEqual(const c10::impl::LocalDispatchKeySet& a, const c10::impl::Loca
 }
 
 bool sacKeyIncluded() { return c10::impl::tls_local_dispatch_key_set().included_.has(kSacKey); }
-
-uint64_t countOf(const std::vector<AuditRow>& rows, const std::string& op, int phase) {
-  for (const AuditRow& row : rows) {
-    if (row.op == op) return phase < 0 ? row.counts.hits : row.counts.executions[phase];
-  }
-  return 0;
-}
 
 class FallbackTest : public ::testing::Test {
  protected:

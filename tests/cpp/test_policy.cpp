@@ -7,15 +7,10 @@
 #include "ops/routing.h"
 #include "policy/policy.h"
 #include "policy/unit_stack.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
-
-const OpEntry& entryOf(const char* name, const char* overload = "") {
-  auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-  EXPECT_TRUE(handle.has_value()) << name << "." << overload;
-  return lookupOp(*handle);
-}
 
 std::string valueErrorOf(const std::vector<std::string>& ops, const std::vector<std::string>& units = {}) {
   try {

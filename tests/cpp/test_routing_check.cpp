@@ -10,17 +10,10 @@
 #include "dispatch/routing_check.h"
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
-
-const OpEntry& entryOf(const std::string& name) {
-  for (const c10::OperatorHandle& handle : resolveOpSpelling(name)) {
-    const OpEntry& entry = lookupOp(handle);
-    if (entry.traits.qualified_name == name) return entry;
-  }
-  throw std::invalid_argument("no overload named " + name);
-}
 
 torch::jit::Stack returning(const c10::IValue& value) { return {value}; }
 
@@ -35,8 +28,8 @@ std::string messageOf(RoutingCheck& routing, uint64_t call, const c10::IValue& v
 
 TEST(RoutingCheckTest, TheSameSizesAndHostValuesPassOncePerRecompute) {
   RoutingCheck routing;
-  routing.note(entryOf("aten::nonzero"), 11, returning(at::zeros({3, 2}, at::kLong)), 1);
-  routing.note(entryOf("aten::_local_scalar_dense"), 12, returning(c10::IValue(int64_t{5})), 1);
+  routing.note(entrySpelled("aten::nonzero"), 11, returning(at::zeros({3, 2}, at::kLong)), 1);
+  routing.note(entrySpelled("aten::_local_scalar_dense"), 12, returning(c10::IValue(int64_t{5})), 1);
   for (int recompute = 0; recompute < 2; ++recompute) {
     routing.beginRecompute();
     EXPECT_EQ(routing.pending(), 2u);
@@ -51,9 +44,9 @@ TEST(RoutingCheckTest, TheSameSizesAndHostValuesPassOncePerRecompute) {
 
 TEST(RoutingCheckTest, OtherSizesOrHostValuesStopTheRecomputeNamingTheLayerTheOpAndTheFix) {
   RoutingCheck routing;
-  routing.note(entryOf("aten::nonzero"), 11, returning(at::zeros({3, 2}, at::kLong)), 1);
-  routing.note(entryOf("aten::nonzero"), 12, returning(at::zeros({4, 2}, at::kLong)), 1);
-  routing.note(entryOf("aten::_local_scalar_dense"), 13, returning(c10::IValue(int64_t{5})), 1);
+  routing.note(entrySpelled("aten::nonzero"), 11, returning(at::zeros({3, 2}, at::kLong)), 1);
+  routing.note(entrySpelled("aten::nonzero"), 12, returning(at::zeros({4, 2}, at::kLong)), 1);
+  routing.note(entrySpelled("aten::_local_scalar_dense"), 13, returning(c10::IValue(int64_t{5})), 1);
   routing.beginRecompute();
   const std::string fix =
       ". The policy recomputes the routing (pin_routing=False); leave pin_routing at True so that the routing is "

@@ -13,15 +13,10 @@
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
 #include "policy/policy.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
-
-const OpEntry& entryOf(const char* name, const char* overload = "") {
-  auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-  EXPECT_TRUE(handle.has_value()) << name << "." << overload;
-  return lookupOp(*handle);
-}
 
 // Every registered overload, once, with the spelling that names exactly it.
 struct RegisteredOp {

@@ -14,18 +14,10 @@
 #include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
+#include "test_support.h"
 
 namespace sac {
 namespace {
-
-// The overload `spelling` names ("aten::tanh" is the default overload, "aten::add_.Tensor" that one).
-const OpEntry& entryOf(const std::string& spelling) {
-  for (const c10::OperatorHandle& handle : resolveOpSpelling(spelling)) {
-    const OpEntry& entry = lookupOp(handle);
-    if (entry.traits.qualified_name == spelling || entry.traits.qualified_name == spelling + ".default") return entry;
-  }
-  throw std::invalid_argument("no overload spelled " + spelling);
-}
 
 class SiteTest : public ::testing::Test {
  protected:
@@ -37,7 +29,7 @@ TEST_F(SiteTest, WarningsAreClaimedOncePerSiteNotPerPolicy) {
   auto policy = Policy::create({}, {"attn"});
   Site first(policy);
   Site second(policy);
-  const OpEntry& add_ = entryOf("aten::add_.Tensor");
+  const OpEntry& add_ = entrySpelled("aten::add_.Tensor");
   EXPECT_TRUE(first.claimWarning(add_));
   EXPECT_FALSE(first.claimWarning(add_));
   EXPECT_TRUE(second.claimWarning(add_));
@@ -65,8 +57,8 @@ TEST_F(SiteTest, NeverReachedCallsAreLearntPerSite) {
   auto learning = forward(first);
   EXPECT_EQ(learning->keptCalls(), 1);
   EXPECT_EQ(learning->releaseUnreached(0), 1);  // no save after the call: the recompute stops before it
-  EXPECT_TRUE(first->neverReached(entryOf("aten::tanh"), 1));
-  EXPECT_FALSE(second->neverReached(entryOf("aten::tanh"), 1));
+  EXPECT_TRUE(first->neverReached(entrySpelled("aten::tanh"), 1));
+  EXPECT_FALSE(second->neverReached(entrySpelled("aten::tanh"), 1));
   EXPECT_EQ(forward(first)->keptCalls(), 0);
   EXPECT_EQ(forward(second)->keptCalls(), 1);
 }

@@ -11,9 +11,15 @@ if os.environ.get("SAC_TEST_PRELOAD_FOREIGN_OWNER"):
 
 import sac_plugin  # noqa: E402
 
-# Gloo process groups in these tests (one rank, or two spawned ranks) talk over loopback only;
-# spawned ranks inherit the environment.
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+@pytest.fixture(autouse=True, scope="session")
+def gloo_over_loopback():
+    """Gloo process groups in these tests (one rank, or two spawned ranks) talk over loopback only,
+    unless the environment names an interface; spawned ranks inherit the environment."""
+    with pytest.MonkeyPatch.context() as patch:
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        yield
 
 
 def _thread_state():

@@ -10,8 +10,8 @@ import sac_plugin
 from sac_plugin import _observers
 import torch
 from sac_plugin import Policy, audit
-from thread_checks import on_another_thread, sac_key_included
-from toy_models import assert_same_gradients, make_pair, run_step
+from support.thread_checks import on_another_thread, sac_key_included
+from support.toy_models import assert_same_gradients, make_pair, run_step
 
 # The module, not the package's audit() function of the same name.
 audit_module = importlib.import_module("sac_plugin._audit")

@@ -3,21 +3,18 @@ bandwidths derived from this CPU's matmul rate and the reference block's copy/co
 printed as a simulation with its parameters."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_test_accelerator import _DIRECTORY, _SKIP_REASON
+from support.accelerator import SKIP_REASON, accelerator_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*arguments):
-    env = dict(os.environ)
-    if _DIRECTORY:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_DIRECTORY, env.get("PYTHONPATH")]))
+    env = accelerator_environment()
     return subprocess.run(
         [sys.executable, "benchmarks/bench_offload.py", *arguments],
         cwd=ROOT,
@@ -29,7 +26,7 @@ def _run(*arguments):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_simulated_h200_sets_the_bandwidths_it_prints(tmp_path):
     out = tmp_path / "offload.json"
     done = _run(

@@ -14,10 +14,10 @@ import sac_plugin
 import torch
 from sac_plugin import Policy, apply_selective_checkpointing, audit
 from sac_plugin.checkpointing import Region, torch_policy_fn
-from thread_checks import on_another_thread, sac_key_included
+from support.thread_checks import on_another_thread, sac_key_included
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
-from toy_models import assert_same_gradients, make_pair, run_step
+from support.toy_models import assert_same_gradients, make_pair, run_step
 
 
 def test_applying_twice_is_refused():
@@ -250,7 +250,7 @@ def test_remove_checkpointing_of_an_untouched_module_says_so():
 
 @pytest.mark.parametrize("early_stop, sin_recomputed", [(True, 0), (False, 1)])
 def test_early_stop_is_torch_s_and_can_be_turned_off(early_stop, sin_recomputed):
-    from toy_models import AttnLayer
+    from support.toy_models import AttnLayer
 
     torch.manual_seed(0)
     layer = AttnLayer()

@@ -11,7 +11,7 @@ from sac_plugin import Policy
 from sac_plugin.models import Llama
 from sac_plugin.targets import ATTENTION_OPS
 from torch.utils.checkpoint import checkpoint
-from toy_models import assert_same_gradients, make_pair, run_step
+from support.toy_models import assert_same_gradients, make_pair, run_step
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"

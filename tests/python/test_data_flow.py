@@ -4,72 +4,16 @@ loss and gradients bitwise with the same model without checkpointing, over sever
 that the first step (cache filled in the forward only) and later steps (cache already there)
 are both covered."""
 
-import copy
-
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import Policy, recompute_unit
-from torch import nn
+from sac_plugin import Policy
+from support.data_flow import train_pair
 
 pytestmark = pytest.mark.native_engine(
     "matching by data flow is the native engine's; the dispatch-mode engine matches kept calls per op in order, "
     "as torch's SAC does"
 )
-
-
-class LazyCacheLayer(nn.Module):
-    """Fills a cache with the same op, the same weight and the same shapes as its real call, in
-    the first forward only (so the recompute of step 1 and every later pass skip it)."""
-
-    def __init__(self, unit: str | None = None, cache_shape=(4, 8)):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(8, 8) * 0.3)
-        self.w2 = nn.Parameter(torch.randn(8, 8) * 0.3)
-        self.unit = unit
-        self.cache_shape = cache_shape
-        self.cache = None
-
-    def forward(self, x):
-        if self.cache is None:
-            with torch.no_grad():
-                if self.cache_shape == "other":
-                    self.cache = torch.ones(2, 3) @ torch.ones(3, 5)
-                else:
-                    self.cache = torch.ones(*self.cache_shape) @ self.w1
-        if self.unit is None:
-            return self._body(x)
-        with recompute_unit(self.unit):
-            return self._body(x)
-
-    def _body(self, x):
-        h = torch.tanh(x @ self.w1)
-        return torch.sin(h @ self.w2)
-
-
-def train_pair(policy, steps=3, **layer_kwargs):
-    torch.manual_seed(0)
-    model = LazyCacheLayer(**layer_kwargs)
-    reference = copy.deepcopy(model)
-    sac_plugin.apply_selective_checkpointing(model, policy)
-    audits = []
-    for step in range(steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        for m in (model, reference):
-            m.zero_grad()
-        with sac_plugin.audit() as audit:
-            loss = model(x).pow(2).sum()
-            loss.backward()
-        audits.append(audit)
-        ref_loss = reference(x).pow(2).sum()
-        ref_loss.backward()
-        assert torch.equal(loss, ref_loss), f"step {step}: loss differs"
-        for name in ("w1", "w2"):
-            got, expected = getattr(model, name).grad, getattr(reference, name).grad
-            assert torch.equal(got, expected), (
-                f"step {step}: gradient of {name} differs by {(got - expected).abs().max().item()}"
-            )
-    return audits
 
 
 def test_kept_op_with_a_same_shape_call_made_in_the_forward_only():

@@ -13,6 +13,7 @@ The NOTE index in docs/engines.md is checked against the NOTE blocks in csrc/ an
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -145,21 +146,13 @@ def test_install_docs_list_each_extras_packages_as_pyproject_does():
 
 # --- the NOTE index in docs/engines.md ------------------------------------------------------------
 
-# A NOTE block starts a comment (or a docstring line) with its title and is not a reference to one
-# ("NOTE: [Title] in file.cpp", "NOTE: [Title] (file.cpp)").
-_NOTE = re.compile(r"^\s*(?://|#)?\s*NOTE: \[(?P<title>[^\]]+)\](?P<rest>.*)$")
 
-
-def _note_blocks() -> set[tuple[str, str]]:
-    found = set()
-    for path in [*ROOT.glob("csrc/**/*"), *ROOT.glob("python/**/*.py")]:
-        if not path.is_file() or path.suffix not in {".h", ".cpp", ".py"}:
-            continue
-        for line in path.read_text(encoding="utf-8").splitlines():
-            match = _NOTE.match(line)
-            if match and not re.match(r"\s*(in |\()", match.group("rest")):
-                found.add((match.group("title"), str(path.relative_to(ROOT))))
-    return found
+def _note_index_tool():
+    """tools/note_index.py, the one NOTE scanner: it writes the table this test reads."""
+    spec = importlib.util.spec_from_file_location("note_index", ROOT / "tools" / "note_index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _note_index() -> set[tuple[str, str]]:
@@ -169,13 +162,13 @@ def _note_index() -> set[tuple[str, str]]:
 
 
 def test_note_index_lists_every_note_block():
-    in_code, in_docs = _note_blocks(), _note_index()
+    note_index = _note_index_tool()
+    in_code, in_docs = set(note_index.note_blocks()), _note_index()
     assert in_code, "no NOTE block found under csrc/ and python/"
     assert sorted(in_code - in_docs) == [], "NOTE blocks missing from docs/engines.md"
     assert sorted(in_docs - in_code) == [], "docs/engines.md lists NOTE blocks the code does not have"
     # The table is what tools/note_index.py writes (run it after adding or moving a NOTE).
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "note_index.py"), "--check"], capture_output=True)
-    assert done.returncode == 0, "docs/engines.md's NOTE table is stale: run python tools/note_index.py"
+    assert note_index.main(["--check"]) == 0, "docs/engines.md's NOTE table is stale: run python tools/note_index.py"
 
 
 # --- the site ---------------------------------------------------------------------------------------

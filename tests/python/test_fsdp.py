@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    import fsdp_worker
+    from support import fsdp_worker
 
     tmp = tmp_path_factory.mktemp("fsdp")
     result_file = tmp / "results.json"

@@ -4,7 +4,6 @@ goes below full recompute, then the benchmarks). NOTE: [The GPU check's time bud
 script says why."""
 
 import inspect
-import os
 import re
 import shlex
 import subprocess
@@ -12,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_test_accelerator import _DIRECTORY, _SKIP_REASON
+from support.accelerator import SKIP_REASON, accelerator_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
@@ -71,7 +70,7 @@ def test_the_cuda_tests_run_first_then_what_goes_below_full_recompute_then_the_b
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 @pytest.mark.parametrize(
     "check, feature, available",
     [
@@ -86,9 +85,7 @@ def test_the_cuda_tests_run_first_then_what_goes_below_full_recompute_then_the_b
 def test_the_feature_steps_run_or_say_they_are_not_available(check, feature, available):
     import sac_plugin
 
-    env = dict(os.environ)
-    if _DIRECTORY:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_DIRECTORY, env.get("PYTHONPATH")]))
+    env = accelerator_environment()
     done = subprocess.run(
         [
             sys.executable,

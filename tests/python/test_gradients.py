@@ -7,7 +7,7 @@ import sac_plugin
 import torch
 from sac_plugin import Policy, _compat
 from torch.utils.checkpoint import checkpoint
-from toy_models import assert_same_gradients, make_pair, run_step
+from support.toy_models import assert_same_gradients, make_pair, run_step
 
 POLICIES = {
     "nothing_kept": Policy(),

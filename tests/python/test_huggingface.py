@@ -14,6 +14,7 @@ from sac_plugin import ConfigError, RecomputeConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
+from support.transformers_models import enable_transformers_checkpointing, reference_for  # noqa: E402
 
 LAYERS = 2
 _COMMON = dict(
@@ -61,24 +62,6 @@ def step(model, seed=3):
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     return loss
-
-
-def enable_transformers_checkpointing(model, kwargs):
-    """transformers 5 renamed gradient_checkpointing_enable (deprecated until v6)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def reference_for(model_type, model):
-    """What the checkpointed model must equal bitwise. GPT-2's gradients differ in the last bits
-    under any checkpointing (transformers' own included: up to 6e-8, measured), so its reference is
-    transformers' own gradient checkpointing; every other model's is the unmodified model."""
-    reference = copy.deepcopy(model)
-    if model_type == "gpt2":
-        enable_transformers_checkpointing(reference, {"use_reentrant": False})
-    return reference
 
 
 def assert_bitwise_equal(model, reference):

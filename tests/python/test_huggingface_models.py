@@ -15,7 +15,7 @@ from sac_plugin import ConfigError, RecomputeConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
-from test_huggingface import enable_transformers_checkpointing, reference_for  # noqa: E402
+from support.transformers_models import enable_transformers_checkpointing, reference_for  # noqa: E402
 
 LAYERS, VOCAB, BATCH, SEQ = 2, 128, 2, 8
 _DECODER = dict(

@@ -11,7 +11,7 @@ import torch.distributed._functional_collectives as funcol
 from sac_plugin import Policy, _compat, recompute_unit
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from toy_models import observed_regions, assert_same_gradients, make_pair
+from support.toy_models import observed_regions, assert_same_gradients, make_pair
 
 COLLECTIVE_REFUSAL = (
     "sac: kept_ops: '{spelling}' names {name}, which is a collective; collectives are never kept, "

@@ -7,14 +7,15 @@ import collections
 
 import pytest
 import torch
-from test_offload import _on_accelerator
-from test_test_accelerator import _SKIP_REASON
+from support.accelerator import SKIP_REASON, runner_with_models
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sac_plugin
 from sac_plugin import Policy
 
 ADDMM = torch.ops.aten.addmm.default
+# Bodies on the test accelerator, over the offload tests' two layers.
+_on_accelerator = runner_with_models("offloaded_outputs")
 
 
 class FakeQuantize(TorchDispatchMode):
@@ -136,7 +137,7 @@ def test_a_mode_entered_for_the_backward_only_sees_no_served_call():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
 def test_a_mode_sees_none_of_the_offload_copies(engine):
     values = _on_accelerator(

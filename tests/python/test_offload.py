@@ -3,74 +3,23 @@ accelerator, their outputs leave the device between forward and backward, measur
 allocator, and come back for the recompute with gradients bitwise equal to keeping them; writes
 are caught as for kept outputs; on the CPU offloading is keeping, said once."""
 
-import os
 import pickle
 import warnings
 
 import pytest
 import torch
-from test_test_accelerator import _SKIP_REASON, run_on_accelerator
 
 import sac_plugin
 from sac_plugin import Policy, RecomputeConfig
 from sac_plugin.config import ConfigError
+from support.accelerator import SKIP_REASON, accelerator_environment, runner_with_models
 
 # Two layers whose first projection makes 1 MiB (offloaded) and second 512 KiB (under the floor).
-MODEL = """
-import copy
-import sac_plugin
-import sac_plugin.memory
-from sac_plugin import Policy
-
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(512, 1024)
-        self.down = torch.nn.Linear(1024, 512)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x))).sin()
-
-def model_and_input(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(Layer(), Layer()).to("sac_accel")
-    x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
-    return model, x
-
-def checkpointed(policy):
-    model, x = model_and_input()
-    for layer in model:
-        sac_plugin.apply_selective_checkpointing(layer, policy)
-    return model, x
-
-def gradients(model, x):
-    return [p.grad.cpu() for p in model.parameters()] + [x.grad.cpu()]
-
-def step(model, x, audit=None):
-    torch.accelerator.synchronize()
-    before = torch.accelerator.memory_allocated()
-    loss = model(x).square().mean()
-    torch.accelerator.synchronize()
-    held = torch.accelerator.memory_allocated() - before
-    loss.backward()
-    torch.accelerator.synchronize()
-    return held
-
-def stats():
-    return sac_plugin.memory.offload_stats()
-"""
-
-
-def _on_accelerator(body, engine="native"):
-    os.environ["SAC_PLUGIN_ENGINE"] = engine
-    try:
-        return run_on_accelerator(MODEL + body)
-    finally:
-        del os.environ["SAC_PLUGIN_ENGINE"]
+_on_accelerator = runner_with_models("offloaded_outputs")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
 @pytest.mark.parametrize("copy_delay", [0.0, 0.02])
 def test_offloaded_bytes_leave_the_device_and_gradients_are_bitwise(engine, copy_delay):
@@ -120,7 +69,7 @@ report(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_steps_reuse_the_pinned_pool_and_every_offloaded_output_comes_back_once():
     values = _on_accelerator("""
 model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
@@ -138,7 +87,7 @@ report(new_allocations=last["pool_allocations"] - first["pool_allocations"],
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_a_write_after_the_forward_raises_naming_the_op():
     values = _on_accelerator("""
 class Exposed(torch.nn.Module):
@@ -172,7 +121,7 @@ report(message=message, pool_in_use=stats()["pool_bytes_in_use"])
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_a_write_in_the_forward_demotes_the_offloaded_call():
     values = _on_accelerator("""
 sac_test_accelerator.set_copy_delay(0.02)
@@ -207,7 +156,7 @@ report(same=all(torch.equal(a, b) for a, b in zip(reference, offloaded)), hits=a
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_floor_and_the_host_limit_keep_on_the_device():
     values = _on_accelerator("""
 import warnings
@@ -238,7 +187,7 @@ report(copies=after["copies_to_host"] - before["copies_to_host"],
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_retain_graph_serves_the_offloaded_outputs_to_a_second_backward():
     values = _on_accelerator("""
 model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
@@ -408,7 +357,7 @@ def test_torch_policy_fn_tags_offloaded_calls_must_save_outside_an_offloading_co
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_report_splits_held_bytes_by_place_and_counts_copies():
     values = _on_accelerator("""
 model, x = checkpointed(Policy(kept_ops=["aten::tanh"], offloaded_ops=["aten::addmm"]))
@@ -446,7 +395,7 @@ report(layers=[(l["name"], l["calls"], l["kept_calls"], l["kept_bytes"], l["offl
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_compute_stream_waiting_for_a_copy_back_is_exposed_copy_time():
     values = _on_accelerator("""
 model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
@@ -466,18 +415,14 @@ report(at_least_one_delay=exposed[1] >= 50_000, more_with_delay=exposed[1] > exp
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_offload_benchmark_runs_on_the_test_accelerator():
     import subprocess
     import sys
     from pathlib import Path
 
-    from test_test_accelerator import _DIRECTORY
-
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    if _DIRECTORY:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_DIRECTORY, env.get("PYTHONPATH")]))
+    env = accelerator_environment()
     done = subprocess.run(
         [
             sys.executable,
@@ -512,7 +457,7 @@ def test_the_offload_benchmark_runs_on_the_test_accelerator():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])
 def test_a_recompute_fetches_its_outputs_and_the_next_regions_on_the_device_thread(engine):
     values = _on_accelerator(

@@ -3,85 +3,24 @@ accelerator, a checkpointed stack's layer inputs leave the device between forwar
 measured by its allocator, and come back for the recompute with gradients bitwise equal to the
 unmodified model; the region that holds them releases them with its outputs."""
 
-import os
 import pickle
 
 import pytest
 import torch
-from test_test_accelerator import _SKIP_REASON, run_on_accelerator
 
 import sac_plugin
 import sac_plugin.memory
 from sac_plugin import Policy, RecomputeConfig
 from sac_plugin.config import policy_for
 from sac_plugin.targets import KeptOps, RecomputeTargetMap, RecomputeUnit
+from support.accelerator import SKIP_REASON, runner_with_models
 
 # Four layers; each layer's input is 256 x 512 float32 (512 KiB), the activation the stack carries.
-MODEL = """
-import sac_plugin
-import sac_plugin.memory
-from sac_plugin import Policy
-
-INPUT_BYTES = 256 * 512 * 4
-
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(512, 1024)
-        self.down = torch.nn.Linear(1024, 512)
-
-    def forward(self, x, scale=None):
-        y = x + self.down(torch.nn.functional.dropout(torch.tanh(self.up(x)), 0.1)).sin()
-        return y if scale is None else y * scale
-
-def model_and_input(layers=4):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Layer() for _ in range(layers)]).to("sac_accel")
-    x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
-    return model, x
-
-def checkpointed(policy, layers=4):
-    model, x = model_and_input(layers)
-    for layer in model:
-        sac_plugin.apply_selective_checkpointing(layer, policy)
-    return model, x
-
-def gradients(model, x):
-    return [p.grad.cpu() for p in model.parameters()] + [x.grad.cpu()]
-
-def forward(model, x):
-    torch.manual_seed(1)
-    # x * 2: the first layer's input is an activation too (x itself is a leaf, which stays put).
-    return model(x * 2).square().mean()
-
-def step(model, x):
-    torch.accelerator.synchronize()
-    before = torch.accelerator.memory_allocated()
-    loss = forward(model, x)
-    torch.accelerator.synchronize()
-    held = torch.accelerator.memory_allocated() - before
-    loss.backward()
-    torch.accelerator.synchronize()
-    return held
-
-def stats():
-    return sac_plugin.memory.offload_stats()
-
-def same(a, b):
-    return all(torch.equal(p, q) for p, q in zip(a, b))
-"""
-
-
-def _on_accelerator(body, engine="native"):
-    os.environ["SAC_PLUGIN_ENGINE"] = engine
-    try:
-        return run_on_accelerator(MODEL + body)
-    finally:
-        del os.environ["SAC_PLUGIN_ENGINE"]
+_on_accelerator = runner_with_models("offloaded_inputs")
 
 
 def accelerator(test):
-    return pytest.mark.slow(pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")(test))
+    return pytest.mark.slow(pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")(test))
 
 
 engines = pytest.mark.parametrize("engine", ["native", "dispatch_mode"])

@@ -4,14 +4,14 @@ bounded pinned pool] in csrc/dispatch/offload.cpp): measured on the test acceler
 allocator counts every device byte."""
 
 import pytest
-from test_offload import _on_accelerator
-from test_test_accelerator import _SKIP_REASON
+from support.accelerator import SKIP_REASON, runner_with_models
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 
 # Each layer offloads its first projection (1 MiB) and keeps its second (512 KiB, under the floor):
 # one step offloads 2 MiB, the limit given.
 ONE_STEP = 2 << 20
+_on_accelerator = runner_with_models("offloaded_outputs")
 
 
 @pytest.mark.parametrize("engine", ["native", "dispatch_mode"])

@@ -22,7 +22,7 @@ from sac_plugin.planner import _step
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
 from sac_plugin.planner._step import LayerChoice, Window, choose, lowest_peak, window_peaks
 
-from test_test_accelerator import _SKIP_REASON, run_on_accelerator
+from support.accelerator import SKIP_REASON, run_accelerator_program
 
 pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
 
@@ -483,107 +483,12 @@ def test_peak_accepts_bytes_with_units(text, value):
 
 # --- on the test accelerator --------------------------------------------------------------------------
 
-STACK = """
-import contextlib, gc, io, tempfile, warnings
-warnings.simplefilter("ignore")
-import sac_plugin
-from sac_plugin import PlanError, RecomputeConfig, StepPlan
-from sac_plugin.models import Llama
-
-DEVICE = "sac_accel"
-
-def build():
-    torch.manual_seed(0)
-    return Llama(vocab=128, dim=64, heads=4, layers=4, seq=64).to(DEVICE)
-
-torch.manual_seed(1)
-tokens = torch.randint(0, 128, (4, 64), device=DEVICE)
-targets = torch.randint(0, 128, (4, 64), device=DEVICE)
-model, reference = build(), build()
-
-def step_of(m):
-    return lambda: m.loss(tokens, targets).backward()
-
-def peak_of(m, checkpointed, policy=None):
-    if checkpointed:
-        for layer in m.layers:
-            sac_plugin.apply_selective_checkpointing(layer, policy)
-    torch.accelerator.synchronize()
-    torch.accelerator.reset_peak_memory_stats()
-    step_of(m)()
-    torch.accelerator.synchronize()
-    peak = torch.accelerator.max_memory_allocated()
-    m.zero_grad(set_to_none=True)
-    if checkpointed:
-        for layer in m.layers:
-            sac_plugin.remove_checkpointing(layer)
-    return peak
-
-def unchanged(m):
-    return not any("forward" in x.__dict__ or "_sac_policy" in x.__dict__ for x in m.modules())
-
-full_recompute, none = peak_of(model, True), peak_of(model, False)
-values = {"engine": sac_plugin.engine(), "full_recompute": full_recompute, "none": none}
-"""
-
-BETWEEN = (
-    STACK
-    + """
-budget = (full_recompute + none) // 2
-plan = sac_plugin.plan_step(model, step_of(model), peak_bytes=budget, runs=1)
-step_of(model)()
-step_of(reference)()
-pairs = list(zip(model.named_parameters(), reference.named_parameters()))
-values["unequal_grads"] = [n for (n, a), (_, b) in pairs if not torch.equal(a.grad.cpu(), b.grad.cpu())]
-model.zero_grad(set_to_none=True)
-reference.zero_grad(set_to_none=True)
-values.update(
-    budget=budget, predicted=plan.predicted_peak, measured=plan.measured_peak, profiled=plan.full_recompute_peak,
-    remeasured=peak_of(model, False),
-    kept_calls=[len(c.plan.kept) for c in plan.layers],
-    names=[c.name for c in plan.layers],
-    checkpointed=[layer._sac_policy == plan.policies[f"layers.{i}"] for i, layer in enumerate(model.layers)],
-    first_line=plan.table().splitlines()[0],
-)
-loaded = StepPlan.load(plan.save(tempfile.mkdtemp() + "/step.json"))
-fresh = build()
-loaded.apply(fresh)
-values["loaded_same"] = loaded.to_dict() == plan.to_dict()
-values["fresh_policies"] = [layer._sac_policy == plan.policies[f"layers.{i}"] for i, layer in enumerate(fresh.layers)]
-del fresh  # every step below runs beside the same models as the budget was measured beside
-gc.collect()  # a checkpointed layer and its forward refer to each other
-for layer in model.layers:
-    sac_plugin.remove_checkpointing(layer)
-
-try:
-    sac_plugin.plan_step(model, step_of(model), peak_bytes=full_recompute - 1, runs=1)
-except PlanError as error:
-    values["below"] = str(error)
-values["unchanged_after_error"] = unchanged(model)
-
-sac_plugin.apply_recompute_config(model, RecomputeConfig(peak_bytes=budget), step=step_of(model))
-values["config_policies"] = ["_sac_policy" in layer.__dict__ for layer in model.layers]
-values["config_kept"] = sum(bool(layer._sac_policy.kept_calls) for layer in model.layers)
-values["config_peak"] = peak_of(model, False)
-
-from sac_plugin.__main__ import main
-out = io.StringIO()
-with contextlib.redirect_stdout(out):
-    saved = tempfile.mkdtemp() + "/cli.json"
-    main(["plan", "--model", "llama", "--peak", "1GiB", "--device", DEVICE, "--layers", "2", "--dim", "32",
-          "--seq", "16", "--runs", "1", "--save", saved])
-values["cli"] = out.getvalue().splitlines()[:2]
-values["cli_saved"] = [c.name for c in StepPlan.load(saved).layers]
-report(**values)
-"""
-)
-
 
 @pytest.fixture(scope="module")
 def between():
-    if _SKIP_REASON is not None:
-        pytest.skip(_SKIP_REASON)
-    return run_on_accelerator(BETWEEN)
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    return run_accelerator_program("plan_step_between.py")
 
 
 @pytest.mark.slow
@@ -635,76 +540,10 @@ def test_the_plan_command_plans_a_step_for_a_peak(between):
     assert between["cli_saved"] == ["layers.0", "layers.1"]
 
 
-OFFLOAD = """
-import warnings
-warnings.simplefilter("ignore")
-import sac_plugin
-from sac_plugin import PlanError
-
-# Residual MLP blocks on many tokens: each block's input (1 MiB) outweighs its parameters, so the
-# inputs the layers hold for the recompute decide the peak of the backward.
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-class Stack(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(64, 64)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
-
-    def recompute_wrap_sites(self):
-        return list(self.blocks)
-
-    def loss(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
-def build():
-    torch.manual_seed(0)
-    return Stack().to("sac_accel")
-
-torch.manual_seed(1)
-x = torch.randn(4096, 64, device="sac_accel")
-model, reference = build(), build()
-step = lambda: model.loss(x).backward()
-for block in model.blocks:
-    sac_plugin.apply_selective_checkpointing(block)
-torch.accelerator.synchronize()
-torch.accelerator.reset_peak_memory_stats()
-step()
-torch.accelerator.synchronize()
-full_recompute = torch.accelerator.max_memory_allocated()
-model.zero_grad(set_to_none=True)
-for block in model.blocks:
-    sac_plugin.remove_checkpointing(block)
-budget = full_recompute - (1 << 19)
-try:
-    sac_plugin.plan_step(model, step, peak_bytes=budget, runs=1)
-except PlanError as error:
-    without_offload = str(error)
-plan = sac_plugin.plan_step(model, step, peak_bytes=budget, runs=1, offload=True)
-step()
-reference.loss(x).backward()
-pairs = list(zip(model.named_parameters(), reference.named_parameters()))
-report(engine=sac_plugin.engine(), full_recompute=full_recompute, budget=budget, without_offload=without_offload,
-       predicted=plan.predicted_peak, measured=plan.measured_peak,
-       inputs=[c.offload_inputs for c in plan.layers],
-       policies=[block._sac_policy.offload_inputs for block in model.blocks],
-       unequal_grads=[n for (n, a), (_, b) in pairs if not torch.equal(a.grad.cpu(), b.grad.cpu())])
-"""
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_offload_reaches_below_full_recompute_by_offloading_layer_inputs():
-    v = run_on_accelerator(OFFLOAD)
+    v = run_accelerator_program("plan_step_offload.py")
     assert v["engine"] == sac_plugin.engine()
     assert v["without_offload"].startswith(f"sac_plugin: plan_step: no plan reaches peak_bytes={v['budget']} ")
     assert v["measured"] <= v["budget"] < v["full_recompute"]

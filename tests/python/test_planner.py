@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 from hypothesis import given, strategies as st
-from test_property import DIM, examples, run_steps, steps_strategy
+from support.accelerator import SKIP_REASON, run_accelerator_program
+from support.random_steps import DIM, examples, run_steps, steps_strategy
 
 pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
 
@@ -199,45 +200,11 @@ def test_a_policy_keeping_a_call_the_forward_writes_is_predicted_to_hold_nothing
         assert audit.hits("aten::mm") == 0
 
 
-ACCELERATOR_BYTES = """
-import copy, warnings
-warnings.simplefilter("ignore")
-import sac_plugin
-from torch import nn
-torch.manual_seed(0)
-layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256, dropout=0.0,
-                                   batch_first=True).to("sac_accel")
-x = torch.randn(2, 32, 64, requires_grad=True, device="sac_accel")
-plan = sac_plugin.plan(layer, x, budget=1.0, runs=1)
-rows = []
-for budget in [i / 10 for i in range(11)]:
-    budgeted = plan.with_budget(budget)
-    checkpointed = sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), budgeted.policy)
-    inputs = x.detach().clone().requires_grad_()
-    checkpointed(inputs).sum().backward()
-    torch.accelerator.synchronize()
-    before = torch.accelerator.memory_allocated()
-    with sac_plugin.audit() as audit:
-        out = checkpointed(inputs)
-        torch.accelerator.synchronize()
-        # The allocator's bytes from the forward, less its output (the caller's), plus the input
-        # it saves (allocated before): what the plan calls held.
-        held = (torch.accelerator.memory_allocated() - before - out.untyped_storage().nbytes()
-                + inputs.untyped_storage().nbytes())
-        out.sum().backward()
-    del out
-    rows.append([budget, budgeted.held_bytes, held, len(budgeted.kept), sum(r.hits for r in audit.rows())])
-report(rows=rows)
-"""
-
-
 @pytest.mark.slow
 def test_the_docs_example_predicts_the_allocators_bytes():
-    from test_test_accelerator import _SKIP_REASON, run_on_accelerator
-
-    if _SKIP_REASON is not None:
-        pytest.skip(_SKIP_REASON)
-    rows = run_on_accelerator(ACCELERATOR_BYTES)["rows"]
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    rows = run_accelerator_program("planned_bytes.py")["rows"]
     for budget, predicted, allocated, kept, hits in rows:
         assert (allocated, hits) == (predicted, kept), budget
     assert len({predicted for _, predicted, *_ in rows}) > 5

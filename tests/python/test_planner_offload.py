@@ -22,7 +22,7 @@ from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
 from sac_plugin.models import LlamaBlock, rotary_tables
 
 from hypothesis import given, strategies as st
-from test_property import examples
+from support.random_steps import examples
 
 pytestmark = pytest.mark.filterwarnings("ignore:sac. .*:UserWarning")
 

@@ -11,74 +11,21 @@ agree call by call.
 
 import collections
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import sac_plugin
 import torch
 import torch.fx.traceback as fx_traceback
-import torch.nn.functional as F
 from sac_plugin import Policy, recompute_unit
 from sac_plugin._call_facts import op_traits
 from sac_plugin.units import UNIT_ANNOTATION_PREFIX
+from support import every_kind_of_call
+from support.every_kind_of_call import POLICIES, hits_per_policy
+from support.subprocesses import run_program
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 pytestmark = pytest.mark.native_engine("the native engine's per-op trace is the reference every front door is held to")
-
-ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
-
-
-class EveryKindOfCall(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
-
-    def forward(self, x):
-        a = torch.mm(x, self.weight)  # mm 0, outside units
-        with recompute_unit("attn"):
-            b = torch.mm(a, self.weight).tanh()  # mm 1 and tanh, in a kept unit
-            flat = b.view(-1)  # a view in a kept unit
-            c = b.clone()
-            c.add_(1)  # an in-place write in a kept unit
-            e = torch.empty_like(b)  # an uninitialised allocation
-            e.copy_(b)
-            q = b.view(1, 1, 8, 8)
-            s = F.scaled_dot_product_attention(q, q, q).view(8, 8)
-            d = F.dropout(b, 0.25, training=True)  # a random call
-        with recompute_unit("gate"):
-            g = torch.mm(b, self.weight)  # mm 2, in a recomputed unit
-        w = self.weight.to(torch.float64).to(torch.float32)  # a parameter cast
-        h = torch.mm(g + c + e + s + d, w)  # mm 3
-        return (h.sin() + flat.sum()).sum()
-
-
-POLICIES = {
-    "kept ops": Policy(kept_ops=["aten::mm", "aten::tanh"]),
-    "every other mm": Policy(every_nth_op={"aten::mm": 2}),
-    "kept calls": Policy(kept_calls={"aten::mm.default": [1, 3]}),
-    "kept unit": Policy(kept_units=["attn"]),
-    "kept unit, recomputed unit, every nth": Policy(
-        kept_units=["attn"], recomputed_units=["gate"], every_nth_op={"aten::mm": 2}
-    ),
-    "a cast and attention named": Policy(kept_ops=["aten::_to_copy", ATTENTION, "aten::clone"]),
-    "the recomputed unit kept": Policy(kept_units=["gate"], kept_ops=["aten::add.Tensor"]),
-    # On the CPU an offloaded call is held as a kept one (compile: MUST_SAVE), so it is "kept" here.
-    "offloaded unit, kept and offloaded calls": Policy(
-        offloaded_units=["attn"],
-        kept_calls={"aten::mm.default": [0]},
-        offloaded_calls={"aten::mm.default": [3]},
-        offload_min_bytes=0,
-    ),
-}
-
-
-def _layer_and_input():
-    torch.manual_seed(0)
-    return EveryKindOfCall(), torch.randn(8, 8, requires_grad=True)
 
 
 def _indexed(ops_and_flags):
@@ -95,7 +42,7 @@ def native_decisions(policy, *, after_a_step=False):
     """What the native engine holds in the forward, call by call: in the layer's first forward
     (what the rule decides), or after a step has taught the layer's checkpoint site which kept
     calls its recompute never reaches (what it holds from then on)."""
-    layer, x = _layer_and_input()
+    layer, x = every_kind_of_call.layer_and_input()
     sac_plugin.apply_selective_checkpointing(layer, policy)
     if after_a_step:
         layer(x).backward()
@@ -108,7 +55,7 @@ def native_decisions(policy, *, after_a_step=False):
 def compile_policy_fn_decisions(policy):
     """torch_policy_fn as torch.compile runs it, driven by torch's own eager SAC: the units that
     are open become the node metadata recompute_unit writes under compile."""
-    layer, x = _layer_and_input()
+    layer, x = every_kind_of_call.layer_and_input()
     decide = sac_plugin.torch_policy_fn(policy)
     seen = []
 
@@ -136,31 +83,10 @@ def compile_policy_fn_decisions(policy):
 
 
 def planner_decisions(policy):
-    layer, x = _layer_and_input()
+    layer, x = every_kind_of_call.layer_and_input()
     plan = sac_plugin.plan(layer, x, budget=0.0, runs=1, warmup=0)
     held = plan.calls_kept_by(policy) | plan.calls_offloaded_by(policy)  # the trace shows both as kept
     return {(op if "." in op.partition("::")[2] else op + ".default", index) for op, index in held}
-
-
-def hits_per_policy() -> dict:
-    """{policy name: {op: kept outputs served}} over one step of each policy, as an audit sees it."""
-    hits = {}
-    for name, policy in POLICIES.items():
-        layer, x = _layer_and_input()
-        sac_plugin.apply_selective_checkpointing(layer, policy)
-        torch.manual_seed(1)
-        with sac_plugin.audit() as audit:
-            layer(x).backward()
-        hits[name] = {row.op: row.hits for row in audit.rows() if row.hits}
-    return hits
-
-
-DISPATCH_MODE_RUN = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from test_rule import hits_per_policy
-print(json.dumps(hits_per_policy()))
-"""
 
 
 @pytest.mark.skipif(
@@ -187,14 +113,7 @@ def test_the_planner_predicts_the_calls_the_native_engine_keeps(name):
 
 def test_the_dispatch_mode_engine_serves_what_the_native_engine_serves():
     native = hits_per_policy()
-    code = DISPATCH_MODE_RUN.format(tests=str(Path(__file__).parent))
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "SAC_PLUGIN_ENGINE": "dispatch_mode"},
-    )
+    done = run_program("dispatch_mode_hits.py", env={"SAC_PLUGIN_ENGINE": "dispatch_mode"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == native
 
@@ -224,7 +143,7 @@ class RoutingLayer(nn.Module):
 @pytest.mark.parametrize("pin", [True, False], ids=["pinned", "opt_out"])
 def test_routing_is_decided_alike_by_every_front_door(pin, monkeypatch):
     policy = Policy(kept_units=["attn"], pin_routing=pin)
-    monkeypatch.setattr(sys.modules[__name__], "EveryKindOfCall", RoutingLayer)
+    monkeypatch.setattr(every_kind_of_call, "EveryKindOfCall", RoutingLayer)
     native = native_decisions(policy)
     routing = {
         call: kept

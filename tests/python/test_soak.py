@@ -7,7 +7,7 @@ import pytest
 import sac_plugin
 import torch
 from sac_plugin import Policy
-from toy_models import make_pair
+from support.toy_models import make_pair
 
 STEPS = int(os.environ.get("SAC_SOAK_STEPS", "0"))
 WARM_UP = 200

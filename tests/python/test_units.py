@@ -10,7 +10,7 @@ import sac_plugin
 import torch
 from sac_plugin import Policy, RecomputeConfig, apply_recompute_config, recompute_unit
 from sac_plugin.models import GPT, Llama, MoEModel
-from thread_checks import on_another_thread
+from support.thread_checks import on_another_thread
 from torch.utils.checkpoint import checkpoint
 
 

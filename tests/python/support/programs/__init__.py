@@ -1,0 +1,1 @@
+"""Programs the tests run in fresh interpreters, one a file (support.subprocesses)."""

@@ -1,0 +1,52 @@
+"""Fresh interpreters for the tests: a program of support/programs, or a few lines of code, run
+with `support` importable and an environment of the test's choosing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The programs the tests run in fresh interpreters, one a file.
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+# The directory that holds the `support` package.
+_TESTS = Path(__file__).resolve().parents[1]
+
+
+def python_environment(env=None, drop=(), paths=()):
+    """The environment for a fresh interpreter.
+
+    Args:
+        env: variables set on top of this process's environment.
+        drop: names of variables of this process's environment the interpreter must not see.
+        paths: directories put on PYTHONPATH before the directory that holds `support`.
+
+    Returns:
+        A dict for subprocess.run's `env`.
+    """
+    environment = {name: value for name, value in os.environ.items() if name not in drop}
+    environment.update(env or {})
+    entries = [*paths, str(_TESTS), environment.get("PYTHONPATH")]
+    environment["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
+    return environment
+
+
+def run_program(name, *arguments, env=None, drop=(), timeout=300):
+    """Runs the program file `name` of support/programs in a fresh interpreter.
+
+    Args:
+        name: the program's file name, e.g. "coexisting_owner.py".
+        *arguments: its command-line arguments (sys.argv[1:]).
+        env: variables set on top of this process's environment.
+        drop: names of variables of this process's environment the program must not see.
+        timeout: seconds before the run is stopped (subprocess.TimeoutExpired).
+
+    Returns:
+        The subprocess.CompletedProcess, with stdout and stderr as text.
+    """
+    return subprocess.run(
+        [sys.executable, str(PROGRAMS / name), *map(str, arguments)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=python_environment(env, drop),
+    )
