@@ -43,7 +43,6 @@ cheaper copies, so a three-way plan never predicts a slower step than the two-wa
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import enum
 import inspect
@@ -57,7 +56,7 @@ from pathlib import Path
 import torch
 
 from ..policy import Policy, bounded_repr, describe_value
-from .. import _rule, _scopes
+from .. import _native, _rule
 from . import _knapsack as knapsack
 from . import _plan_file as plan_file
 from ._profile import (
@@ -79,7 +78,6 @@ log = logging.getLogger("sac_plugin")
 _warned_offload_unavailable: set[str] = set()
 
 
-_scopes.declare(_scopes._lib, {"sac_offload_placement": (ctypes.c_int32, [ctypes.c_int64] * 4)})
 INT64_MAX = 2**63 - 1
 
 
@@ -100,7 +98,7 @@ def offload_placement(
     limit = -1 if host_memory_limit is None else host_memory_limit
     # A sum of reservations past int64 is past every limit: clamped, it still is.
     reserved = min(reserved_host_bytes, INT64_MAX)
-    return Placement(_scopes._lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
+    return Placement(_native.lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
 
 
 class PlanError(ValueError):
