@@ -114,9 +114,9 @@ def interception_path() -> str:
 C_API_VERSION = 6
 
 _c_int32, _c_int64, _c_pointer, _c_string = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
-# Every C function Python calls: name -> (restype, argtypes), so that ctypes converts and checks them.
+# Every C function Python calls but the version (which _bind reads first): name -> (restype,
+# argtypes), so that ctypes converts and checks them.
 _SIGNATURES = {
-    "sac_scope_c_api_version": (_c_int32, []),
     # Sites, regions and units (the scopes).
     "sac_site_new": (_c_pointer, [_c_pointer, _c_string]),
     "sac_site_release": (None, [_c_pointer]),
@@ -160,20 +160,23 @@ def _bind(path: Path) -> None:
     # calls keep the GIL (CDLL would release and retake it around each one, which cost more than
     # the call itself); none of them calls back into Python or blocks.
     bound = ctypes.PyDLL(str(path))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(bound, name)
-        function.restype = restype
-        function.argtypes = argtypes
+    # The version first: a library of another version may lack a function declared below.
+    bound.sac_scope_c_api_version.restype = _c_int32
+    bound.sac_scope_c_api_version.argtypes = []
     version = bound.sac_scope_c_api_version()
     if version != C_API_VERSION:
         raise ImportError(
             f"sac_plugin: {path} has scope C ABI version {version}, this package expects "
             f"{C_API_VERSION}; rebuild the library from the same source as the package"
         )
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(bound, name)
+        function.restype = restype
+        function.argtypes = argtypes
     if bound.sac_reason_text(len(Reason) - 1) is None or bound.sac_reason_text(len(Reason)) is not None:
         raise ImportError(
             f"sac_plugin: {path} names a different set of keep reasons than "
-            f"sac_plugin._rule.Reason ({len(Reason)}); rebuild the library from the same source as the package"
+            f"sac_plugin._native.Reason ({len(Reason)}); rebuild the library from the same source as the package"
         )
     lib = bound
 
