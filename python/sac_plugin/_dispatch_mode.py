@@ -17,6 +17,9 @@ modes and tens of times the native engine's (benchmarks/bench_overhead.py).
 Audits keep working: the region's marker (a keeps-nothing region) labels its forward and
 recompute for the C++ counters, which count every call the mode runs; the calls it serves are
 counted as hits by C++, where the kernel is skipped.
+
+How a call travels to C++ and back is _mode_calls.py's, shared with the native engine's recompute
+under other modes (_mode_recompute.py).
 """
 
 from __future__ import annotations
