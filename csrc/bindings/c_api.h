@@ -1,5 +1,6 @@
 #pragma once
-// The library's C ABI, what Python calls through ctypes on the hot paths: the scopes a
+// The library's C ABI, what Python calls through ctypes on the hot paths (bound, with every
+// signature and the ABI version check, in sac_plugin/_native.py): the scopes a
 // checkpointed step opens and closes (a region, created once per checkpoint call, its forward and
 // recompute entered and exited; a recompute unit), called by sac_plugin/_scopes.py, and the keep
 // rule (Policy::decide) for the Python front doors that decide calls themselves (torch.compile's
@@ -22,7 +23,8 @@
 
 #define SAC_C_API extern "C" __attribute__((visibility("default")))
 
-// Bumped when a signature or a meaning changes; Python refuses a library with another version.
+// Bumped when a signature or a meaning changes; Python (sac_plugin/_native.py, C_API_VERSION)
+// refuses a library with another version.
 inline constexpr int32_t kSacCApiVersion = 6;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.

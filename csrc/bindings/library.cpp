@@ -4,6 +4,8 @@
 // which is the way into scopes and the keep rule on hot paths; entry points only tests use are
 // registered apart, in testing_ops.cpp.
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -34,29 +36,16 @@
 namespace sac {
 namespace {
 
-// Call-index rules travel flattened: op i lists the next counts[i] values of indices
-// (torchbind has no list-of-lists argument that every supported torch takes).
-std::vector<std::pair<std::string, std::vector<int64_t>>> callRules(const char* field,
-                                                                    const std::vector<std::string>& ops,
-                                                                    const std::vector<int64_t>& counts,
-                                                                    const std::vector<int64_t>& indices) {
-  TORCH_CHECK_VALUE(ops.size() == counts.size(), "sac: ", field, " needs one count per op, got ", ops.size(),
-                    " ops and ", counts.size(), " counts");
-  std::vector<std::pair<std::string, std::vector<int64_t>>> rules;
-  size_t next = 0;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const int64_t count = counts[i];
-    TORCH_CHECK_VALUE(count >= 0 && static_cast<size_t>(count) <= indices.size() - next, "sac: ", field,
-                      ": the counts do not add up to the ", indices.size(), " indices given");
-    rules.emplace_back(ops[i], std::vector<int64_t>(indices.begin() + static_cast<std::ptrdiff_t>(next),
-                                                    indices.begin() + static_cast<std::ptrdiff_t>(next + count)));
-    next += static_cast<size_t>(count);
-  }
-  TORCH_CHECK_VALUE(next == indices.size(), "sac: ", field, ": the counts do not add up to the ", indices.size(),
-                    " indices given");
-  return rules;
+// A call-index rule (op -> indices) as PolicySpec holds it, in the order Python gave the ops.
+std::vector<std::pair<std::string, std::vector<int64_t>>> callRules(
+    const c10::Dict<std::string, c10::List<int64_t>>& rules) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> spec;
+  spec.reserve(rules.size());
+  for (const auto& rule : rules) spec.emplace_back(rule.key(), rule.value().vec());
+  return spec;
 }
 
+// Call-index rules travel back flattened: op i lists the next counts[i] values of indices.
 std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> flatCallRules(
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& rules) {
   std::vector<std::string> ops;
@@ -70,27 +59,28 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
   return std::make_tuple(ops, counts, indices);
 }
 
+// NOTE: [A policy is built from named fields]
+// torch.classes.sac.Policy takes PolicySpec's fields by name (the names below, registered with
+// torch::arg), and sac_plugin.Policy passes each one as a keyword, so no argument can land in its
+// neighbour's place; torch's schema check names a field left out and refuses one too many. The
+// rules keyed by op cross as dicts (every_nth_ops: op -> n; kept_calls, offloaded_calls: op ->
+// indices), in the order Python gave them. sac_plugin.Policy has checked every value by then.
 struct PolicyHandle : torch::CustomClassHolder {
   PolicyHandle(std::vector<std::string> kept_ops, std::vector<std::string> kept_units,
-               std::vector<std::string> every_nth_ops, std::vector<int64_t> every_nth,
-               std::vector<std::string> recomputed_units, std::vector<std::string> kept_call_ops,
-               std::vector<int64_t> kept_call_counts, std::vector<int64_t> kept_call_indices,
-               std::vector<std::string> offloaded_ops, std::vector<std::string> offloaded_units,
-               std::vector<std::string> offloaded_call_ops, std::vector<int64_t> offloaded_call_counts,
-               std::vector<int64_t> offloaded_call_indices, int64_t offload_min_bytes, int64_t host_memory_limit,
-               bool pin_routing) {
-    TORCH_CHECK_VALUE(every_nth_ops.size() == every_nth.size(), "sac: every_nth_op needs one n per op, got ",
-                      every_nth_ops.size(), " ops and ", every_nth.size(), " values");
+               const c10::Dict<std::string, int64_t>& every_nth_ops, std::vector<std::string> recomputed_units,
+               const c10::Dict<std::string, c10::List<int64_t>>& kept_calls, std::vector<std::string> offloaded_ops,
+               std::vector<std::string> offloaded_units,
+               const c10::Dict<std::string, c10::List<int64_t>>& offloaded_calls, int64_t offload_min_bytes,
+               int64_t host_memory_limit, bool pin_routing) {
     PolicySpec spec;
     spec.kept_ops = std::move(kept_ops);
     spec.kept_units = std::move(kept_units);
-    for (size_t i = 0; i < every_nth_ops.size(); ++i) spec.every_nth_ops.emplace_back(every_nth_ops[i], every_nth[i]);
+    for (const auto& rule : every_nth_ops) spec.every_nth_ops.emplace_back(rule.key(), rule.value());
     spec.recomputed_units = std::move(recomputed_units);
-    spec.kept_calls = callRules("kept_calls", kept_call_ops, kept_call_counts, kept_call_indices);
+    spec.kept_calls = callRules(kept_calls);
     spec.offloaded_ops = std::move(offloaded_ops);
     spec.offloaded_units = std::move(offloaded_units);
-    spec.offloaded_calls =
-        callRules("offloaded_calls", offloaded_call_ops, offloaded_call_counts, offloaded_call_indices);
+    spec.offloaded_calls = callRules(offloaded_calls);
     spec.offload_min_bytes = offload_min_bytes;
     spec.host_memory_limit = host_memory_limit;
     spec.pin_routing = pin_routing;
@@ -252,10 +242,15 @@ TORCH_LIBRARY(sac, m) {
            [](const c10::intrusive_ptr<RegionHandle>& self) { return self->region->offloadedInputs(); });
 
   m.class_<PolicyHandle>("Policy")
-      .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-                       std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
-                       std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, bool>())
+      // Fields by name (NOTE: [A policy is built from named fields]).
+      .def(torch::init<std::vector<std::string>, std::vector<std::string>, c10::Dict<std::string, int64_t>,
+                       std::vector<std::string>, c10::Dict<std::string, c10::List<int64_t>>, std::vector<std::string>,
+                       std::vector<std::string>, c10::Dict<std::string, c10::List<int64_t>>, int64_t, int64_t, bool>(),
+           "A policy from PolicySpec's fields, each passed by name",
+           {torch::arg("kept_ops"), torch::arg("kept_units"), torch::arg("every_nth_ops"),
+            torch::arg("recomputed_units"), torch::arg("kept_calls"), torch::arg("offloaded_ops"),
+            torch::arg("offloaded_units"), torch::arg("offloaded_calls"), torch::arg("offload_min_bytes"),
+            torch::arg("host_memory_limit"), torch::arg("pin_routing")})
       // For the C ABI (bindings/c_api.cpp): the address of this handle's policy pointer, valid
       // while the handle lives (the Python Policy holds it for its whole life).
       .def("policy_address",

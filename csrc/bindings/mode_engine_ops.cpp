@@ -1,5 +1,5 @@
-// The dispatch-mode engine's ops (dispatch/mode_engine.h), as python/sac_plugin/_dispatch_mode.py
-// calls them: torch.ops.sac.mode_*. Registrations only.
+// The dispatch-mode engine's ops (dispatch/mode_engine.h), as python/sac_plugin/_mode_calls.py
+// hands them calls: torch.ops.sac.mode_*. Registrations only.
 
 #include <torch/library.h>
 

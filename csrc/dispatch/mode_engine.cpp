@@ -16,7 +16,7 @@
 // exactly as the fallback hands a call only to the innermost region.
 //
 // The same mode also runs the recompute of a region the native fallback ran forward, while other
-// dispatch modes are on (NOTE: [Modes above the key see only what ran] in _dispatch_mode.py):
+// dispatch modes are on (NOTE: [Modes above the key see only what ran] in _mode_recompute.py):
 // modeRegionOver binds a mode region to that native region, whose scopes drive its passes, and
 // modeCallBeginAll names each call from all its arguments, as the fallback named it.
 

@@ -1,7 +1,8 @@
 #pragma once
-// The dispatch-mode engine's C++ half: the calls python/sac_plugin/_dispatch_mode.py makes per
-// region and per op (NOTE: [The dispatch-mode engine's region] in mode_engine.cpp). The ops that
-// expose them to Python are registered in bindings/mode_engine_ops.cpp.
+// The dispatch-mode engine's C++ half: the calls python/sac_plugin/_dispatch_mode.py (and
+// _mode_recompute.py, through _mode_calls.py) makes per region and per op (NOTE: [The
+// dispatch-mode engine's region] in mode_engine.cpp). The ops that expose them to Python are
+// registered in bindings/mode_engine_ops.cpp.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/stack.h>

@@ -21,13 +21,13 @@ namespace sac {
 inline constexpr UnitId kNoUnit = UINT32_MAX;
 
 // What happens to a call's outputs. Values cross the C ABI (bindings/c_api.h) and Python mirrors
-// them (sac_plugin/_rule.py). An offloaded output is served in the recompute like a kept one, but
+// them (sac_plugin/_native.py). An offloaded output is served in the recompute like a kept one, but
 // lives in pinned host memory between the forward and the backward (NOTE: [Offloading kept
 // outputs] in dispatch/offload.cpp).
 enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1, kOffload = 2 };
 
 // Why decide reached its outcome. Values cross the C ABI and Python mirrors them
-// (sac_plugin/_rule.py): append new reasons, never renumber.
+// (sac_plugin/_native.py): append new reasons, never renumber.
 enum class Reason : uint8_t {
   // Kept: the call is selected, and nothing vetoes it.
   kKeptOp = 0,         // its overload is in the kept-op set

@@ -1,13 +1,13 @@
 """sac_plugin: selective activation checkpointing as a C++ dispatcher plugin."""
 
-from . import _engine, _library
+from . import _engine, _native
 from ._version import __version__
 
-_engine.choose_engine(_library.load())
+_engine.choose_engine(_native.load())
 
 from ._apply_config import apply_recompute_config  # noqa: E402
 from ._engine import engine  # noqa: E402
-from ._library import interception_path  # noqa: E402
+from ._native import interception_path  # noqa: E402
 from ._audit import Audit, AuditRow, audit  # noqa: E402
 from .checkpointing import (  # noqa: E402
     Region,

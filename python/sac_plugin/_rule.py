@@ -15,49 +15,24 @@ held (PyDLL), as for the scopes in _scopes.py.
 from __future__ import annotations
 
 import ctypes
-import enum
 from typing import NamedTuple, Sequence
 
 import torch
 
-from . import _library, _scopes
+from . import _native, _scopes
+from ._native import (
+    DECISION_MUTATING_IN_KEPT_UNIT,
+    DECISION_RANDOM_CALL_OF_KEPT_OP,
+    FACT_CASTS_A_PARAMETER,
+    FACT_DRAWS_RANDOM,
+    FACT_ROUTES_TOKENS,
+    FACT_ROUTING_FROM_OP,
+    Outcome,
+    Reason,
+    ScopeStatus,
+)
 
-
-class Outcome(enum.IntEnum):
-    """What happens to a call's outputs (values as in C++ sac::Outcome)."""
-
-    RECOMPUTE = 0
-    KEEP = 1
-    # Held like a kept output, in pinned host memory between forward and backward.
-    OFFLOAD = 2
-
-
-class Reason(enum.IntEnum):
-    """Why (values and order as in C++ sac::Reason; `text` is the library's prose)."""
-
-    KEPT_OP = 0
-    EVERY_NTH_CALL = 1
-    KEPT_CALL_INDEX = 2
-    KEPT_UNIT = 3
-    COLLECTIVE = 4
-    NEVER_COUNTED = 5
-    RANDOM_DRAW = 6
-    MUTATES_INPUT = 7
-    VIEW_IN_KEPT_UNIT = 8
-    PARAMETER_CAST = 9
-    UNINITIALISED_ALLOCATION = 10
-    INSIDE_RECOMPUTED_UNIT = 11
-    NOT_SELECTED = 12
-    OFFLOADED_OP = 13
-    OFFLOADED_CALL_INDEX = 14
-    OFFLOADED_UNIT = 15
-    # Kept: the call routes tokens or copies a value to the host (NOTE: [Routing is served from
-    # the forward] in csrc/policy/policy.cpp).
-    ROUTES_TOKENS = 16
-
-    @property
-    def text(self) -> str:
-        return _reason_text(int(self)).decode()
+__all__ = ["CallDecider", "Decision", "Outcome", "Reason", "decide_call", "op_entry"]
 
 
 class Decision(NamedTuple):
@@ -80,66 +55,17 @@ class Decision(NamedTuple):
         return self.outcome != Outcome.RECOMPUTE
 
 
-_lib = _scopes._lib
-_SIGNATURES = {
-    "sac_op_entry": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int64]),
-    "sac_call_decider_new": (ctypes.c_void_p, [ctypes.c_void_p]),
-    "sac_call_decider_release": (None, [ctypes.c_void_p]),
-    "sac_call_decider_decide": (
-        ctypes.c_int64,
-        [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int32,
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.c_int64,
-            ctypes.c_int32,
-        ],
-    ),
-    "sac_policy_decide": (
-        ctypes.c_int64,
-        [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int32,
-        ],
-    ),
-    "sac_reason_text": (ctypes.c_char_p, [ctypes.c_int32]),
-}
-_scopes.declare(_lib, _SIGNATURES)
-_op_entry = _lib.sac_op_entry
-_decider_new = _lib.sac_call_decider_new
-_decider_release = _lib.sac_call_decider_release
-_decider_decide = _lib.sac_call_decider_decide
-_policy_decide = _lib.sac_policy_decide
-_reason_text = _lib.sac_reason_text
-if _reason_text(len(Reason) - 1) is None or _reason_text(len(Reason)) is not None:
-    raise ImportError(
-        f"sac_plugin: {_library.library_path()} names a different set of keep reasons than "
-        f"sac_plugin._rule.Reason ({len(Reason)}); rebuild the library from the same source as the package"
-    )
-
-# The result of a decision, one int64 (csrc/bindings/c_api.h): outcome, reason, two warning flags,
-# and the kept unit's id + 1 (0: none) in the high half.
-_DRAWS_RANDOM = 1
-_CASTS_A_PARAMETER = 2
-_ROUTES_TOKENS = 4
-# The caller does not say whether the call routes tokens: C++ answers from the op alone (topk,
-# sort, argsort, argmax, nonzero, unique, .item() always route; _to_copy to the CPU needs the
-# arguments).
-_ROUTING_FROM_OP = 8
+_op_entry = _native.lib.sac_op_entry
+_decider_new = _native.lib.sac_call_decider_new
+_decider_release = _native.lib.sac_call_decider_release
+_decider_decide = _native.lib.sac_call_decider_decide
+_policy_decide = _native.lib.sac_policy_decide
 
 
 def _facts(draws_random: bool, casts_a_parameter: bool, routes_tokens: bool | None) -> int:
-    routing = _ROUTING_FROM_OP if routes_tokens is None else (_ROUTES_TOKENS if routes_tokens else 0)
-    return (_DRAWS_RANDOM if draws_random else 0) | (_CASTS_A_PARAMETER if casts_a_parameter else 0) | routing
+    routing = FACT_ROUTING_FROM_OP if routes_tokens is None else (FACT_ROUTES_TOKENS if routes_tokens else 0)
+    return (FACT_DRAWS_RANDOM if draws_random else 0) | (FACT_CASTS_A_PARAMETER if casts_a_parameter else 0) | routing
 
-
-_MUTATING_IN_KEPT_UNIT = 1 << 16
-_RANDOM_CALL_OF_KEPT_OP = 1 << 17
 
 _entries: dict = {}
 _unit_stacks: dict = {}
@@ -163,7 +89,7 @@ def op_entry(op) -> int:
         encoded = name.encode("utf-8")
         entry = _op_entry(encoded, len(encoded))
         if not entry:
-            _scopes.raise_last_error(2)
+            _scopes.raise_last_error(ScopeStatus.VALUE_ERROR)
         _entries[op] = entry
     return entry
 
@@ -191,8 +117,8 @@ class _UnitStack:
                 Outcome(result & 0xFF),
                 Reason((result >> 8) & 0xFF),
                 self.names.get(unit_plus_one) if unit_plus_one else None,
-                bool(result & _MUTATING_IN_KEPT_UNIT),
-                bool(result & _RANDOM_CALL_OF_KEPT_OP),
+                bool(result & DECISION_MUTATING_IN_KEPT_UNIT),
+                bool(result & DECISION_RANDOM_CALL_OF_KEPT_OP),
             )
             self.decoded[result] = decision
         return decision
@@ -218,7 +144,7 @@ class CallDecider:
             raise TypeError(f"sac_plugin: CallDecider needs a sac_plugin.Policy, got {type(policy).__name__}")
         self._address = _decider_new(address)
         if not self._address:
-            _scopes.raise_last_error(1)
+            _scopes.raise_last_error(ScopeStatus.RUNTIME_ERROR)
 
     def __del__(self, _release=_decider_release):
         if getattr(self, "_address", None):

@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import _compat, _dispatch_mode, _engine, _observers, _rule, _scopes, _unit_checks
+from . import _compat, _dispatch_mode, _engine, _mode_calls, _mode_recompute, _observers, _rule, _scopes, _unit_checks
 from ._site import Site
 from ._call_facts import casts_a_parameter, draws_random, op_traits
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
@@ -42,7 +42,7 @@ class Region:
         elif not isinstance(policy, Site):
             raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
         self._site = policy
-        self.forward, self.recompute = _scopes.new_region_scopes(policy.address, _dispatch_mode.recompute_above_modes)
+        self.forward, self.recompute = _mode_recompute.new_region_scopes(policy.address)
         self._reference = self.forward._region
 
     @property
@@ -174,7 +174,7 @@ _PHASE_MARKER_SITE = Site(Policy())
 # modes, and its recompute is served above them, whatever modes the backward runs under. A forward
 # with no other mode on keeps below (the native hot path); if modes are on by the recompute (a mode
 # entered for the backward only), the recompute runs above them (NOTE: [Modes above the key see
-# only what ran] in _dispatch_mode.py), serving values no mode changed in the forward.
+# only what ran] in _mode_recompute.py), serving values no mode changed in the forward.
 def _selective_contexts(site: Site):
     # The hot path, tested cheapest first: a native region with no dispatch mode on (so neither
     # torch.compile's PROXY mode nor a foreign mode), nothing observing and nothing left to watch
@@ -188,7 +188,7 @@ def _selective_contexts(site: Site):
         and _engine.engine() == "native"
         and not torch.compiler.is_compiling()
     ):
-        return _scopes.new_region_scopes(site.address, _dispatch_mode.recompute_above_modes)
+        return _mode_recompute.new_region_scopes(site.address)
     policy = site.policy
     if _compat.is_compiling():
         return _compiled_contexts(policy)
@@ -197,7 +197,7 @@ def _selective_contexts(site: Site):
         # Plain full recompute: nothing to intercept, nothing observing (an audit that wants its
         # recompute labelled as such, a report) and no inputs to hold, so no plugin state at all.
         return _NO_CONTEXTS
-    if _engine.engine() == "dispatch_mode" or _dispatch_mode.foreign_modes_on():
+    if _engine.engine() == "dispatch_mode" or _mode_calls.foreign_modes_on():
         region = Region(_PHASE_MARKER_SITE)
         plan: dict = {}
         forward, recompute, mode_region = _dispatch_mode.dispatch_mode_contexts(site, region, plan)
@@ -208,7 +208,7 @@ def _selective_contexts(site: Site):
     elif not (observing or site.unchecked_units or site.reach_unknown):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
         # (NOTE: [Scopes through a C ABI]).
-        return _scopes.new_region_scopes(site.address, _dispatch_mode.recompute_above_modes)
+        return _mode_recompute.new_region_scopes(site.address)
     else:
         region = Region(site)
         for observer in _observers.observers():

@@ -209,23 +209,19 @@ class Policy:
             raise TypeError(f"sac_plugin: pin_routing must be True or False, got {describe_value(pin_routing)}")
         if not isinstance(offload_inputs, bool):
             raise TypeError(f"sac_plugin: offload_inputs must be True or False, got {describe_value(offload_inputs)}")
+        # Each field by name (NOTE: [A policy is built from named fields] in csrc/bindings/library.cpp).
         self._handle = torch.classes.sac.Policy(
-            spellings,
-            units,
-            list(every_nth),
-            list(every_nth.values()),
-            recomputed,
-            list(calls),
-            [len(v) for v in calls.values()],
-            [i for v in calls.values() for i in v],
-            offloaded,
-            offloaded_unit_names,
-            list(offloaded_call_rules),
-            [len(v) for v in offloaded_call_rules.values()],
-            [i for v in offloaded_call_rules.values() for i in v],
-            min_bytes,
-            host_limit,
-            pin_routing,
+            kept_ops=spellings,
+            kept_units=units,
+            every_nth_ops=every_nth,
+            recomputed_units=recomputed,
+            kept_calls={op: list(indices) for op, indices in calls.items()},
+            offloaded_ops=offloaded,
+            offloaded_units=offloaded_unit_names,
+            offloaded_calls={op: list(indices) for op, indices in offloaded_call_rules.items()},
+            offload_min_bytes=min_bytes,
+            host_memory_limit=host_limit,
+            pin_routing=pin_routing,
         )
         self._kept_call_spellings = calls
         self._kept_calls = _unflatten(self._handle.kept_calls())

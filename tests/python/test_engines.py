@@ -10,7 +10,7 @@ import warnings
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import _engine, _library
+from sac_plugin import _engine, _native
 
 
 def run_python(code, **env):
@@ -63,7 +63,7 @@ def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_
     monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _engine.choose_engine(_library.load())
+        _engine.choose_engine(_native.load())
     messages = [str(w.message) for w in caught if "sac_plugin" in str(w.message)]
     assert messages == [
         "sac_plugin: the native engine cannot run in this torch (the dispatch key Fake cannot be shared in this "
@@ -84,7 +84,7 @@ def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatc
         match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
         r"here: no key$",
     ):
-        _engine.choose_engine(_library.load())
+        _engine.choose_engine(_native.load())
 
 
 def _fake_key_entry(op: str) -> str:

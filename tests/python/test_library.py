@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import _library
+from sac_plugin import _native
 
 
 def test_library_reports_the_torch_it_was_built_for():
@@ -18,9 +18,9 @@ def test_library_reports_the_torch_it_was_built_for():
 def test_version_mismatch_names_both_versions(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     with pytest.raises(ImportError) as error:
-        _library.load()
+        _native.load()
     assert str(error.value) == (
-        f"sac_plugin: {_library.library_path()} was built for torch {torch.ops.sac.built_for_torch()}, "
+        f"sac_plugin: {_native.library_path()} was built for torch {torch.ops.sac.built_for_torch()}, "
         "but torch 9.9.9 is installed; rebuild it against the installed torch with `pip install --no-build-isolation "
         "--no-deps --force-reinstall --no-cache-dir <sac_plugin source directory or git URL>` (from a checkout: "
         "`bash tools/build.sh`)"
@@ -32,11 +32,11 @@ def test_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
     with pytest.raises(
         ImportError, match=r"compiled library not found at .*; rebuild it .*`pip install --no-build-isolation"
     ):
-        _library.load()
+        _native.load()
 
 
 def test_loading_again_is_harmless():
-    _library.load()
+    _native.load()
     with sac_plugin.audit() as audit:
         torch.tanh(torch.ones(1))
     assert audit.count("aten::tanh") == 1

@@ -303,3 +303,22 @@ def test_without_a_recomputed_unit_every_call_counts():
     audit = _run_around_a_gate(Policy(every_nth_op={"aten::mm": 2}))
     assert audit.hits("aten::mm") == 3  # indices 0, 2, 4 of five, the gate's the second
     assert audit.count("aten::mm", phase="recompute") == 2
+
+
+def test_the_library_takes_a_policys_fields_by_name():
+    fields = dict(
+        kept_ops=["aten::mm.default"],
+        kept_units=[],
+        every_nth_ops={"aten::tanh.default": 2},
+        recomputed_units=[],
+        kept_calls={"aten::relu.default": [0, 2]},
+        offloaded_ops=[],
+        offloaded_units=[],
+        offloaded_calls={},
+        offload_min_bytes=1,
+        host_memory_limit=-1,
+    )
+    with pytest.raises(RuntimeError, match=r"^__init__\(\) is missing value for argument 'pin_routing'"):
+        torch.classes.sac.Policy(**fields)
+    handle = torch.classes.sac.Policy(**fields, pin_routing=True)
+    assert handle.kept_calls() == (["aten::relu"], [2], [0, 2])

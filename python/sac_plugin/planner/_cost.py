@@ -22,30 +22,18 @@ library (offload_placement), never restated here.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import enum
 import inspect
 import math
 
-from .. import _scopes
+from .. import _native
+from .._native import Placement
 from .._validation import bounded_repr, describe_value
 from ..policy import Policy
 from . import _fields
 from ._profile import LayerProfile, ProfiledCall
 
 OFFLOAD_MIN_BYTES = inspect.signature(Policy).parameters["offload_min_bytes"].default
-
-
-_scopes.declare(_scopes._lib, {"sac_offload_placement": (ctypes.c_int32, [ctypes.c_int64] * 4)})
-
-
-class Placement(enum.IntEnum):
-    """Where an offloaded call's outputs live (values as in C++ sac::OffloadPlacement)."""
-
-    HOST = 0
-    DEVICE_BELOW_FLOOR = 1
-    DEVICE_HOST_LIMIT = 2
 
 
 def offload_placement(
@@ -57,7 +45,7 @@ def offload_placement(
     limit = -1 if host_memory_limit is None else host_memory_limit
     # A sum of reservations past int64 is past every limit: clamped, it still is.
     reserved = min(reserved_host_bytes, _fields.INT64_MAX)
-    return Placement(_scopes._lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
+    return Placement(_native.lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
 
 
 class PlanError(ValueError):

@@ -1,0 +1,197 @@
+"""The native engine's recompute under other dispatch modes (NOTE: [Modes above the key see only
+what ran]), and the scopes of a native region, whose recompute runs there when modes are on."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _scopes
+from ._mode_calls import (
+    ModeAction,
+    assemble,
+    call_begin_all,
+    call_end,
+    flatten_returns,
+    foreign_modes_on,
+    known_ops,
+    mode_op,
+    no_python_dispatch,
+    split_arguments,
+)
+from ._native import MEMORY_FORMATS
+from .policy import Policy
+
+__all__ = ["RecomputeScope", "new_region_scopes", "recompute_above_modes"]
+
+_dispatch_modes_on = torch._C._len_torch_dispatch_stack
+_RUN_ONLY, _SERVED = ModeAction.RUN_ONLY, ModeAction.SERVED
+
+# What an `Any` argument takes as the fallback's stack holds it (dtypes and layouts become ints).
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.layout, torch.device, torch.Generator)
+# Any other value names a call the forward (whose stack held it as an object) never made: it runs.
+_UNNAMED = "sac_plugin: a value the dispatch-mode bridge does not pass"
+
+
+def _as_ivalue(value):
+    """A non-tensor argument as the fallback's stack holds it: lists as lists (`()` for an empty
+    one, whose type C++ takes from the schema), memory formats as ints."""
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return ()
+        elements = [_as_ivalue(element) for element in value]
+        # A list travels with one element type (an `Any` list is typed by its elements), a plain one.
+        types = {type(element) for element in elements}
+        return elements if len(types) == 1 and types <= {int, float, bool, complex, str, list} else _UNNAMED
+    if isinstance(value, torch.memory_format):
+        return MEMORY_FORMATS.get(value, _UNNAMED)
+    return _UNNAMED
+
+
+# NOTE: [Modes above the key see only what ran]
+# A TorchDispatchMode (torch's FlopCounterMode, and with it torchtitan's MFU; a debug or logging
+# mode) sits above the plugin's key (NOTE: [The dispatch key sac_plugin intercepts on]): on the
+# native key it would see every call of a recompute, including those the fallback then serves
+# from a kept output without running the kernel, and count work that never ran. The rule: a
+# mode sees the calls that ran, and no served call. So when a region's recompute begins while
+# any dispatch mode is on, the region's recompute runs through a mode of ours pushed on top of
+# them (torch calls the most recently pushed mode first), which drives the region the native
+# fallback filled in the forward: a served call returns from our mode and never reaches the
+# modes below; any other call goes on to them through func(*args, **kwargs) and runs. As torch's
+# own selective checkpoint does, where its recompute mode is pushed last.
+#   - Naming: the fallback named the forward's calls from all their arguments, so our mode hands
+#     C++ all of them (mode_call_begin_all: tensors, every other value, the schema's defaults for
+#     those torch left out), and the same DataFlow::identify names the recompute's calls; a value
+#     that cannot travel the same way names a call the forward never made, which runs.
+#   - No double interception: a marker region (keeps nothing, the units around the forward
+#     re-opened) is the innermost region while our mode is on, so the fallback below only counts
+#     the calls that ran, for audits; served calls are counted as hits by the mode.
+#   - The forward stays on the native key (its calls all run, so every mode sees them all), and
+#     with no dispatch mode on the recompute does too: nothing changes on the hot path. Nor with
+#     only the plugin's own modes on: the per-op trace watches the fallback serve (NOTE: [The
+#     per-op trace costs nothing without a trace]); beside another mode it sees what that one sees.
+# Served calls are made invisible rather than the count corrected afterwards: a correction would
+# serve one counter (FlopCounterMode's formulas), while any mode (a logger, a tracker of which
+# weights a matmul reads, a debug mode) must agree with what ran, and torch's own selective
+# checkpoint shows modes below its recompute mode exactly that.
+class RecomputeAboveModes(TorchDispatchMode):
+    """The recompute of a region the native fallback ran, under our mode on top of the others."""
+
+    def __init__(self, address: int, marker):
+        super().__init__()
+        self._address = address
+        self._marker = marker  # a RegionReference: entered through the C ABI, never a RegionScope
+        self._marker_depth = 0
+
+    def __enter__(self):
+        # The marker's forward, entered and left at once, notes the units the region's recompute
+        # re-opened; its recompute re-opens them again.
+        _scopes.enter_marker(self._marker.address, 0)
+        self._marker_depth = _scopes.enter_marker(self._marker.address, 1)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            with no_python_dispatch():
+                torch.ops.sac.mode_region_release(self._address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = known_ops[func] if func in known_ops else mode_op(func)
+        if op is None:
+            return func(*args, **kwargs)
+        split = split_arguments(op, args, kwargs)
+        if not split:
+            return NotImplemented if split is None else func(*args, **kwargs)
+        tensors, positions, others = split
+        values = [_as_ivalue(value) for value in others[1::2]]
+        with no_python_dispatch():
+            action, _, served, counts, other_returns = call_begin_all(
+                self._address, op.address, tensors, positions, values, others[0::2], False
+            )
+        if action == _SERVED:
+            return assemble(op, served, counts, other_returns.__getitem__)
+        out = func(*args, **kwargs)
+        if action != _RUN_ONLY:
+            out_tensors, out_positions = flatten_returns(op, out)
+            with no_python_dispatch():
+                call_end(self._address, out_tensors, out_positions)
+        return out
+
+
+_marker_policy = _marker_site = None
+
+
+def _marker_reference() -> _scopes.RegionReference:
+    """A new marker region: a keeps-nothing region that labels passes and re-opens units."""
+    global _marker_policy, _marker_site
+    if _marker_site is None:
+        _marker_policy = Policy()  # alive as long as the site made from its address
+        _marker_site = _scopes.SiteReference(_marker_policy._policy_address)
+    return _scopes.RegionReference(_marker_site.address)
+
+
+def recompute_above_modes(region_address: int):
+    """NOTE: [Modes above the key see only what ran]: the context that runs the recompute of the
+    native region at `region_address`, already entered, above the dispatch modes that are on;
+    None when only the plugin's own modes are on (the per-op trace, which watches the fallback
+    serve) or for a region that intercepts nothing (it serves nothing either)."""
+    if not foreign_modes_on():
+        return None
+    marker = _marker_reference()
+    with no_python_dispatch():  # the engine's own calls are no business of the modes that are on
+        address = torch.ops.sac.mode_region_over(region_address, marker.address)
+    return RecomputeAboveModes(address, marker) if address else None
+
+
+class RecomputeScope(_scopes.RegionScope):
+    """The recompute of a native region: a RegionScope that, while dispatch modes are on, also runs
+    the recompute above them (recompute_above_modes)."""
+
+    __slots__ = ("_above_modes",)
+
+    def __init__(self, region: _scopes.RegionReference):
+        super().__init__(region, 1)
+        self._above_modes = None
+
+    def __enter__(self):
+        super().__enter__()
+        if _dispatch_modes_on():
+            # Served calls hidden from the modes (NOTE: [Modes above the key see only what ran]).
+            try:
+                above_modes = recompute_above_modes(self._address)
+                if above_modes is not None:
+                    above_modes.__enter__()
+            except BaseException:
+                _scopes.region_exit(self._address, 1, self._depth)
+                raise
+            self._above_modes = above_modes
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        above_modes = self._above_modes
+        if above_modes is None:  # every recompute but those under foreign dispatch modes
+            return super().__exit__(exc_type, exc_value, traceback)
+        self._above_modes = None
+        try:
+            above_modes.__exit__(exc_type, exc_value, traceback)
+        finally:
+            status = _scopes.region_exit(self._address, 1, self._depth)
+        if status:
+            _scopes.raise_last_error(status)
+        return False
+
+
+def new_region_scopes(site_address: int) -> tuple[_scopes.RegionScope, RecomputeScope]:
+    """The forward and recompute scopes of a new native region of the site at `site_address`."""
+    region = _scopes.RegionReference(site_address)
+    return _scopes.RegionScope(region, 0), RecomputeScope(region)
