@@ -1,4 +1,4 @@
-"""tools/gpu_check.sh fits a device session: its step budgets add up to at most 8 minutes, every
+"""tools/gpu_check.sh fits a short slot on one GPU: its step budgets add up to at most 8 minutes, every
 step draws on one of them, and the steps run in the order that matters (the CUDA tests, then what
 goes below full recompute, then the benchmarks). NOTE: [The GPU check's time budget] in the
 script says why."""
