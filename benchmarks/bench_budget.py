@@ -51,8 +51,7 @@ import torch
 import sac_plugin
 from sac_plugin.memory import track_activation_memory
 from sac_plugin.models import LlamaBlock, MoEBlock, rotary_tables
-from sac_plugin.planner._profile import LayerProfile, ProfiledCall
-from sac_plugin.planner._reference import reference_policies
+from sac_plugin.planner import LayerProfile, ProfiledCall, reference_policies
 from sac_plugin.models import LLAMA_TARGETS, MOE_TARGETS
 
 from _common import have_torch_remat, time_interleaved, why_trace_cannot_run

@@ -7,7 +7,19 @@ from __future__ import annotations
 
 from ._cost import OffloadModel, PlanError
 from ._plan import Plan, plan
+from ._profile import LayerProfile, ProfiledCall
+from ._reference import reference_policies
 from ._step import StepPlan, plan_step
 
 
-__all__ = ["OffloadModel", "Plan", "PlanError", "StepPlan", "plan", "plan_step"]
+__all__ = [
+    "LayerProfile",
+    "OffloadModel",
+    "Plan",
+    "PlanError",
+    "ProfiledCall",
+    "StepPlan",
+    "plan",
+    "plan_step",
+    "reference_policies",
+]

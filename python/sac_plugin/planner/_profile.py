@@ -30,14 +30,26 @@ WRITTEN_IN_THE_FORWARD = "written later in the forward"
 
 @dataclasses.dataclass(frozen=True)
 class ProfiledCall:
-    op: str  # "aten::mm" (default overload) or "aten::add.Tensor"
-    index: int  # 0-based among the forward's calls of this op, as kept_calls counts
-    unit: str  # innermost open recompute unit, "" for none
-    bytes: int  # bytes of the new storages it creates (aliases count 0)
-    seconds: float  # median kernel time over the profile's runs
-    why_not_keepable: str  # "" when a policy may keep it
-    # Whether a checkpoint's recompute reaches the call: it stops once autograd has saved its
-    # last tensor again, so calls after that point never run twice (keeping them saves nothing).
+    """One call of a profiled layer's forward, as a plan prices it.
+
+    Attributes:
+        op: The op, "aten::mm" (default overload) or "aten::add.Tensor".
+        index: 0-based among the forward's calls of this op, as `kept_calls` counts.
+        unit: The innermost open recompute unit, "" for none.
+        bytes: Bytes of the new storages the call creates (aliases count 0).
+        seconds: Median kernel time over the profile's runs.
+        why_not_keepable: Why no policy may keep the call, "" when one may.
+        recomputed: Whether a checkpoint's recompute reaches the call: it stops once autograd has
+            saved its last tensor again, so calls after that point never run twice (keeping them
+            saves nothing).
+    """
+
+    op: str
+    index: int
+    unit: str
+    bytes: int
+    seconds: float
+    why_not_keepable: str
     recomputed: bool = True
 
     @property
@@ -48,12 +60,22 @@ class ProfiledCall:
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
+    """What a plan knows of a layer (`Plan.profile`): its forward's calls and the bytes it holds.
+
+    Attributes:
+        calls: The forward's calls, in order.
+        no_checkpoint_bytes: Bytes held between forward and backward without checkpointing.
+        full_recompute_bytes: Bytes held with checkpointing that keeps nothing (the floor): the
+            saved inputs and `rng_state_bytes`.
+        runs: How many forwards the call times are the median of.
+        rng_state_bytes: The RNG states torch's checkpoint saves with the layer's inputs (part of
+            the floor).
+    """
+
     calls: tuple[ProfiledCall, ...]
-    no_checkpoint_bytes: int  # held between forward and backward without checkpointing
-    # Held with checkpointing that keeps nothing (the floor): the saved inputs and rng_state_bytes.
+    no_checkpoint_bytes: int
     full_recompute_bytes: int
     runs: int
-    # The RNG states torch's checkpoint saves with the layer's inputs (part of the floor).
     rng_state_bytes: int = 0
 
 

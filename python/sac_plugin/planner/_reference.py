@@ -6,7 +6,12 @@ __all__ = ["reference_policies"]
 
 
 def reference_policies() -> dict:
-    """The hand-written policies a plan is compared with (Plan.plot, the budget benchmark)."""
+    """The hand-written policies a plan is compared with (`Plan.plot`, the budget benchmark).
+
+    Returns:
+        Policies by name: the attention kept; the attention and every other matmul; the attention
+        and every matmul.
+    """
     from ..policy import Policy
     from ..targets import ATTENTION_OPS
 
