@@ -100,10 +100,15 @@ def _fresh(value):
 
 
 @contextlib.contextmanager
-def _leaves_no_trace(module: torch.nn.Module, devices):
-    """Restores what profiling runs change: the RNG streams, parameter gradients and buffers."""
+def leaves_no_trace(module: torch.nn.Module, devices, buffers_on_host: bool = False):
+    """Restores what profiling runs change: the RNG streams of `devices`, parameter gradients and
+    buffers. `buffers_on_host` keeps the buffers' copies in host memory, adding no device bytes to
+    what the runs measure."""
     grads = [(p, p.grad) for p in module.parameters()]
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    if buffers_on_host:
+        buffers = [(b, b.detach().to("cpu", copy=True)) for b in module.buffers()]
+    else:
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
     with torch.random.fork_rng(devices=devices):
         try:
             yield
@@ -161,7 +166,7 @@ def profile_layer(
         )
     devices = sorted({t.device.index or 0 for t in _leaves((args, kwargs)) if t.is_cuda})
     handle = torch.classes.sac.CallProfile()
-    with _leaves_no_trace(module, devices):
+    with leaves_no_trace(module, devices):
         for _ in range(warmup):
             _backward(module(*(_fresh(a) for a in args), **{k: _fresh(v) for k, v in kwargs.items()}))
         no_checkpoint = held_bytes(module, args, kwargs, None)

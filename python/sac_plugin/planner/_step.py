@@ -19,7 +19,6 @@ its plans each layer takes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -38,6 +37,7 @@ from ._apply import layer_signature
 from ._cost import CopyCost, PlanError
 from ._plan import Plan, plan as plan_layer
 from ._plan_file import read_plan_file, write_plan_file
+from ._profile import leaves_no_trace
 from ._split import candidates
 
 FORMAT = "sac_plugin.step_plan"
@@ -362,22 +362,10 @@ class _StepWatch:
             )
 
 
-@contextlib.contextmanager
 def _no_trace(model: torch.nn.Module, device: torch.device):
     """Every run of the step starts from the state plan_step was called in: parameter gradients,
     buffers (kept on the host meanwhile: no device bytes) and the RNG streams are restored."""
-    grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            for p, grad in grads:
-                p.grad = grad
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+    return leaves_no_trace(model, [device.index or 0] if device.type == "cuda" else [], buffers_on_host=True)
 
 
 def _run(step: Callable[[], object], model, layers, names, device, *, capture: bool) -> _StepWatch:
