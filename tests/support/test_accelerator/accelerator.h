@@ -49,11 +49,14 @@ void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> cop
                             CopyDirection direction);
 // Runs a copy on the calling thread, taking at least the modelled time.
 void run_modelled_copy(const std::function<void()>& copy, size_t bytes, CopyDirection direction);
+// Something waits on the stream's work: releases copies held for a wait (NOTE: [A copy delay that
+// starts at the wait]).
+void note_waited(const c10::Stream& stream);
 void synchronize_stream(const c10::Stream& stream);
 bool stream_idle(const c10::Stream& stream);
 std::vector<c10::Stream> busy_streams();
 void synchronize_device(c10::DeviceIndex device);
-void set_copy_delay_us(int64_t microseconds);
+void set_copy_delay_us(int64_t microseconds, bool from_wait);
 // The copy and compute model (NOTE: [The copy and compute model]): bytes/s each way (0: not
 // modelled) and the factor every kernel's CPU time is multiplied by (>= 1).
 void set_copy_bandwidth(double to_host, double to_device);

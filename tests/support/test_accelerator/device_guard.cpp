@@ -46,6 +46,7 @@ struct Event {
   uint64_t recorded = 0;
   uint64_t completed = 0;
   std::chrono::steady_clock::time_point completed_at;
+  c10::StreamId recorded_on = 0;  // the stream of the latest recording
 };
 
 // torch asks for streams of "the current device" with index -1.
@@ -63,6 +64,23 @@ std::shared_ptr<Event> event_of(void* event) { return event == nullptr ? nullptr
 
 c10::Stream make_stream(c10::DeviceIndex device, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, device), id);
+}
+
+// A stream or the host is about to wait for the event's latest recording: the stream it was
+// recorded on learns of the wait (NOTE: [A copy delay that starts at the wait]). Returns the
+// recording to wait for.
+uint64_t about_to_wait(Event& event) {
+  uint64_t version;
+  c10::StreamId stream;
+  {
+    std::lock_guard<std::mutex> lock(event.mutex);
+    version = event.recorded;
+    stream = event.recorded_on;
+  }
+  if (version > 0) {
+    note_waited(make_stream(event.device, stream));
+  }
+  return version;
 }
 
 class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
@@ -127,6 +145,7 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
     {
       std::lock_guard<std::mutex> lock(recorded->mutex);
       version = ++recorded->recorded;
+      recorded->recorded_on = stream.id();
     }
     enqueue_on_stream(stream, [recorded, version] {
       {
@@ -145,11 +164,7 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
       return;  // never recorded: nothing to wait for
     }
     std::shared_ptr<Event> waited = event_of(event);
-    uint64_t version;
-    {
-      std::lock_guard<std::mutex> lock(waited->mutex);
-      version = waited->recorded;
-    }
+    const uint64_t version = about_to_wait(*waited);
     enqueue_on_stream(stream, [waited, version] { waited->wait_for(version); });
   }
 
@@ -167,12 +182,7 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
       return;
     }
     std::shared_ptr<Event> waited = event_of(event);
-    uint64_t version;
-    {
-      std::lock_guard<std::mutex> lock(waited->mutex);
-      version = waited->recorded;
-    }
-    waited->wait_for(version);
+    waited->wait_for(about_to_wait(*waited));
   }
 
   bool queryStream(const c10::Stream& stream) const override { return stream_idle(stream); }

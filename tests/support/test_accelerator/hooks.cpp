@@ -61,7 +61,7 @@ int64_t device_count() { return kDeviceCount; }
 // asynchronously]), and the copy and compute model (NOTE: [The copy and compute model]).
 TORCH_LIBRARY(sac_test_accelerator, m) {
   m.def("device_count() -> int", &device_count);
-  m.def("set_copy_delay_us(int microseconds) -> ()", &set_copy_delay_us);
+  m.def("set_copy_delay_us(int microseconds, bool from_wait=False) -> ()", &set_copy_delay_us);
   m.def("set_copy_bandwidth(float to_host, float to_device) -> ()", &set_copy_bandwidth);
   m.def("set_compute_scale(float scale) -> ()", &set_compute_scale);
   m.def("simulation_parameters() -> float[]", &simulation_parameters);

@@ -23,6 +23,14 @@
 // (kernels.cpp), so that the ratio of copy to compute time can be set to a GPU's. The copy delay
 // (set_copy_delay) is separate: it makes races certain in tests, and adds to the modelled time.
 // No bandwidth set (0) leaves copies as fast as the memcpy; a scale of 1 leaves kernels as they are.
+//
+// NOTE: [A copy delay that starts at the wait]
+// A delay counted from when the copy was queued hides behind whatever the host does before it
+// waits: on a loaded machine the host can take longer than the delay, and a test that expects the
+// wait to be exposed fails by chance. With set_copy_delay(..., from_wait=True) a queued copy is held
+// until something waits on its stream (a stream or the host waiting on an event recorded there, or
+// a synchronize) and only then waits out the delay, so every wait on it lasts at least the delay.
+// A copy nobody waits on stays queued (its events never complete); synchronizing releases it.
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -44,6 +52,7 @@ namespace sac_test_accelerator {
 namespace {
 
 std::atomic<int64_t> copy_delay_us{0};
+std::atomic<bool> copy_delay_from_wait{false};  // NOTE: [A copy delay that starts at the wait]
 // Bytes per second; 0: not modelled (NOTE: [The copy and compute model]).
 std::atomic<double> bandwidth_to_host{0.0};
 std::atomic<double> bandwidth_to_device{0.0};
@@ -66,8 +75,29 @@ class Worker {
   }
 
   void drain() {
+    note_wait();  // a synchronize is a wait: it releases held copies
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [this] { return queue_.empty() && !running_; });
+  }
+
+  // The waits on this stream so far (NOTE: [A copy delay that starts at the wait]).
+  uint64_t waits() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return waits_;
+  }
+
+  void note_wait() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++waits_;
+    }
+    changed_.notify_all();
+  }
+
+  // Called by queued work on the worker thread: returns once a wait came after `seen`.
+  void hold_until_a_wait_after(uint64_t seen) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return waits_ > seen; });
   }
 
   bool idle() {
@@ -96,6 +126,7 @@ class Worker {
   std::condition_variable changed_;
   std::deque<std::function<void()>> queue_;
   bool running_ = false;
+  uint64_t waits_ = 0;
 };
 
 struct Workers {
@@ -133,8 +164,14 @@ void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work) {
 
 void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy, size_t bytes,
                             CopyDirection direction) {
-  enqueue_on_stream(stream, [copy = std::move(copy), bytes, direction] {
+  Worker& worker = worker_for(stream);
+  const bool from_wait = copy_delay_from_wait.load();
+  const uint64_t waits_before = from_wait ? worker.waits() : 0;
+  worker.enqueue([&worker, copy = std::move(copy), bytes, direction, from_wait, waits_before] {
     int64_t delay = copy_delay_us.load();
+    if (from_wait) {
+      worker.hold_until_a_wait_after(waits_before);
+    }
     if (delay > 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(delay));
     }
@@ -151,6 +188,12 @@ void run_modelled_copy(const std::function<void()>& copy, size_t bytes, CopyDire
   const double bandwidth = (direction == CopyDirection::kToHost ? bandwidth_to_host : bandwidth_to_device).load();
   if (bandwidth > 0 && bytes > 0) {
     std::this_thread::sleep_until(started + std::chrono::duration<double>(static_cast<double>(bytes) / bandwidth));
+  }
+}
+
+void note_waited(const c10::Stream& stream) {
+  if (Worker* worker = find_worker(stream)) {
+    worker->note_wait();
   }
 }
 
@@ -193,9 +236,10 @@ void synchronize_device(c10::DeviceIndex device) {
   }
 }
 
-void set_copy_delay_us(int64_t microseconds) {
+void set_copy_delay_us(int64_t microseconds, bool from_wait) {
   TORCH_CHECK(microseconds >= 0, "sac_test_accelerator: the copy delay must be >= 0 microseconds, got ", microseconds);
   copy_delay_us.store(microseconds);
+  copy_delay_from_wait.store(from_wait);
 }
 
 void set_copy_bandwidth(double to_host, double to_device) {

@@ -141,13 +141,19 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
 
-def set_copy_delay(seconds: float) -> None:
+def set_copy_delay(seconds: float, *, from_wait: bool = False) -> None:
     """Each queued (non_blocking) copy waits this long on its stream before it runs, so that a
     test reading its destination too early reliably sees the old values. 0 (the default) runs
-    queued copies as soon as their stream reaches them."""
+    queued copies as soon as their stream reaches them.
+
+    With ``from_wait=True`` a queued copy is held until something waits on its stream (a stream or
+    the host waiting on an event recorded there, or a synchronize), and the delay starts then: each
+    such wait lasts at least the delay, however long the host took before it waited."""
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
         raise ValueError(f"sac_test_accelerator.set_copy_delay: seconds must be a number >= 0, got {seconds!r}")
-    torch.ops.sac_test_accelerator.set_copy_delay_us(round(seconds * 1_000_000))
+    if not isinstance(from_wait, bool):
+        raise ValueError(f"sac_test_accelerator.set_copy_delay: from_wait must be True or False, got {from_wait!r}")
+    torch.ops.sac_test_accelerator.set_copy_delay_us(round(seconds * 1_000_000), from_wait)
 
 
 def _bandwidth(value, name: str) -> float:
