@@ -21,7 +21,8 @@ enum class CallStep : uint8_t {
   kRunOnly,       // run the kernel; nothing to finish (a view the policy does not name, or a
                   // recompute past its last kept call)
   kRunAndFinish,  // run the kernel, then finishCall with its outputs
-  kServed,        // served: the kernel is skipped, the stack holds the outputs, already recorded
+  kServed,        // served: the kernel is skipped, the outputs follow the arguments on the stack,
+                  // already recorded
 };
 
 // A call between beginCall and finishCall.
@@ -41,8 +42,8 @@ struct CallInFlight {
 // schema order; the dispatch-mode engine passes its tensors and None for the rest); `naming_key`,
 // when given, names the call together with them (the dispatch-mode engine's fold of the other
 // arguments), otherwise the arguments alone do. `draws_random` is whether this call draws from a
-// generator (drawsRandomNumbers, which needs every argument). A served call's outputs replace its
-// arguments on the stack.
+// generator (drawsRandomNumbers, which needs every argument). A served call's outputs follow its
+// arguments on the stack; the engine drops the arguments.
 CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
                    torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
                    CallInFlight* call);

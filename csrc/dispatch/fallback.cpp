@@ -1,7 +1,8 @@
 // The interception: every op dispatched while the plugin's key is in the thread-local include
 // set lands here, under its own name, below autograd, through the native fallback or through the
 // per-op kernels of the coexisting path (NOTE: [Sharing the key with another owner] in
-// coexistence.cpp). It handles:
+// coexistence.cpp); the hottest ops take the same steps unboxed (NOTE: [Hot ops skip boxing] in
+// hot_op_kernels.cpp). The steps, in InterceptedCall (intercepted_call.h), handle:
 //   - ops that never count (detach, metadata, profiler, sac's own), ops on meta tensors and
 //     calls on tensors that carry the key themselves (another owner's fake tensors): straight
 //     through, uncounted;
@@ -19,29 +20,16 @@
 
 #include <mutex>
 
-#include "dispatch/call_pipeline.h"
-#include "dispatch/call_profile.h"
-#include "dispatch/call_trace.h"
 #include "dispatch/data_flow.h"
+#include "dispatch/intercepted_call.h"
 #include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
-#include "dispatch/region.h"
 #include "dispatch/sac_key.h"
-#include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
 #include "ops/op_traits.h"
-#include "ops/user_warning.h"
-#include "policy/unit_stack.h"
 
 namespace sac {
-namespace {
-
-// NOTE: [Redispatching below our key]
-// redispatchBoxed uses exactly the key set we pass, while callBoxed would recompute it from
-// thread-local state and land here again. Masking with FULL_AFTER keeps every key below ours
-// (BackendSelect, then the backend) and drops ours and everything above, which has already run.
-const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
 
 // NOTE: [Python below our key (torch 2.11)]
 // In torch 2.13+ `Python` sits above `Fake`: a tensor subclass's __torch_dispatch__ and a
@@ -51,10 +39,9 @@ const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey)
 // every key above `Python` while a handler runs. Its outputs may then not be kept: serving
 // one in the recompute would skip the handler's side effects (an AsyncCollectiveTensor's
 // wait_tensor, a DTensor redistribution) or a mode's own cache. So where `Python` is below us
-// and in the call's key set, the call is counted and run, never kept or served.
-const bool kPythonBelowSacKey = kBelowSacKey.has(c10::DispatchKey::Python);
-
-}  // namespace
+// and in the call's key set, the call is counted and run, never kept or served
+// (InterceptedCall::run in intercepted_call.h).
+bool pythonBelowSacKey() { return kPythonBelowSacKey; }
 
 // NOTE: [Calls that are not ours]
 // The key in a call's key set does not always make the call ours. The key's other owner (a C++
@@ -76,74 +63,22 @@ bool carriesOurKey(const torch::jit::Stack& stack, size_t num_arguments) {
 
 namespace {
 
-class InterceptedCall {
+// The fallback's calls arrive boxed: the stack holds the arguments, the kernel replaces them with
+// its outputs (intercepted_call.h).
+class BoxedInvocation {
  public:
-  InterceptedCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack)
-      : op_(op), schema_(op.schema()), keys_(keys), below_(keys & kBelowSacKey), stack_(stack), entry_(lookupOp(op)) {}
+  BoxedInvocation(const c10::OperatorHandle& op, torch::jit::Stack* stack) : op_(op), stack_(stack) {}
 
-  void run() {
-    // NOTE: [Meta tensors are not activations]
-    // torch.compile traces with fake and meta tensors, and may do so in the middle of an eager
-    // region (a compiled submodule compiles on its first call). Those calls carry no data and
-    // never run again in the recompute: keeping or counting them would only pollute the region
-    // and the audit, so they pass straight through, like metadata queries.
-    if (entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit)) return runKernel();
-    ThreadState& state = ThreadState::current();
-    Region* region = state.region();
-    const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
-    if (region == nullptr || !region->intercepts() || python_handles_it) {
-      traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
-      return countAndRun(state.phase());
-    }
-    if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
-      return region->profile()->profileCall(*region, entry_, schema_, stack_, [&] { countAndRun(state.phase()); });
-    }
-
-    // NOTE: [One call pipeline] (call_pipeline.cpp)
-    const size_t num_arguments = schema_.arguments().size();
-    const bool recompute = state.regionInRecompute();
-    const bool draws_random =
-        !recompute && drawsRandomNumbers(entry_.traits, &(*stack_)[stack_->size() - num_arguments]);
-    CallInFlight call;
-    switch (beginCall(*region, recompute, entry_, op_, stack_, num_arguments, std::nullopt, draws_random, &call)) {
-      case CallStep::kRunOnly:
-        return countAndRun(state.phase());
-      case CallStep::kServed:
-        entry_.counters.recordHit();
-        return;
-      case CallStep::kRunAndFinish:
-        countAndRun(state.phase());
-        finishCall(*region, call, schema_, *stack_, schema_.returns().size());
-        return;
-    }
+  torch::jit::Stack& arguments() { return *stack_; }
+  void runKernel(c10::DispatchKeySet below) { op_.redispatchBoxed(below, stack_); }
+  void served(size_t num_arguments, size_t num_returns) {
+    const auto outputs = stack_->end() - static_cast<std::ptrdiff_t>(num_returns);
+    stack_->erase(outputs - static_cast<std::ptrdiff_t>(num_arguments), outputs);
   }
 
  private:
-  void runKernel() {
-    // NOTE: [Ops called from inside a kernel are not intercepted]
-    // A kernel may dispatch further ops (addmm's CPU kernel calls copy_, randn calls normal_).
-    // They are part of the op we are running, not calls of the checkpointed function: seeing
-    // them would count them twice, warn about copy_ "mutating" in a kept unit, and, worst, let
-    // a kept op nested in a kept kernel be numbered in the forward but not in the recompute
-    // (where the outer op is served and its kernel never runs), so a later call of the same op
-    // would be served the nested call's output. Torch's dispatch modes behave the same way: the
-    // mode is off while its handler runs the op.
-    c10::impl::ExcludeDispatchKeyGuard not_nested(kSacKey);
-    op_.redispatchBoxed(below_, stack_);
-  }
-
-  void countAndRun(Phase phase) {
-    entry_.counters.recordExecution(phase);
-    runKernel();
-  }
-
   const c10::OperatorHandle& op_;
-  // Read once: OperatorHandle::schema() is an out-of-line, checked call, and every step reads it.
-  const c10::FunctionSchema& schema_;
-  c10::DispatchKeySet keys_;
-  c10::DispatchKeySet below_;
   torch::jit::Stack* stack_;
-  const OpEntry& entry_;
 };
 
 void sacFallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -190,10 +125,9 @@ std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, c
   return storages;
 }
 
-bool pythonBelowSacKey() { return kPythonBelowSacKey; }
-
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  InterceptedCall(op, keys, stack).run();
+  BoxedInvocation invocation(op, stack);
+  InterceptedCall<BoxedInvocation>(lookupOp(op), op, keys, invocation).run();
 }
 
 InterceptionPath installInterception() {
@@ -208,6 +142,7 @@ InterceptionPath installInterception() {
         dispatcher.registerFallback(kSacKey, c10::KernelFunction::makeFromBoxedFunction<&sacFallback>(),
                                     "sac_plugin: selective activation checkpointing"));
     letNeverCountedOpsSkipTheKey();
+    installHotOpKernels();
     installed_path = InterceptionPath::kNative;
   }
   return installed_path;

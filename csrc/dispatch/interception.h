@@ -1,6 +1,6 @@
 #pragma once
-// Internal to csrc/dispatch: the shared entry of the native fallback and the coexisting per-op
-// kernels.
+// Internal to csrc/dispatch: the shared entry of the native fallback and the per-op kernels
+// (coexisting, hot ops).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -13,6 +13,10 @@ bool carriesOurKey(const torch::jit::Stack& stack, size_t num_arguments);
 
 // Runs one call of ours: counts, keeps, serves, and redispatches below the key.
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
+
+// Registers the native path's unboxed kernels for the hottest ops (NOTE: [Hot ops skip boxing]
+// in hot_op_kernels.cpp).
+void installHotOpKernels();
 
 // Registers the coexisting path's per-op kernels (coexistence.cpp).
 void installCoexistingKernels();

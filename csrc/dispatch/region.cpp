@@ -461,7 +461,8 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   } else {
     for (const c10::IValue& value : *outputs) results.push_back(detachedValue(value));
   }
-  torch::jit::drop(*stack, num_arguments);
+  // The outputs go after the arguments, which the engine drops: only it knows whether it owns
+  // them (NOTE: [Hot ops skip boxing] in hot_op_kernels.cpp).
   for (c10::IValue& value : results) stack->push_back(std::move(value));
 
   if (consume_served_) {

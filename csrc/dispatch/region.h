@@ -109,11 +109,11 @@ class Region : public c10::intrusive_ptr_target {
   // What the forward routed, where the policy recomputes the routing (pin_routing off).
   RoutingCheck& routing() { return routing_; }
 
-  // Recompute: replace the op's arguments on the stack with the outputs the forward kept for the
-  // call with identity `call` and return true. They are freed unless this backward keeps its
-  // graph (retain_graph=True), in which case they stay for the next recompute. Returns false, leaving the stack
-  // alone, when the forward kept nothing for this call (not kept, demoted, or a call the forward
-  // never made): the caller runs the kernel.
+  // Recompute: push the outputs the forward kept for the call with identity `call` after the
+  // op's arguments on the stack (the engine drops the arguments) and return true. They are freed
+  // unless this backward keeps its graph (retain_graph=True), in which case they stay for the
+  // next recompute. Returns false, leaving the stack alone, when the forward kept nothing for
+  // this call (not kept, demoted, or a call the forward never made): the caller runs the kernel.
   bool serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack);
 
   // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.

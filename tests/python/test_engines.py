@@ -10,7 +10,8 @@ import warnings
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import _engine, _native
+from sac_plugin import Policy, _engine, _native
+from torch.utils.checkpoint import checkpoint
 
 
 def run_python(code, **env):
@@ -101,3 +102,39 @@ def test_never_counted_ops_skip_the_key_only_on_the_native_path():
         assert "never counted" not in entry, entry
     # Counted ops keep reaching the fallback (native) or the plugin's per-op kernel (coexisting).
     assert "fallthrough" not in _fake_key_entry("aten::mm")
+
+
+@pytest.mark.parametrize("op", ["aten::mm", "aten::add.Tensor", "aten::mul.Tensor", "aten::tanh", "aten::silu"])
+def test_hot_ops_reach_the_plugin_unboxed_only_on_the_native_path(op):
+    # NOTE: [Hot ops skip boxing]: an unboxed kernel of the plugin's on the key; on the coexisting
+    # path the plugin's per-op kernels are boxed, as the other owner's calls arrive boxed.
+    entry = _fake_key_entry(op)
+    if sac_plugin.interception_path() == "native":
+        assert "hot_op_kernels.cpp" in entry and entry.endswith("[kernel]"), entry
+    else:
+        assert "hot_op_kernels.cpp" not in entry, entry
+
+
+def test_a_hot_op_that_fails_in_a_region_leaves_its_arguments_to_their_owners():
+    # NOTE: [Hot ops skip boxing]: the call pipeline borrows the arguments of a hot op; a kernel
+    # that raises, in the forward and again in the recompute, must release them, not free them.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    wrong = torch.randn(5, 6)
+    wrong_before = wrong.clone()
+
+    def layer(x, w):
+        with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(3x4 and 5x6\)"):
+            torch.mm(x, wrong)
+        return torch.mm(x, w).tanh().mul(x).sum()
+
+    expected = torch.autograd.grad(layer(x, w), (x, w))
+    with sac_plugin.audit() as audit:
+        loss = checkpoint(
+            layer, x, w, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::mm"]))
+        )
+        grads = torch.autograd.grad(loss, (x, w))
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert audit.hits("aten::mm") == 1
+    assert torch.equal(wrong, wrong_before)

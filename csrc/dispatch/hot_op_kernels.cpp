@@ -1,0 +1,162 @@
+// Unboxed kernels on the key for the ops a model calls most, on the native path.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKeySet.h>
+
+// The generated op structs need the tensor and key set types declared first.
+#include <ATen/ops/add_ops.h>
+#include <ATen/ops/addmm_ops.h>
+#include <ATen/ops/bmm_ops.h>
+#include <ATen/ops/cos_ops.h>
+#include <ATen/ops/div_ops.h>
+#include <ATen/ops/exp_ops.h>
+#include <ATen/ops/mm_ops.h>
+#include <ATen/ops/mul_ops.h>
+#include <ATen/ops/neg_ops.h>
+#include <ATen/ops/relu_ops.h>
+#include <ATen/ops/rsqrt_ops.h>
+#include <ATen/ops/sigmoid_ops.h>
+#include <ATen/ops/silu_ops.h>
+#include <ATen/ops/sin_ops.h>
+#include <ATen/ops/sub_ops.h>
+#include <ATen/ops/tanh_ops.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "dispatch/intercepted_call.h"
+#include "dispatch/interception.h"
+
+namespace sac {
+namespace {
+
+// NOTE: [Hot ops skip boxing]
+// A backend fallback receives every call boxed: torch copies each argument into a stack of
+// IValues. A tensor that Python also holds then has a second owner, and torch takes the GIL to
+// retain its Python object (TensorImpl::incref_pyobject) and again to release it when the stack
+// lets go: on a block of small ops that is most of what interception costs beside the call
+// pipeline itself. So on the native path the ops models call most (matmuls, elementwise
+// arithmetic, activations: kHotOps below) get unboxed kernels on the key. Such a kernel runs the
+// fallback's steps (InterceptedCall in intercepted_call.h), handing the call pipeline the call's
+// arguments as borrowed IValues (no owner added, so nothing is retained) and boxing only the
+// outputs, which Python does not hold yet; it runs the kernel below the key unboxed. The
+// borrowed arguments are released, never destroyed, whatever way the call ends (BorrowedStack),
+// so the pipeline must leave them on the stack: a served call's outputs follow its arguments
+// (Region::serve). Every decision, count and served value is the fallback's: only the way the
+// call arrives differs. A hot op's call on another owner's tensors passes through uncounted, as
+// in the fallback (NOTE: [Calls that are not ours] in fallback.cpp).
+
+// The arguments of one call as the call pipeline reads them: tensors borrowed, other values boxed
+// as torch boxes them.
+class BorrowedStack {
+ public:
+  template <class... Args>
+  explicit BorrowedStack(const Args&... args) {
+    values_.reserve(sizeof...(Args) + 1);
+    (push(args), ...);
+    num_arguments_ = sizeof...(Args);
+  }
+  BorrowedStack(const BorrowedStack&) = delete;
+  BorrowedStack& operator=(const BorrowedStack&) = delete;
+  ~BorrowedStack() {
+    for (size_t i = 0; i < num_arguments_ && i < values_.size(); ++i) {
+      if (values_[i].isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow(values_[i]);
+    }
+  }
+
+  torch::jit::Stack& values() { return values_; }
+
+ private:
+  void push(const at::Tensor& tensor) { values_.emplace_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(tensor)); }
+  void push(const c10::Scalar& scalar) { values_.emplace_back(scalar); }
+
+  torch::jit::Stack values_;
+  size_t num_arguments_ = 0;
+};
+
+template <class Op, class... Args>
+class UnboxedInvocation {
+ public:
+  explicit UnboxedInvocation(const Args&... args) : args_(args...) {}
+
+  torch::jit::Stack& arguments() {
+    if (!stack_.has_value()) std::apply([this](const Args&... args) { stack_.emplace(args...); }, args_);
+    return stack_->values();
+  }
+  void runKernel(c10::DispatchKeySet below) {
+    result_ = std::apply([below](const Args&... args) { return Op::redispatch(below, args...); }, args_);
+    if (stack_.has_value()) stack_->values().emplace_back(result_);
+  }
+  void served(size_t /*num_arguments*/, size_t /*num_returns*/) {
+    result_ = std::move(stack_->values().back()).toTensor();
+    stack_->values().pop_back();
+  }
+  at::Tensor takeResult() { return std::move(result_); }
+
+ private:
+  std::tuple<const Args&...> args_;
+  std::optional<BorrowedStack> stack_;
+  at::Tensor result_;
+};
+
+inline bool carriesOurKey(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.unsafeGetTensorImpl()->key_set().has(kSacKey);
+}
+inline bool carriesOurKey(const c10::Scalar& /*scalar*/) { return false; }
+
+template <class Op, class Schema = typename Op::schema>
+struct HotOpKernel;
+
+template <class Op, class... Args>
+struct HotOpKernel<Op, at::Tensor(Args...)> {
+  static_assert((... && (std::is_same_v<Args, const at::Tensor&> || std::is_same_v<Args, const c10::Scalar&>)),
+                "hot ops take tensors and scalars only (BorrowedStack boxes no other kind)");
+
+  static at::Tensor call(c10::DispatchKeySet keys, Args... args) {
+    if ((... || carriesOurKey(args))) return Op::redispatch(keys & kBelowSacKey, args...);
+    UnboxedInvocation<Op, std::remove_cv_t<std::remove_reference_t<Args>>...> invocation(args...);
+    InterceptedCall(entry(), *handle, keys, invocation).run();
+    return invocation.takeResult();
+  }
+
+  static const OpEntry& entry() {
+    const OpEntry* found = cached_entry.load(std::memory_order_acquire);
+    if (C10_UNLIKELY(found == nullptr)) {
+      found = &lookupOp(*handle);
+      cached_entry.store(found, std::memory_order_release);
+    }
+    return *found;
+  }
+
+  static void install(torch::Library& library) {
+    handle.emplace(c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name));
+    std::string name = std::string(Op::name).substr(sizeof("aten::") - 1);
+    if (*Op::overload_name != '\0') name += std::string(".") + Op::overload_name;
+    library.impl(name.c_str(), TORCH_FN(HotOpKernel::call));
+  }
+
+  // Set once, before the kernel is registered; aten's ops live as long as the process.
+  static inline std::optional<c10::OperatorHandle> handle;
+  static inline std::atomic<const OpEntry*> cached_entry{nullptr};
+};
+
+template <class... Ops>
+void installAll(torch::Library& library) {
+  (HotOpKernel<Ops>::install(library), ...);
+}
+
+}  // namespace
+
+void installHotOpKernels() {
+  // Leaked: the kernels stay registered as long as the process, like the fallback.
+  static torch::Library* library =
+      new torch::Library(torch::Library::IMPL, "aten", kSacKey, __FILE__, static_cast<uint32_t>(__LINE__));
+  installAll<at::_ops::mm, at::_ops::bmm, at::_ops::addmm, at::_ops::add_Tensor, at::_ops::sub_Tensor,
+             at::_ops::mul_Tensor, at::_ops::div_Tensor, at::_ops::neg, at::_ops::exp, at::_ops::rsqrt, at::_ops::tanh,
+             at::_ops::sigmoid, at::_ops::sin, at::_ops::cos, at::_ops::relu, at::_ops::silu>(*library);
+}
+
+}  // namespace sac

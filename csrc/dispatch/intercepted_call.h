@@ -1,0 +1,108 @@
+#pragma once
+// Internal to csrc/dispatch: what the native engine does with one call of ours, whichever way the
+// call arrived (boxed, through the fallback, or unboxed, through a hot op's kernel: NOTE: [Hot ops
+// skip boxing] in hot_op_kernels.cpp). The steps are written once, here; an Invocation supplies
+// only where the call's arguments and outputs live and how its kernel runs:
+//   - torch::jit::Stack& arguments(): the call's arguments, the last values of a stack;
+//   - void runKernel(DispatchKeySet below): runs the kernel with the keys below ours; its outputs
+//     are then the last values of that stack;
+//   - void served(size_t num_arguments, size_t num_returns): the call pipeline served the call:
+//     the outputs follow the arguments on the stack.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <optional>
+
+#include "dispatch/call_pipeline.h"
+#include "dispatch/call_profile.h"
+#include "dispatch/call_trace.h"
+#include "dispatch/region.h"
+#include "dispatch/sac_key.h"
+#include "dispatch/thread_state.h"
+#include "ops/op_catalog.h"
+#include "ops/op_traits.h"
+
+namespace sac {
+
+// NOTE: [Redispatching below our key]
+// redispatchBoxed uses exactly the key set we pass, while callBoxed would recompute it from
+// thread-local state and land here again. Masking with FULL_AFTER keeps every key below ours
+// (BackendSelect, then the backend) and drops ours and everything above, which has already run.
+inline const c10::DispatchKeySet kBelowSacKey(c10::DispatchKeySet::FULL_AFTER, kSacKey);
+
+// NOTE: [Python below our key (torch 2.11)] in fallback.cpp.
+inline const bool kPythonBelowSacKey = kBelowSacKey.has(c10::DispatchKey::Python);
+
+template <class Invocation>
+class InterceptedCall {
+ public:
+  InterceptedCall(const OpEntry& entry, const c10::OperatorHandle& op, c10::DispatchKeySet keys, Invocation& invocation)
+      : entry_(entry), op_(op), keys_(keys), invocation_(invocation) {}
+
+  void run() {
+    // NOTE: [Meta tensors are not activations]
+    // torch.compile traces with fake and meta tensors, and may do so in the middle of an eager
+    // region (a compiled submodule compiles on its first call). Those calls carry no data and
+    // never run again in the recompute: keeping or counting them would only pollute the region
+    // and the audit, so they pass straight through, like metadata queries.
+    if (entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit)) return runKernel();
+    ThreadState& state = ThreadState::current();
+    Region* region = state.region();
+    const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
+    if (region == nullptr || !region->intercepts() || python_handles_it) {
+      traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
+      return countAndRun(state.phase());
+    }
+    if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
+      return region->profile()->profileCall(*region, entry_, op_.schema(), &invocation_.arguments(),
+                                            [&] { countAndRun(state.phase()); });
+    }
+
+    // NOTE: [One call pipeline] (call_pipeline.cpp)
+    const c10::FunctionSchema& schema = op_.schema();
+    const size_t num_arguments = schema.arguments().size();
+    torch::jit::Stack& stack = invocation_.arguments();
+    const bool recompute = state.regionInRecompute();
+    const bool draws_random = !recompute && drawsRandomNumbers(entry_.traits, &stack[stack.size() - num_arguments]);
+    CallInFlight call;
+    switch (beginCall(*region, recompute, entry_, op_, &stack, num_arguments, std::nullopt, draws_random, &call)) {
+      case CallStep::kRunOnly:
+        return countAndRun(state.phase());
+      case CallStep::kServed:
+        entry_.counters.recordHit();
+        return invocation_.served(num_arguments, schema.returns().size());
+      case CallStep::kRunAndFinish:
+        countAndRun(state.phase());
+        finishCall(*region, call, schema, invocation_.arguments(), schema.returns().size());
+        return;
+    }
+  }
+
+ private:
+  void runKernel() {
+    // NOTE: [Ops called from inside a kernel are not intercepted]
+    // A kernel may dispatch further ops (addmm's CPU kernel calls copy_, randn calls normal_).
+    // They are part of the op we are running, not calls of the checkpointed function: seeing
+    // them would count them twice, warn about copy_ "mutating" in a kept unit, and, worst, let
+    // a kept op nested in a kept kernel be numbered in the forward but not in the recompute
+    // (where the outer op is served and its kernel never runs), so a later call of the same op
+    // would be served the nested call's output. Torch's dispatch modes behave the same way: the
+    // mode is off while its handler runs the op.
+    c10::impl::ExcludeDispatchKeyGuard not_nested(kSacKey);
+    invocation_.runKernel(keys_ & kBelowSacKey);
+  }
+
+  void countAndRun(Phase phase) {
+    entry_.counters.recordExecution(phase);
+    runKernel();
+  }
+
+  const OpEntry& entry_;
+  const c10::OperatorHandle& op_;
+  c10::DispatchKeySet keys_;
+  Invocation& invocation_;
+};
+
+}  // namespace sac
