@@ -42,6 +42,10 @@ c10::Stream current_stream(c10::DeviceIndex device);
 
 // Stream workers (streams.cpp, NOTE: [What runs asynchronously]).
 void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work);
+// A marker: `reached` is called on the stream's worker with the time the stream reached it
+// (NOTE: [An event's time is when its stream reached it]).
+void enqueue_marker_on_stream(const c10::Stream& stream,
+                              std::function<void(std::chrono::steady_clock::time_point)> reached);
 // Which way a copy goes, for the copy model (NOTE: [The copy and compute model]).
 enum class CopyDirection { kToHost, kToDevice, kWithinDevice };
 // A queued copy of `bytes` bytes: the copy delay, then the copy, taking at least the modelled time.

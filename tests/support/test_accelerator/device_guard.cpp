@@ -2,7 +2,8 @@
 //
 // Streams are ids; the work queued on them runs on their worker threads (streams.cpp, NOTE: [What
 // runs asynchronously]). An event is recorded by queueing a marker on the stream: it completes
-// when the stream's worker reaches it, and it holds the time it did (elapsed_time).
+// when the stream's worker reaches it, and it holds the time the stream reached it (elapsed_time,
+// NOTE: [An event's time is when its stream reached it]).
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -147,11 +148,11 @@ class DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
       version = ++recorded->recorded;
       recorded->recorded_on = stream.id();
     }
-    enqueue_on_stream(stream, [recorded, version] {
+    enqueue_marker_on_stream(stream, [recorded, version](std::chrono::steady_clock::time_point reached) {
       {
         std::lock_guard<std::mutex> lock(recorded->mutex);
         recorded->completed = std::max(recorded->completed, version);
-        recorded->completed_at = std::chrono::steady_clock::now();
+        recorded->completed_at = reached;  // NOTE: [An event's time is when its stream reached it]
       }
       recorded->reached.notify_all();
     });

@@ -31,8 +31,17 @@
 // until something waits on its stream (a stream or the host waiting on an event recorded there, or
 // a synchronize) and only then waits out the delay, so every wait on it lasts at least the delay.
 // A copy nobody waits on stays queued (its events never complete); synchronizing releases it.
+//
+// NOTE: [An event's time is when its stream reached it]
+// A GPU stamps an event when the stream reaches it: at once on an idle stream, else when the work
+// ahead of it ends. A worker thread runs a marker only when the scheduler next gives it a core,
+// which on a loaded machine can be tens of milliseconds later, and an event stamped then would
+// shorten every wait measured from it. So a marker is stamped with the later of the time it was
+// recorded and the time its stream finished the work ahead of it, never with the time its worker
+// happened to run.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -66,12 +75,11 @@ class Worker {
     std::thread([this] { run(); }).detach();
   }
 
-  void enqueue(std::function<void()> work) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(work));
-    }
-    changed_.notify_all();
+  void enqueue(std::function<void()> work) { push({std::move(work), nullptr, {}}); }
+
+  // NOTE: [An event's time is when its stream reached it]
+  void enqueue_marker(std::function<void(std::chrono::steady_clock::time_point)> reached) {
+    push({nullptr, std::move(reached), std::chrono::steady_clock::now()});
   }
 
   void drain() {
@@ -110,21 +118,44 @@ class Worker {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
       changed_.wait(lock, [this] { return !queue_.empty(); });
-      std::function<void()> work = std::move(queue_.front());
+      Item item = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
       lock.unlock();
-      work();          // the queued work is ours: it reports no errors (the copies were checked when queued)
-      work = nullptr;  // what it holds (a host tensor) is released before the queue is locked again
+      if (item.marker) {
+        finished_at_ = std::max(finished_at_, item.recorded_at);
+        item.marker(finished_at_);
+      } else {
+        item.work();  // the queued work is ours: it reports no errors (the copies were checked when queued)
+        finished_at_ = std::chrono::steady_clock::now();
+      }
+      item = Item{};  // what it holds (a host tensor) is released before the queue is locked again
       lock.lock();
       running_ = false;
       changed_.notify_all();
     }
   }
 
+  // Queued work, or a marker: called with the time the stream reached it.
+  struct Item {
+    std::function<void()> work;
+    std::function<void(std::chrono::steady_clock::time_point)> marker;
+    std::chrono::steady_clock::time_point recorded_at;
+  };
+
+  void push(Item item) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(item));
+    }
+    changed_.notify_all();
+  }
+
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<std::function<void()>> queue_;
+  std::deque<Item> queue_;
+  // When the stream finished its last work: the worker's own, read and written only by it.
+  std::chrono::steady_clock::time_point finished_at_;
   bool running_ = false;
   uint64_t waits_ = 0;
 };
@@ -160,6 +191,11 @@ Worker& worker_for(const c10::Stream& stream) {
 
 void enqueue_on_stream(const c10::Stream& stream, std::function<void()> work) {
   worker_for(stream).enqueue(std::move(work));
+}
+
+void enqueue_marker_on_stream(const c10::Stream& stream,
+                              std::function<void(std::chrono::steady_clock::time_point)> reached) {
+  worker_for(stream).enqueue_marker(std::move(reached));
 }
 
 void enqueue_copy_on_stream(const c10::Stream& stream, std::function<void()> copy, size_t bytes,
