@@ -331,6 +331,30 @@ def test_apply_recompute_config_goes_through_transformers_entry_point(monkeypatc
     assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
 
 
+def test_apply_recompute_config_goes_through_gradient_checkpointing_enable_before_the_rename(monkeypatch):
+    # transformers before activation_checkpointing_enable: its one entry point, which knows no
+    # every_n_layers, checkpoints every layer, and the config's selection is what stays on.
+    model = build("llama", "sdpa", dropout=False)
+    reference = copy.deepcopy(model)
+    calls = []
+
+    def old_enable(self, gradient_checkpointing_kwargs=None):
+        calls.append(gradient_checkpointing_kwargs)
+        self._activation_checkpointing_enable(gradient_checkpointing_kwargs)
+
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", old_enable)
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
+    assert calls == [{"use_reentrant": False}]
+    layers = huggingface.decoder_layers(model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert "_gradient_checkpointing_func" not in vars(layers[1])
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == 1
+    sac_plugin.remove_checkpointing(model)
+    assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
+
+
 def _refuse_save_on_cpu(monkeypatch):
     import transformers.modeling_utils as modeling_utils
 
