@@ -42,6 +42,18 @@ def _hits_per_step(policies, steps=3):
     return hits
 
 
+def _kept_per_layer(policies, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LastMatmulUnreached(), LastMatmulReached())
+    for layer, policy in zip(model, policies):
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+    x = torch.randn(8, 16, requires_grad=True)
+    with sac_plugin.report(model) as layer_report:
+        for _ in range(steps):
+            model(x).sum().backward()
+    return [(layer["name"], layer["kept_calls"], layer["kept_bytes"]) for layer in layer_report.to_dict()["layers"]]
+
+
 def test_one_policy_on_two_layer_types_behaves_as_two_equal_policies():
     shared = Policy(kept_ops=["aten::mm"])
     # The first layer serves its first mm; the second serves both, every step: what the first
@@ -51,6 +63,13 @@ def test_one_policy_on_two_layer_types_behaves_as_two_equal_policies():
         == _hits_per_step([Policy(kept_ops=["aten::mm"]), Policy(kept_ops=["aten::mm"])])
         == [(3, 0)] * 3
     )
+    # And holds what two policies hold.
+    kept = _kept_per_layer([shared, shared])
+    assert kept == _kept_per_layer([Policy(kept_ops=["aten::mm"]), Policy(kept_ops=["aten::mm"])])
+    if sac_plugin.engine() == "native":  # reports read kept bytes from native regions (docs/engines.md)
+        # Per step, one 8x16 mm output in the first layer, two in the second.
+        one_output = 8 * 16 * 4
+        assert kept == [("0", 3, 3 * one_output), ("1", 6, 6 * one_output)]
 
 
 def test_a_policy_is_a_value_however_it_is_used():
