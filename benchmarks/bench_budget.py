@@ -45,6 +45,7 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -438,6 +439,8 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.plots and not args.plot_dir:
         args.plot_dir = "docs"
+    if args.plot_dir:
+        Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
     return args
 
 

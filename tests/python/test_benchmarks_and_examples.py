@@ -176,6 +176,12 @@ def test_torchtitan_benchmark_prints_both_modes():
         assert mode in out
 
 
+def test_budget_benchmark_writes_its_plots_into_a_directory_it_makes(tmp_path):
+    plots = tmp_path / "new" / "plots"
+    run_tool("benchmarks/bench_budget.py", "--quick", "--no-remat", "--plot-dir", str(plots))
+    assert sorted(path.name for path in plots.iterdir()) == ["plan_llama_64x32.png", "plan_moe_64x32.png"]
+
+
 @pytest.mark.native_engine(
     "bench_budget maps each plan to torch_remat regions through sac_plugin.trace, which "
     "reads the native engine's kept calls"
