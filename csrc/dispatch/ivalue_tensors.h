@@ -1,7 +1,9 @@
 #pragma once
 // Op arguments and results hold tensors as a Tensor or a Tensor[] (split, _foreach_*); every
-// place that looks at "the tensors of a value" goes through this one visitor.
+// place that looks at "the tensors of a value" goes through this one visitor. And the one way the
+// plugin holds a tensor without its autograd history.
 
+#include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
 namespace sac {
@@ -15,6 +17,17 @@ void forEachTensor(const c10::IValue& value, Visit visit) {
     // and a copy of a tensor Python holds retains its PyObject, which takes the GIL.
     for (const c10::IValue& element : value.toListRef()) visit(element.toTensor());
   }
+}
+
+// NOTE: [Storing kept outputs detached]
+// The tensor a kernel returns is the very TensorImpl that the autograd kernel above us will
+// attach a grad_fn to once we return. Storing it as is would (a) create a cycle through the
+// graph and (b) hand the same TensorImpl back in the recompute, where autograd would overwrite
+// the forward tensor's history. tensor_data() makes a shallow copy that shares storage and, on
+// purpose, the version counter, so a later in-place write to the forward tensor is visible to
+// the version check in serve(). It does not dispatch, so it does not re-enter the fallback.
+inline at::Tensor detachedAlias(const at::Tensor& tensor) {
+  return tensor.defined() ? at::Tensor(tensor.tensor_data()) : tensor;
 }
 
 }  // namespace sac

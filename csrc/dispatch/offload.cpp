@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
 #include "policy/offload_rule.h"
 
@@ -324,10 +325,11 @@ OffloadedTensor OffloadedTensor::start(const at::Tensor& tensor, c10::Storage bu
   offloaded.host_ = tensorOver(std::move(buffer), tensor);
   {
     c10::StreamGuard on_copy_stream(streams.to_host);
-    // The copy reads an alias without autograd history: a backend may hold its source until the
-    // copy runs, and a layer's input carries the graph of the layers before it, whose regions
-    // would otherwise outlive a forward dropped while the copy is still queued.
-    offloaded.host_.copy_(at::Tensor(tensor.tensor_data()), /*non_blocking=*/true);
+    // The copy reads an alias without autograd history (NOTE: [Storing kept outputs detached] in
+    // ivalue_tensors.h): a backend may hold its source until the copy runs, and a layer's input
+    // carries the graph of the layers before it, whose regions would otherwise outlive a forward
+    // dropped while the copy is still queued.
+    offloaded.host_.copy_(detachedAlias(tensor), /*non_blocking=*/true);
   }
   offloaded.copied_out_ = recordedOn(streams.to_host);
   impl.recordDataPtrOnStream(tensor.storage().data_ptr(), streams.to_host);

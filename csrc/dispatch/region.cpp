@@ -33,17 +33,6 @@ bool currentBackwardKeepsGraph() {
 
 namespace {
 
-// NOTE: [Storing kept outputs detached]
-// The tensor a kernel returns is the very TensorImpl that the autograd kernel above us will
-// attach a grad_fn to once we return. Storing it as is would (a) create a cycle through the
-// graph and (b) hand the same TensorImpl back in the recompute, where autograd would overwrite
-// the forward tensor's history. tensor_data() makes a shallow copy that shares storage and, on
-// purpose, the version counter, so a later in-place write to the forward tensor is visible to
-// the version check in serve(). It does not dispatch, so it does not re-enter the fallback.
-at::Tensor detachedAlias(const at::Tensor& tensor) {
-  return tensor.defined() ? at::Tensor(tensor.tensor_data()) : tensor;
-}
-
 c10::IValue detachedValue(const c10::IValue& value) {
   if (value.isTensor()) return detachedAlias(value.toTensor());
   if (value.isTensorList()) {
