@@ -308,6 +308,18 @@ def test_an_accelerate_hook_on_a_unit_runs_inside_it():
 # --- transformers' entry point: activation_checkpointing_enable(kwargs, every_n_layers, offload) ---
 
 
+def _assert_the_first_of_two_layers_is_checkpointed_until_removed(model, reference):
+    """every_nth_layer=2 of a two-layer model: the first layer alone is checkpointed, bitwise, and
+    remove_checkpointing leaves no checkpoint function on any module."""
+    layers = huggingface.decoder_layers(model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert "_gradient_checkpointing_func" not in vars(layers[1])
+    audit = assert_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == 1
+    sac_plugin.remove_checkpointing(model)
+    assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
+
+
 def test_apply_recompute_config_goes_through_transformers_entry_point(monkeypatch):
     model = build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(model)
@@ -321,14 +333,8 @@ def test_apply_recompute_config_goes_through_transformers_entry_point(monkeypatc
     monkeypatch.setattr(type(model), "activation_checkpointing_enable", spy)
     huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
     assert calls == [2]
-    layers = huggingface.decoder_layers(model)
-    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
-    assert "_gradient_checkpointing_func" not in vars(layers[1])
-    audit = assert_bitwise_equal(model, reference)
-    assert audit.hits(SDPA_CPU) == 1
-    sac_plugin.remove_checkpointing(model)
+    _assert_the_first_of_two_layers_is_checkpointed_until_removed(model, reference)
     assert not model.is_activation_checkpointing and "_require_grads_hook" not in vars(model)
-    assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
 
 
 def test_apply_recompute_config_goes_through_gradient_checkpointing_enable_before_the_rename(monkeypatch):
@@ -346,13 +352,7 @@ def test_apply_recompute_config_goes_through_gradient_checkpointing_enable_befor
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", old_enable)
     huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
     assert calls == [{"use_reentrant": False}]
-    layers = huggingface.decoder_layers(model)
-    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
-    assert "_gradient_checkpointing_func" not in vars(layers[1])
-    audit = assert_bitwise_equal(model, reference)
-    assert audit.hits(SDPA_CPU) == 1
-    sac_plugin.remove_checkpointing(model)
-    assert not any("_gradient_checkpointing_func" in vars(module) for module in model.modules())
+    _assert_the_first_of_two_layers_is_checkpointed_until_removed(model, reference)
 
 
 def _refuse_save_on_cpu(monkeypatch):
