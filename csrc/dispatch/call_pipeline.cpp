@@ -20,7 +20,8 @@ namespace sac {
 //   2. a recompute past its last kept call runs unrecorded (NOTE: [The recompute after the last
 //      kept call] in region.cpp);
 //   3. the storages the call writes are noted; in the forward, kept outputs living in them are
-//      demoted (NOTE: [Kept outputs written in the forward] in region.cpp);
+//      preserved: the region holds their value from before the write (NOTE: [Kept outputs
+//      written in the forward] in region.cpp);
 //   4. the call is named by data flow (NOTE: [Matching kept calls by data flow] in data_flow.cpp);
 //   5. in the recompute, a kept call is served and its kernel skipped; in the forward, the call is
 //      decided by Policy::decide (NOTE: [The keep rule] in policy.cpp) with the facts only the call
@@ -59,7 +60,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   call->written.clear();
   if (op.traits.mutates_inputs || op.traits.writes_out_arguments) {
     call->written = writtenStorages(schema, arguments);
-    if (!in_recompute) region.demoteKeptOutputsIn(call->written);  // in place and out= writes alike
+    if (!in_recompute) region.preserveKeptOutputsIn(call->written);  // in place and out= writes alike
   }
   DataFlow& flow = region.flow();
   if (naming_key.has_value()) {

@@ -35,10 +35,13 @@ namespace sac {
 //
 // A profile offers only calls the runtime would serve, at the bytes it would hold:
 //   - a call whose new output the forward later writes (in place or as an out= argument, seen
-//     through the same writtenStorages the fallback reads) is not offered: the runtime demotes
-//     it (NOTE: [Kept outputs written in the forward] in region.cpp). F.linear on a 3-D input,
-//     without a Python mode, adds its bias in place into its mm's output;
-//   - a new output the layer returns costs nothing when kept: the caller holds it anyway;
+//     through the same writtenStorages the fallback reads) is offered at its output's bytes when
+//     the runtime would hold a copy from before the write, and not offered when it would
+//     recompute the call instead (NOTE: [Kept outputs written in the forward] in region.cpp).
+//     F.linear on a 3-D input, without a Python mode, adds its bias in place into its mm's
+//     output;
+//   - a new output the layer returns costs nothing when kept, the caller holding it anyway,
+//     unless the forward writes it later;
 //   - a call after the point where the recompute stops is not offered (Python notes that point,
 //     NOTE: [Where the recompute stops] in planner/_profile.py): the runtime never holds it
 //     (NOTE: [Kept outputs the recompute never reaches] in region.cpp).
@@ -138,6 +141,7 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   }
 
   bool aliases_an_input = false;
+  std::vector<const c10::StorageImpl*> preservable;
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     forEachTensor((*stack)[i], [&](const at::Tensor& tensor) {
       if (!tensor.defined() || !tensor.has_storage()) return;
@@ -145,6 +149,7 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
         const auto bytes = static_cast<int64_t>(tensor.storage().nbytes());
         call.output_bytes += bytes;
         call.storages.emplace_back(tensor.storage().getWeakStorageImpl(), bytes);
+        if (preservableFromWrites(tensor)) preservable.push_back(tensor.storage().unsafeGetStorageImpl());
       } else {
         aliases_an_input = true;
       }
@@ -160,11 +165,19 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
     for (const WrittenStorage& write : written) {
       auto found = made_by_.find(write.storage.unsafeGetStorageImpl());
       if (found == made_by_.end()) continue;
+      const bool copied = found->second.size() == 1 && preservable_.count(found->first) != 0;
       for (size_t position : found->second) {
-        if (calls_[position].not_keepable[0] == '\0') calls_[position].not_keepable = kWrittenInTheForward;
+        ProfiledCall& writer_of = calls_[position];
+        if (copied) {
+          writer_of.written_later = true;
+        } else if (writer_of.not_keepable[0] == '\0') {
+          writer_of.not_keepable = kWrittenInTheForward;
+        }
       }
     }
     for (const auto& storage : call.storages) made_by_[storage.first._unsafe_get_target()].push_back(calls_.size());
+    // Two outputs of the call in one storage: the runtime cannot copy one of them alone.
+    if (!aliases_an_input) preservable_.insert(preservable.begin(), preservable.end());
     call.seconds.push_back(seconds);
     calls_.push_back(std::move(call));
     return;
@@ -190,6 +203,7 @@ void CallProfile::noteLayerOutputs(const std::vector<at::Tensor>& outputs) {
     if (found == made_by_.end()) continue;
     for (size_t position : found->second) {
       ProfiledCall& call = calls_[position];
+      if (call.written_later) continue;  // the region holds a copy of its own
       for (auto& [storage, bytes] : call.storages) {
         if (storage._unsafe_get_target() != found->first || bytes == 0) continue;
         call.output_bytes -= bytes;

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -34,8 +35,10 @@ struct ProfiledCall {
   // Bytes of the unique storages among the outputs that are new: an output whose storage is an
   // input's or an earlier output's of the same call counts 0; storages count whole. A storage the
   // layer returns counts 0 too (noteLayerOutputs): it stays alive after the region anyway, so
-  // keeping it holds nothing more.
+  // keeping it holds nothing more, unless the forward writes it later, when a kept call holds
+  // a copy of its own.
   int64_t output_bytes = 0;
+  bool written_later = false;  // an output the forward writes later: kept, the region holds a copy
   // Why a plan cannot keep the call (whyNotKeepable, "aliases an input", or
   // kWrittenInTheForward), or empty when it can.
   const char* not_keepable = "";
@@ -46,8 +49,9 @@ struct ProfiledCall {
   std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> storages;
 };
 
-// NOTE: [Kept outputs written in the forward] (dispatch/region.cpp): the runtime demotes a kept
-// call whose output the forward later writes, so a profile does not offer it.
+// NOTE: [Kept outputs written in the forward] (dispatch/region.cpp): the runtime recomputes a
+// kept call whose output the forward later writes when it cannot hold a copy from before the
+// write, so a profile does not offer it.
 inline constexpr const char* kWrittenInTheForward = "written later in the forward";
 
 // Why a plan may not keep a call of `op` with these facts, or "" when it may: the keep rule's
@@ -88,6 +92,9 @@ class CallProfile {
   std::string mismatch_;
   // During the first run: the positions in calls_ of the calls that made each new storage.
   std::unordered_map<const c10::StorageImpl*, std::vector<size_t>> made_by_;
+  // During the first run: the new storages a write in the forward can be kept from by a copy
+  // (preservableFromWrites, one output in the storage).
+  std::unordered_set<const c10::StorageImpl*> preservable_;
 };
 
 }  // namespace sac

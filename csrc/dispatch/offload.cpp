@@ -45,10 +45,12 @@ namespace sac {
 //   Ownership: the region that kept the call owns its offloaded tensors, each its host buffer and
 //   its copies (NOTE: [A region owns what it holds] in region.h): whichever way the region dies,
 //   the buffers go back to the pool and the copies fetched back are freed.
-//   Writes: a write in the forward demotes the call as for kept outputs, its host buffer going
-//   back to the pool after the copy in flight; a write after the forward is found by the version
-//   counter the offloaded tensor shares with the forward's tensor, and serving raises naming the
-//   op, before the host copy, which the write may have raced, is used.
+//   Writes: before a write in the forward, the compute stream waits until the copy out is done,
+//   so the host copy is the value the call made and is served as a kept output written in the
+//   forward is (NOTE: [Kept outputs written in the forward] in region.cpp); a write after the
+//   forward is found by the version counter the offloaded tensor shares with the forward's
+//   tensor, and serving raises naming the op, before the host copy, which the write may have
+//   raced, is used.
 //
 // NOTE: [Offloading a layer's inputs]
 // Under full recompute a checkpointed layer holds nothing of its own between the forward and the
@@ -389,6 +391,14 @@ at::Tensor OffloadedTensor::take(bool keep_host) {
   device_copy_ = at::Tensor();
   if (!keep_host) release();
   return on_device;
+}
+
+void OffloadedTensor::detachBeforeWrite() {
+  if (!host_.defined()) return;
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  copied_out_->block(impl.getStream(device_));
+  version_counter_ = c10::VariableVersion(/*version=*/0);
+  saved_version_ = 0;
 }
 
 void OffloadedTensor::release() {

@@ -52,6 +52,11 @@ class OffloadedTensor {
   at::Tensor take(bool keep_host);
   // Returns the host buffer to the pool and drops any device copy.
   void release();
+  // The forward is about to write the tensor this copies: the current stream waits until the
+  // copy out is done, so the host holds the value from before the write, and the version check
+  // stops following the forward's tensor (NOTE: [Kept outputs written in the forward] in
+  // region.cpp).
+  void detachBeforeWrite();
 
   bool holdsHost() const { return host_.defined(); }
   int64_t bytes() const { return bytes_; }

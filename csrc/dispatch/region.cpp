@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -227,6 +228,7 @@ void Region::offload(KeptOutputs& kept) {
 
 void Region::drop(KeptOutputs& kept) {
   kept.outputs.clear();
+  kept.preserved.clear();
   if (kept.offloaded.empty()) return;
   std::lock_guard<std::mutex> lock(offload_mutex_);
   int64_t bytes = 0;
@@ -368,28 +370,129 @@ int64_t Region::offloadedCalls() const {
 
 // NOTE: [Kept outputs written in the forward]
 // A kept output that the checkpointed function itself later writes, in place or as an out=
-// argument (an in-place activation, an in-place collective on a buffer made inside a kept unit,
-// x.view(...).add_(), torch.sin(y, out=y)), cannot be served: the recompute would apply the write
-// a second time to an already-written value. torch's SAC raises an error at backward; we instead
-// demote the call to recompute as soon as the write is seen, which is always correct and frees the
-// memory early. Writes that happen after the forward cannot be undone this way, and serve()
-// reports them.
-void Region::demoteKeptOutputsIn(const std::vector<WrittenStorage>& written) {
+// argument (an in-place activation, a mask added into attention scores, an in-place collective
+// on a buffer made inside a kept unit, x.view(...).add_(), torch.sin(y, out=y)), cannot be
+// served as it is: the recompute would apply the write a second time to an already-written
+// value. torch's SAC raises an error at backward. We preserve the value instead: before the
+// writing kernel runs, the region copies the storage (once, made below every mode) and stores
+// every kept output living in it as the same view of the copy, so outputs that shared the
+// storage still share one; for an offloaded output it makes the compute stream wait until the
+// copy to the host is done. The recompute is served the value the call made and applies the
+// write again, so a backward that keeps its graph is served views of a copy of the region's
+// copy, made once per pass. A write after the forward is another matter: serve() finds it by
+// the version counter and raises, naming the op.
+// Why preserve rather than recompute: whether the forward writes can depend on whether a
+// Python mode is on. F.linear on a 3-D input adds its bias in place into its mm's output only
+// without one (torch decomposes it out of place under any dispatch mode), so recomputing written
+// outputs would make the native engine recompute an mm that the dispatch-mode engine, a trace
+// or a user's FlopCounterMode sees served. Preserved, the same calls are served either way, and
+// the copy holds the bytes the mode's out-of-place add holds.
+// Outputs that cannot be copied this way (one in a tensor list, outputs of two element types in
+// one storage, a tensor subclass) are not: their calls are released and recomputed.
+bool preservableFromWrites(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.has_storage() && !tensor.key_set().has(c10::DispatchKey::Python) &&
+         tensor.storage().nbytes() % tensor.itemsize() == 0;
+}
+
+namespace {
+
+// A 1-D copy of the whole storage `tensor` lives in, made below every mode.
+at::Tensor copyOfStorage(const at::Tensor& tensor) {
+  PluginCallGuard not_the_models;
+  const auto elements = static_cast<int64_t>(tensor.storage().nbytes() / tensor.itemsize());
+  at::Tensor copy = at::empty_strided({elements}, {1}, tensor.options());
+  copy.copy_(tensor.as_strided({elements}, {1}, 0));
+  return copy;
+}
+
+// `like`'s view of its storage, over `storage_copy` instead.
+at::Tensor viewOver(const at::Tensor& storage_copy, const at::Tensor& like) {
+  PluginCallGuard not_the_models;
+  return storage_copy.as_strided(like.sizes(), like.strides(), like.storage_offset());
+}
+
+}  // namespace
+
+void Region::preserveKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   for (const WrittenStorage& write : written) {
     auto found = kept_storages_.find(write.storage.unsafeGetStorageImpl());
     if (found == kept_storages_.end()) continue;
-    for (uint64_t call : found->second) {
-      KeptOutputs& kept = kept_.at(call);
-      drop(kept);
-      kept.demoted = true;
+    if (!preserveBeforeWrite(found->first, found->second)) {
+      for (uint64_t call : found->second) {
+        KeptOutputs& kept = kept_.at(call);
+        drop(kept);
+        kept.released = true;
+      }
     }
     kept_storages_.erase(found);
   }
 }
 
+bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, const std::vector<uint64_t>& calls) {
+  // All checks first: a refusal changes nothing.
+  struct DeviceSlot {
+    KeptOutputs* kept;
+    size_t slot;
+    size_t version;  // index in kept->versions
+  };
+  std::vector<DeviceSlot> on_device;
+  std::vector<std::pair<KeptOutputs*, size_t>> offloaded;  // index in kept->offloaded
+  HashSet<uint64_t> seen;
+  auto in_storage = [storage](const at::Tensor& tensor) {
+    return tensor.defined() && tensor.has_storage() && tensor.storage().unsafeGetStorageImpl() == storage;
+  };
+  for (uint64_t call : calls) {
+    if (!seen.insert(call).second) continue;  // one entry per output in the storage
+    KeptOutputs& kept = kept_.at(call);
+    size_t version = 0;
+    for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
+      const c10::IValue& value = kept.outputs[slot];
+      if (value.isTensorList()) {
+        bool listed = false;
+        forEachTensor(value, [&](const at::Tensor& tensor) {
+          listed = listed || in_storage(tensor);
+          ++version;  // one stored version per tensor
+        });
+        if (listed) return false;
+        continue;
+      }
+      if (!value.isTensor()) continue;
+      const at::Tensor& tensor = value.toTensor();
+      if (in_storage(tensor)) {
+        if (!preservableFromWrites(tensor)) return false;
+        if (!on_device.empty() &&
+            on_device.front().kept->outputs[on_device.front().slot].toTensor().dtype() != tensor.dtype()) {
+          return false;  // one copy of the storage, viewed with one element type
+        }
+        on_device.push_back({&kept, slot, version});
+      }
+      ++version;
+    }
+    for (size_t i = 0; i < kept.offloaded_storages.size(); ++i) {
+      if (kept.offloaded_storages[i]._unsafe_get_target() == storage) offloaded.emplace_back(&kept, i);
+    }
+  }
+  if (on_device.empty() && offloaded.empty()) return false;
+  if (!on_device.empty()) {
+    auto preserved = std::make_shared<PreservedStorage>();
+    preserved->pristine = copyOfStorage(on_device.front().kept->outputs[on_device.front().slot].toTensor());
+    for (const DeviceSlot& at : on_device) {
+      at::Tensor view = viewOver(preserved->pristine, at.kept->outputs[at.slot].toTensor());
+      at.kept->versions[at.version] = versionOf(view);
+      at.kept->outputs[at.slot] = std::move(view);
+      at.kept->preserved.emplace_back(at.slot, preserved);
+    }
+  }
+  if (!offloaded.empty()) {
+    std::lock_guard<std::mutex> lock(offload_mutex_);
+    for (auto& [kept, index] : offloaded) kept->offloaded[index].second.detachBeforeWrite();
+  }
+  return true;
+}
+
 bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
   auto it = kept_.find(call);
-  if (it == kept_.end() || it->second.op != &op || it->second.demoted) return false;
+  if (it == kept_.end() || it->second.op != &op || it->second.released) return false;
   KeptOutputs& kept = it->second;
   const std::string& name = op.traits.qualified_name;
   TORCH_CHECK(!kept.consumed, "sac: the kept output of ", name, unitSuffix(kept.unit, !kept.offloaded.empty()),
@@ -449,6 +552,17 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
     }
   } else {
     for (const c10::IValue& value : *outputs) results.push_back(detachedValue(value));
+    // The recompute writes what it is served again: a backward that keeps its graph is served
+    // this pass's copy (NOTE: [Kept outputs written in the forward]).
+    for (auto& [slot, preserved] : kept.preserved) {
+      if (consume_served_) break;
+      if (preserved->working_pass != passes_) {
+        PluginCallGuard not_the_models;
+        preserved->working = preserved->pristine.clone();
+        preserved->working_pass = passes_;
+      }
+      results[slot] = viewOver(preserved->working, kept.outputs[slot].toTensor());
+    }
   }
   // The outputs go after the arguments, which the engine drops: only it knows whether it owns
   // them (NOTE: [Hot ops skip boxing] in hot_op_kernels.cpp).
@@ -483,13 +597,13 @@ void Region::beginForward() {
 int64_t Region::releaseUnreached(int64_t last_saved_position) {
   int64_t released = 0;
   for (auto& [call, kept] : kept_) {
-    if (kept.position <= static_cast<uint64_t>(std::max<int64_t>(last_saved_position, 0)) || kept.demoted ||
+    if (kept.position <= static_cast<uint64_t>(std::max<int64_t>(last_saved_position, 0)) || kept.released ||
         kept.outputs.empty()) {
       continue;
     }
     site_->noteNeverReached(*kept.op, kept.ordinal);
     drop(kept);
-    kept.demoted = true;
+    kept.released = true;
     ++released;
   }
   return released;
@@ -520,7 +634,7 @@ void Region::beginRecompute() {
   bool any_consumed = false;
   for (const auto& [key, kept] : kept_) {
     left_to_serve_ += kept.outputs.empty() ? 0 : 1;
-    any_consumed = any_consumed || (kept.consumed && !kept.demoted);
+    any_consumed = any_consumed || (kept.consumed && !kept.released);
   }
   if (any_consumed) left_to_serve_ = SIZE_MAX;
   routing_.beginRecompute();

@@ -40,6 +40,12 @@ class CallProfile;
 bool inAutogradGraphTask();
 bool currentBackwardKeepsGraph();
 
+// Whether a write in the forward can be kept from a kept output by holding a copy of its
+// storage: a plain tensor (no subclass) whose storage holds a whole number of its elements (NOTE:
+// [Kept outputs written in the forward] in region.cpp). The call profile asks it too, so a plan
+// offers what is preserved.
+bool preservableFromWrites(const at::Tensor& tensor);
+
 // NOTE: [A region owns what it holds]
 // Regions are reference counted: the Python handle owns one reference (torch's checkpoint holds
 // it through the contexts it made, which live as long as the graph that holds the checkpoint),
@@ -94,10 +100,10 @@ class Region : public c10::intrusive_ptr_target {
   // (NOTE: [Kept outputs the recompute never reaches] in region.cpp)
   int64_t releaseUnreached(int64_t last_saved_position);
 
-  // Forward: an op is about to write these storages in place. Kept outputs living in them are
-  // demoted: freed now and recomputed later, so that the recompute sees the value before the
-  // write and applies the write again (see NOTE: [Kept outputs written in the forward]).
-  void demoteKeptOutputsIn(const std::vector<WrittenStorage>& written);
+  // Forward: an op is about to write these storages. Kept outputs living in them are preserved:
+  // the region holds their value from before the write, and serves it (see NOTE: [Kept outputs
+  // written in the forward]).
+  void preserveKeptOutputsIn(const std::vector<WrittenStorage>& written);
 
   // Recompute: whether a call may still be served in this pass. Once every kept output has been
   // served, the rest of the recompute needs neither lookups nor data-flow records (NOTE: [The
@@ -113,7 +119,7 @@ class Region : public c10::intrusive_ptr_target {
   // op's arguments on the stack (the engine drops the arguments) and return true. They are freed
   // unless this backward keeps its graph (retain_graph=True), in which case they stay for the
   // next recompute. Returns false, leaving the stack alone, when the forward kept nothing for
-  // this call (not kept, demoted, or a call the forward never made): the caller runs the kernel.
+  // this call (not kept, released, or a call the forward never made): the caller runs the kernel.
   bool serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& handle, torch::jit::Stack* stack);
 
   // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.
@@ -167,6 +173,16 @@ class Region : public c10::intrusive_ptr_target {
   int64_t offloadedInputs() const;
 
  private:
+  // The region's copy of a storage that a write in the forward was about to change (NOTE: [Kept
+  // outputs written in the forward]): `pristine` holds the value from before the write. The
+  // recompute writes again what it is served, so a backward that keeps its graph is served views
+  // of `working`, a copy of it made once per recompute pass, which keeps the outputs that shared
+  // the storage aliased.
+  struct PreservedStorage {
+    at::Tensor pristine;  // 1-D, over the whole storage
+    at::Tensor working;
+    uint64_t working_pass = 0;
+  };
   struct KeptOutputs {
     const OpEntry* op = nullptr;
     // Tensors stored detached (shallow copies); an offloaded output's slot holds None.
@@ -175,14 +191,26 @@ class Region : public c10::intrusive_ptr_target {
     // Offloaded outputs, by their slot in `outputs`.
     std::vector<std::pair<size_t, OffloadedTensor>> offloaded;
     // The storages the offloaded outputs lived in on the device, held weakly: while a write to
-    // one can still demote the call, its address cannot be reused by another storage.
+    // one can still reach the region before the backward, its address cannot be reused by another
+    // storage.
     std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> offloaded_storages;
     UnitId unit = kNoUnit;
     uint32_t ordinal = 0;   // 1-based, among the calls of this op the forward kept (for messages)
     uint64_t position = 0;  // the forward's calls decided up to and including this one
     bool consumed = false;
-    bool demoted = false;
+    // Freed before the backward and not served: its outputs could not be preserved from a write
+    // in the forward, or the recompute never reaches the call.
+    bool released = false;
+    // The outputs stored as views of a region's copy of their storage (a write in the forward
+    // followed), by their slot in `outputs`.
+    std::vector<std::pair<size_t, std::shared_ptr<PreservedStorage>>> preserved;
   };
+
+  // Holds the value from before a write of every kept output living in `storage`, made by
+  // `calls` (the device ones as views of one copy of the storage, the offloaded ones copied out
+  // first); false, changing nothing, when they cannot be (NOTE: [Kept outputs written in the
+  // forward]).
+  bool preserveBeforeWrite(const c10::StorageImpl* storage, const std::vector<uint64_t>& calls);
 
   // Frees what an entry holds: its kept outputs, and its offloaded outputs' host buffers.
   void drop(KeptOutputs& kept);

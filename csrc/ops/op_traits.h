@@ -37,8 +37,8 @@ struct OpTraits {
   bool never_counts = false;
   // Allocates memory it leaves uninitialised (aten::empty, empty_like, new_empty, empty_strided,
   // new_empty_strided, every overload). Keeping one is useless: its contents are garbage until
-  // its first write, and that write would demote the kept output anyway (NOTE: [Kept outputs
-  // written in the forward] in region.cpp), so such calls are never kept.
+  // its first write, and what a kept output would hold from before that write (NOTE: [Kept
+  // outputs written in the forward] in region.cpp) is the garbage, so such calls are never kept.
   bool is_uninitialised_allocation = false;
   // aten::_to_copy: when it casts a parameter (autocast's weight casts) it is never kept, see
   // castsAParameter.

@@ -195,7 +195,7 @@ Decision recomputed(Reason reason) {
 //      - a collective (the recompute must run it again on every rank);
 //      - an op that is never counted (metadata, detach, profiler, sac's own: no activation);
 //      - an uninitialised allocation (empty, empty_like, ...: garbage until its first write,
-//        which would demote the kept output anyway);
+//        and a kept output holds its value from before a write in the forward);
 //      - a call that casts a parameter (NOTE: [Autocast's weight casts] in op_traits.h).
 //   2. Kept, under a policy that selects anything: a call that routes tokens or copies a value
 //      to the host (NOTE: [Routing is served from the forward], below), unless the policy opts

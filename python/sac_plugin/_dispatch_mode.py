@@ -8,7 +8,7 @@ another dispatch mode (NOTE: [A value is served from the level it was kept at] i
 checkpointing.py), checkpointed regions run under a TorchDispatchMode instead (one for the forward, one for the recompute, as torch.utils.checkpoint's
 context_fn expects). The mode sees every call of the region and hands it to C++
 (csrc/dispatch/mode_engine.cpp), where the native engine's own code names it by data flow,
-decides it with the region's policy, keeps, demotes and serves its outputs (NOTE: [One call
+decides it with the region's policy, keeps, preserves and serves its outputs (NOTE: [One call
 pipeline] in csrc/dispatch/call_pipeline.cpp). So both engines keep and serve the same
 calls and give the same gradients and audit counts; what differs is the cost: a Python handler and
 two C++ calls per op, about 1.3 to 2 times the per-op overhead of torch's own selective-checkpoint

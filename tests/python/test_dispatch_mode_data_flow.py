@@ -1,4 +1,4 @@
-"""Both engines match kept calls by data flow and demote kept outputs the forward writes: a call
+"""Both engines match kept calls by data flow and preserve kept outputs the forward writes: a call
 made in one pass only, or a `.data` write into a kept output, never changes what is served. Each
 case runs in a fresh process per engine (the engine is chosen at import), compares loss and
 gradients bitwise with the unmodified model there, and reports its audit counts, which must be
@@ -17,7 +17,8 @@ from support.subprocesses import run_program
 ENGINES = ("native", "dispatch_mode")
 # [forward, recompute, hits] per op, per step. The lazy cache adds an mm to step 1's forward
 # only; the kept call is served to its own twin in the recompute, the other mm recomputed. A
-# `.data` write demotes the kept mm: it runs again in the recompute, and so does the write.
+# `.data` write into the kept mm's output is preceded by a copy the region holds: the mm is
+# served from it, and the recompute runs the write again.
 EXPECTED = {
     "kept_calls": [
         {"aten::mm": [3, 1, 1], "aten::mul_.Tensor": [0, 0, 0], "aten::copy_": [0, 0, 0], "aten::tanh": [1, 1, 0]},
@@ -28,10 +29,10 @@ EXPECTED = {
         {"aten::mm": [2, 1, 1], "aten::mul_.Tensor": [0, 0, 0], "aten::copy_": [0, 0, 0], "aten::tanh": [1, 1, 0]},
     ],
     "data_mul_": [
-        {"aten::mm": [1, 1, 0], "aten::mul_.Tensor": [1, 1, 0], "aten::copy_": [0, 0, 0], "aten::tanh": [1, 1, 0]},
+        {"aten::mm": [1, 0, 1], "aten::mul_.Tensor": [1, 1, 0], "aten::copy_": [0, 0, 0], "aten::tanh": [1, 1, 0]},
     ],
     "data_copy_": [
-        {"aten::mm": [1, 1, 0], "aten::mul_.Tensor": [0, 0, 0], "aten::copy_": [1, 1, 0], "aten::tanh": [1, 1, 0]},
+        {"aten::mm": [1, 0, 1], "aten::mul_.Tensor": [0, 0, 0], "aten::copy_": [1, 1, 0], "aten::tanh": [1, 1, 0]},
     ],
 }
 

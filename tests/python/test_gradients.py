@@ -48,7 +48,7 @@ def test_dropout_with_preserved_rng(where, policy):
     assert torch.equal(loss, run_step(reference, x))
     assert_same_gradients(model, reference)
     # Random ops are never kept: the recompute draws the same mask again (on CPU dropout is
-    # empty_like + bernoulli_ + div_ + mul; the kept empty_like is demoted once bernoulli_ writes it).
+    # empty_like + bernoulli_ + div_ + mul; empty_like, an uninitialised allocation, is never kept).
     assert audit.count("aten::bernoulli_", phase="forward") == 2
     assert audit.count("aten::bernoulli_", phase="recompute") == 2
     assert audit.hits("aten::bernoulli_") == 0

@@ -107,7 +107,7 @@ def test_attn_unit_is_bitwise_and_keeps_the_attention(model_type, attention, dro
 
 
 # mixtral's experts write a tensor its kept units produced (index_put_ into the routed buffer):
-# both engines demote that kept output (NOTE: [Kept outputs written in the forward]).
+# both engines copy that kept output before the write (NOTE: [Kept outputs written in the forward]).
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_every_unit_of_the_target_map(model_type):
     model = build(model_type, "sdpa", dropout=False)

@@ -157,8 +157,8 @@ UNITS = {"full": (), "attn": ("attn",), "moe_gate": ("moe_gate",), "mlp+moe_gate
 
 
 # Some layers write in place a tensor a kept call produced (the MoE block writes into its kept
-# router's output; Falcon's eager attention divides its kept scores in place): both engines demote
-# that kept output and recompute it (NOTE: [Kept outputs written in the forward]).
+# router's output; Falcon's eager attention divides its kept scores in place): both engines copy
+# that kept output before the write and serve the copy (NOTE: [Kept outputs written in the forward]).
 
 
 def cases():
@@ -453,9 +453,10 @@ DERIVED_UNITS = {
     "t5": {
         # encoder blocks (self-attention, feed-forward) come first
         "paths": {"attn": ["layer.0"], "mlp": ["layer.1"]},
-        # the attention of 2 encoder and 2 decoder blocks (the decoder's self and cross), and
-        # each feed-forward's input projection and ReLU
-        "attn": {SDPA_CPU: 2, "aten::bmm": 4},
+        # the attention of 2 encoder and 2 decoder blocks (the decoder's self and cross), 4 of
+        # whose 8 kept bmm outputs it writes in place (served from copies), and each
+        # feed-forward's input projection and ReLU
+        "attn": {SDPA_CPU: 2, "aten::bmm": 8},
         "mlp": {"aten::mm": 4, "aten::relu": 4},
     },
 }
@@ -485,11 +486,6 @@ def test_a_derived_unit_keeps_what_it_names_bitwise(model_type, unit):
     huggingface.apply_recompute_config(model, RecomputeConfig(units=[unit], pin_routing=False))
     audit = assert_bitwise_equal(model, reference)
     expected = dict(DERIVED_UNITS[model_type][unit])
-    if model_type == "t5" and unit == "attn" and sac_plugin.engine() == "dispatch_mode":
-        # T5's attention writes 4 of its 8 kept bmm outputs in place: the native engine demotes
-        # those and recomputes them (NOTE: [Kept outputs written in the forward]); the
-        # dispatch-mode engine, as torch's SAC, serves all 8.
-        expected["aten::bmm"] = 8
     assert {op: audit.hits(op) for op in expected} == expected
     if model_type == "jetmoe" and unit == "mlp":
         assert audit.hits("aten::topk") == 0  # the attention's own router is not the MLP

@@ -74,10 +74,11 @@ def test_mutating_op_in_kept_unit_warns_once_and_is_recomputed():
         h_ref = _layer_mutating_in_unit(weight_ref, h_ref)
     h_ref.sum().backward()
     assert torch.equal(weight.grad, weight_ref.grad)
-    # The write to mm's output demotes it: mm runs again in the recompute, then mul_.
+    # mm's output, kept, is written by mul_: the region holds its value from before the write and
+    # serves it, and the recompute runs mul_ on it again.
     assert audit.count("aten::mul_.Tensor", phase="recompute") == 2
-    assert audit.count("aten::mm", phase="recompute") == 2
-    assert audit.hits("aten::mm") == 0
+    assert audit.count("aten::mm", phase="recompute") == 0
+    assert audit.hits("aten::mm") == 2
     assert audit.hits("aten::tanh") == 2
 
 
@@ -115,7 +116,7 @@ def test_kept_tensor_mutated_after_the_forward_is_an_error_naming_the_op():
 
 
 def _writes_in_kept_unit(weight, x):
-    h = (x @ weight) * 2  # made outside the unit: not kept, so the write below demotes nothing
+    h = (x @ weight) * 2  # made outside the unit: not kept, so the write below preserves nothing
     with recompute_unit("write"):
         h.add_(1)
         h = h.sin()
@@ -365,9 +366,9 @@ def test_checkpointed_steps_free_their_regions_without_the_cycle_collector():
     ],
     ids=["add out=", "sin out=", "add_", "copy_"],
 )
-def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(write):
+def test_a_kept_output_written_in_the_forward_is_served_as_the_call_made_it(write):
     # NOTE: [Kept outputs written in the forward]: an out= argument is written as surely as an
-    # in-place op's self, so both demote the kept output they write.
+    # in-place op's self, so the region holds a copy from before either write and serves it.
     torch.manual_seed(0)
     mask_source = torch.randn(8, 8)  # needs no grad: its matmul, kept, is written in the forward
     x = torch.randn(4, 8, requires_grad=True)
@@ -378,12 +379,17 @@ def test_a_kept_output_written_in_the_forward_is_demoted_and_recomputed_exactly(
         return (inputs @ y).sin()
 
     expected = torch.autograd.grad(layer(x).sum(), x)[0]
+    context_fn = sac_plugin.context_fn(Policy(kept_ops=["aten::mm"]))
     with sac_plugin.audit() as audit:
-        out = checkpoint(layer, x, use_reentrant=False, context_fn=sac_plugin.context_fn(Policy(kept_ops=["aten::mm"])))
+        out = checkpoint(layer, x, use_reentrant=False, context_fn=context_fn)
         got = torch.autograd.grad(out.sum(), x)[0]
     assert torch.equal(got, expected)
-    assert audit.count("aten::mm", phase="recompute") == 1  # the written one: demoted, run again
-    assert audit.hits("aten::mm") == 1  # inputs @ y: kept and served
+    assert audit.count("aten::mm", phase="recompute") == 0
+    assert audit.hits("aten::mm") == 2  # the written one, from its copy, and inputs @ y
+    # A backward that keeps its graph is served a copy of the copy: the recompute writes it again.
+    out = checkpoint(layer, x, use_reentrant=False, context_fn=context_fn)
+    first = torch.autograd.grad(out.sum(), x, retain_graph=True)[0]
+    assert torch.equal(first, expected) and torch.equal(torch.autograd.grad(out.sum(), x)[0], expected)
 
 
 @pytest.mark.native_engine("the native engine's regions learn which kept outputs the recompute never reaches")
@@ -424,3 +430,29 @@ def test_early_stop_off_serves_every_kept_output():
             assert [region.kept_calls for region in regions] == [2]
             out.sum().backward()
         assert audit.hits("aten::addmm") == 2
+
+
+def test_kept_outputs_sharing_a_written_storage_stay_aliased_through_a_backward_that_keeps_its_graph():
+    # torch.matmul on 4-D inputs is a bmm whose output an _unsafe_view reshapes; a kept unit keeps
+    # both, in one storage, and the mask is then added in place (as T5's attention does). Both are
+    # served as views of one copy from before the write, and a backward that keeps its graph is
+    # served a fresh copy, so the second backward sees the same values as the first.
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, requires_grad=True)
+    mask = torch.randn(4, 4)
+
+    def attention(q):
+        with recompute_unit("attn"):
+            scores = torch.matmul(q, q.transpose(-1, -2))
+            scores += mask
+            return torch.softmax(scores, dim=-1).sum()
+
+    expected = torch.autograd.grad(attention(q), q)[0]
+    context_fn = sac_plugin.context_fn(Policy(kept_units=["attn"]))
+    with sac_plugin.audit() as audit:
+        out = checkpoint(attention, q, use_reentrant=False, context_fn=context_fn)
+        first = torch.autograd.grad(out, q, retain_graph=True)[0]
+        second = torch.autograd.grad(out, q)[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert audit.hits("aten::bmm") == 2 and audit.hits("aten::_unsafe_view") == 2
+    assert audit.count("aten::bmm", phase="recompute") == 0

@@ -122,7 +122,9 @@ report(message=message, pool_in_use=stats()["pool_bytes_in_use"])
 
 @pytest.mark.slow
 @pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
-def test_a_write_in_the_forward_demotes_the_offloaded_call():
+def test_a_write_in_the_forward_waits_for_the_copy_out_and_the_value_before_it_is_served():
+    # The copy out is slowed: a write that did not wait for it would reach the host copy, and the
+    # recompute, applying the write again, would double it.
     values = _on_accelerator("""
 sac_test_accelerator.set_copy_delay(0.02)
 
@@ -133,26 +135,31 @@ class Writes(torch.nn.Module):
 
     def forward(self, x):
         h = self.up(x)
-        h.mul_(2)   # races the copy out; the call is demoted and recomputed
+        h.mul_(2)
         return torch.tanh(h)
 
-def run(policy):
+def run(policy, backwards):
     torch.manual_seed(0)
     layer = Writes().to("sac_accel")
     if policy is not None:
         sac_plugin.apply_selective_checkpointing(layer, policy)
     x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
     with sac_plugin.audit() as audit:
-        layer(x).sum().backward()
+        loss = layer(x).sum()
+        for i in range(backwards):
+            loss.backward(retain_graph=i + 1 < backwards)
     torch.accelerator.synchronize()
     return [p.grad.cpu() for p in layer.parameters()] + [x.grad.cpu()], audit
 
-reference, _ = run(None)
-offloaded, audit = run(Policy(offloaded_ops=["aten::addmm"]))
+reference, _ = run(None, 1)
+offloaded, audit = run(Policy(offloaded_ops=["aten::addmm"]), 1)
+twice, twice_audit = run(Policy(offloaded_ops=["aten::addmm"]), 2)
 report(same=all(torch.equal(a, b) for a, b in zip(reference, offloaded)), hits=audit.hits("aten::addmm"),
-       recomputed=audit.count("aten::addmm", phase="recompute"), pool_in_use=stats()["pool_bytes_in_use"])
+       recomputed=audit.count("aten::addmm", phase="recompute"),
+       same_twice=all(torch.equal(2 * a, b) for a, b in zip(reference, twice)),
+       hits_twice=twice_audit.hits("aten::addmm"), pool_in_use=stats()["pool_bytes_in_use"])
 """)
-    assert values == {"same": True, "hits": 0, "recomputed": 1, "pool_in_use": 0}
+    assert values == {"same": True, "hits": 1, "recomputed": 0, "same_twice": True, "hits_twice": 2, "pool_in_use": 0}
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import sac_plugin
 import torch
 from sac_plugin import Policy
-from support.random_steps import DIM, NATIVE, examples, run_steps, steps_strategy
+from support.random_steps import DIM, examples, run_steps, steps_strategy
 from torch.utils.checkpoint import checkpoint
 
 from hypothesis import given  # the `test` extra installs it
@@ -49,7 +49,7 @@ modes_strategy = st.fixed_dictionaries(
         "dropout": st.booleans(),
         "autocast": st.booleans(),
         "nested": st.booleans(),
-        "retain_graph": st.booleans() if NATIVE else st.just(False),
+        "retain_graph": st.booleans(),
         "backward_thread": st.booleans(),
     }
 )

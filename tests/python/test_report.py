@@ -525,8 +525,8 @@ def test_reports_on_two_threads_training_at_once_count_their_own_calls():
 
 class _TransposedLinear(nn.Module):
     """F.linear on a non-contiguous 3-D input: without a Python dispatch mode, its bias is added
-    in place into the mm output, which demotes a kept mm (NOTE: [Kept outputs written in the
-    forward] in csrc/dispatch/region.cpp); under any mode it is added out of place."""
+    in place into the mm output, after the region copied a kept mm's value (NOTE: [Kept outputs
+    written in the forward] in csrc/dispatch/region.cpp); under any mode it is added out of place."""
 
     def __init__(self):
         super().__init__()
@@ -547,10 +547,10 @@ def test_the_trace_says_what_an_untraced_run_does_for_f_linear_on_a_transposed_i
     with sac_plugin.trace(layer) as traced:
         layer(x).sum().backward()
     entries = [(e.op, e.phase, e.status) for e in traced.trace]
-    # The mm is kept in the forward, demoted by the bias's in-place add, and recomputed.
+    # The mm is kept in the forward and served from the copy made before the bias's in-place add.
     assert ("aten::mm.default", "forward", "kept") in entries
-    assert ("aten::mm.default", "recompute", "recomputed") in entries
-    assert untraced.hits("aten::mm") == 0 and untraced.count("aten::mm", phase="recompute") == 1
+    assert ("aten::mm.default", "recompute", "served") in entries
+    assert untraced.hits("aten::mm") == 1 and untraced.count("aten::mm", phase="recompute") == 0
     # Call by call, the trace counts what the untraced audit counts in the region's passes.
     for op in {e.op for e in traced.trace}:
         phases = [(p, s) for o, p, s in entries if o == op]

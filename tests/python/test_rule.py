@@ -20,7 +20,7 @@ from sac_plugin import Policy, recompute_unit
 from sac_plugin._call_facts import op_traits
 from sac_plugin.units import UNIT_ANNOTATION_PREFIX
 from support import every_kind_of_call
-from support.every_kind_of_call import POLICIES, hits_per_policy
+from support.every_kind_of_call import LINEAR_POLICIES, POLICIES, hits_per_policy, linear_layer_and_input
 from support.subprocesses import run_program
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -52,10 +52,10 @@ def native_decisions(policy, *, after_a_step=False):
     return _indexed((e.op, e.status == "kept") for e in traced.trace if e.phase == "forward")
 
 
-def compile_policy_fn_decisions(policy):
+def compile_policy_fn_decisions(policy, make_layer=every_kind_of_call.layer_and_input):
     """torch_policy_fn as torch.compile runs it, driven by torch's own eager SAC: the units that
     are open become the node metadata recompute_unit writes under compile."""
-    layer, x = every_kind_of_call.layer_and_input()
+    layer, x = make_layer()
     decide = sac_plugin.torch_policy_fn(policy)
     seen = []
 
@@ -70,8 +70,8 @@ def compile_policy_fn_decisions(policy):
             seen.append((f"{op._schema.name}.{op._overloadname}", decision == CheckpointPolicy.MUST_SAVE))
         return decision
 
-    # Only the forward's decisions are compared: torch's eager cache cannot demote the kept clone
-    # the forward writes in place (the native engine can), so it is told to allow that.
+    # Only the forward's decisions are compared: torch's eager cache cannot keep the kept clone
+    # the forward writes in place from the write (the native engine can), so it is told to allow it.
     torch.manual_seed(1)
     checkpoint(
         layer,
@@ -82,8 +82,8 @@ def compile_policy_fn_decisions(policy):
     return _indexed(seen)
 
 
-def planner_decisions(policy):
-    layer, x = every_kind_of_call.layer_and_input()
+def planner_decisions(policy, make_layer=every_kind_of_call.layer_and_input):
+    layer, x = make_layer()
     plan = sac_plugin.plan(layer, x, budget=0.0, runs=1, warmup=0)
     held = plan.calls_kept_by(policy) | plan.calls_offloaded_by(policy)  # the trace shows both as kept
     return {(op if "." in op.partition("::")[2] else op + ".default", index) for op, index in held}
@@ -112,10 +112,37 @@ def test_the_planner_predicts_the_calls_the_native_engine_keeps(name):
 
 
 def test_the_dispatch_mode_engine_serves_what_the_native_engine_serves():
-    native = hits_per_policy()
+    native = {"grid": hits_per_policy(), "linear": hits_per_policy(LINEAR_POLICIES, linear_layer_and_input)}
     done = run_program("dispatch_mode_hits.py", env={"SAC_PLUGIN_ENGINE": "dispatch_mode"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == native
+    # The native engine's forward writes the bias into the kept mm's output; the mode's does not.
+    assert native["linear"] == {name: {"aten::mm": 1} for name in LINEAR_POLICIES}
+
+
+@pytest.mark.skipif(
+    sac_plugin._compat.python_handlers_run_below_the_plugin(),
+    reason="the per-op trace needs torch >= 2.13 (TorchDispatchModes above the plugin's key)",
+)
+@pytest.mark.parametrize("name", LINEAR_POLICIES)
+def test_a_mm_written_in_the_forward_is_kept_alike_by_every_front_door(name):
+    """The trace, the compiled policy function and the planner agree that the transposed F.linear's
+    mm is kept, and the untraced run serves it, although only the untraced forward and the
+    planner's profile see the bias written into it in place."""
+    policy = LINEAR_POLICIES[name]
+    layer, x = linear_layer_and_input()
+    sac_plugin.apply_selective_checkpointing(layer, policy)
+    with sac_plugin.audit() as untraced:
+        layer(x).backward()
+    assert untraced.count("aten::add_.Tensor", phase="forward") == 1  # the bias, written in place
+    assert untraced.hits("aten::mm") == 1 and untraced.count("aten::mm", phase="recompute") == 0
+    with sac_plugin.trace(layer) as traced:
+        layer(x).backward()
+    mm = [(e.phase, e.status) for e in traced.trace if e.op == "aten::mm.default"]
+    assert mm == [("forward", "kept"), ("recompute", "served")]
+    compiled = compile_policy_fn_decisions(policy, linear_layer_and_input)
+    assert [kept for (op, _), kept in compiled.items() if op == "aten::mm.default"] == [True]
+    assert planner_decisions(policy, linear_layer_and_input) == {("aten::mm.default", 0)}
 
 
 class RoutingLayer(nn.Module):

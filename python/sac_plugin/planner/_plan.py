@@ -455,8 +455,9 @@ class Plan:
         Each call is asked of the one rule (docs/semantics.md) with its op, index and innermost
         unit; an offloaded call under the policy's offload_min_bytes, or past its
         host_memory_limit, stays on the device as the runtime keeps it (docs/offload.md). These
-        are the forward's decisions: a call the forward writes later is among them, although the
-        runtime demotes it at the write and evaluate() counts it as recomputed, holding nothing.
+        are the forward's decisions: a call the forward writes later whose output the runtime
+        cannot copy alone is among them, although the runtime frees it at the write and
+        evaluate() counts it as recomputed, holding nothing.
 
         Args:
             policy: The policy to ask.
@@ -721,7 +722,7 @@ def _held_by(policy: Policy, profile: LayerProfile, decided: bool = False) -> tu
     (a call in a recomputed unit takes no number). Each call is asked with the innermost unit it
     ran in. An offloaded call under offload_min_bytes, or one that would take the host past
     host_memory_limit, stays on the device, as the runtime keeps it. With `decided`, the calls the
-    forward decides to keep also include those it demotes when it writes them later."""
+    forward decides to keep also include those it frees when it writes them later."""
     decider = _rule.CallDecider(policy)
     kept, offloaded, host_bytes = set(), set(), 0
     limit = policy.host_memory_limit
@@ -730,8 +731,9 @@ def _held_by(policy: Policy, profile: LayerProfile, decided: bool = False) -> tu
         decision = decider.decide(_overload(call.op), False, units)
         # A call after the recompute stops is decided as held but not held (NOTE: [Kept outputs
         # the recompute never reaches]): it holds no bytes and saves no time. A call the forward
-        # writes later is decided held too, then demoted at the write (NOTE: [Kept outputs
-        # written in the forward]): `decided` counts it, as a trace of the forward shows it.
+        # writes later, whose output the runtime cannot copy alone, is decided held too, then
+        # freed at the write (NOTE: [Kept outputs written in the forward]): `decided` counts it,
+        # as a trace of the forward shows it.
         written = call.why_not_keepable == WRITTEN_IN_THE_FORWARD
         if not (decision.held and (call.keepable or (decided and written))):
             continue

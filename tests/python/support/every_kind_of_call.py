@@ -1,5 +1,6 @@
 """One layer that makes a call of every kind the keep rule tells apart, and the grid of policies
-every front door of the rule is asked about.
+every front door of the rule is asked about; and one layer whose calls depend on whether a Python
+dispatch mode is on, with the policies that keep its mm.
 
 layer_and_input() looks the layer's class up when it runs, so a test may monkeypatch
 EveryKindOfCall here.
@@ -58,17 +59,45 @@ POLICIES = {
 }
 
 
+class LinearOnATransposedInput(nn.Module):
+    """F.linear on a non-contiguous 3-D input: without a Python dispatch mode torch adds the bias
+    in place into the mm's output, under any mode (the dispatch-mode engine's, a trace's
+    compiled-policy run) out of place. Either way the kept mm is served (NOTE: [Kept outputs
+    written in the forward])."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x.transpose(0, 1))).sin().sum()
+
+
+LINEAR_POLICIES = {
+    "kept mm": Policy(kept_ops=["aten::mm"]),
+    "kept mm call": Policy(kept_calls={"aten::mm.default": [0]}),
+    "offloaded mm": Policy(offloaded_ops=["aten::mm"], offload_min_bytes=0),
+}
+
+
+def linear_layer_and_input():
+    """A fresh LinearOnATransposedInput and its input, from the same seed every time."""
+    torch.manual_seed(0)
+    return LinearOnATransposedInput(), torch.randn(4, 3, 8, requires_grad=True)
+
+
 def layer_and_input():
     """A fresh EveryKindOfCall and its input, from the same seed every time."""
     torch.manual_seed(0)
     return EveryKindOfCall(), torch.randn(8, 8, requires_grad=True)
 
 
-def hits_per_policy() -> dict:
-    """{policy name: {op: kept outputs served}} over one step of each policy, as an audit sees it."""
+def hits_per_policy(policies=None, make_layer=None) -> dict:
+    """{policy name: {op: kept outputs served}} over one step of each policy (the grid on
+    EveryKindOfCall unless told), as an audit sees it."""
     hits = {}
-    for name, policy in POLICIES.items():
-        layer, x = layer_and_input()
+    for name, policy in (POLICIES if policies is None else policies).items():
+        layer, x = (make_layer or layer_and_input)()
         sac_plugin.apply_selective_checkpointing(layer, policy)
         torch.manual_seed(1)
         with sac_plugin.audit() as audit:

@@ -7,7 +7,6 @@ SAC_PROPERTY_EXAMPLES=N runs N examples per property instead of each property's 
 import contextlib
 import os
 
-import sac_plugin
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, settings  # the `test` extra installs it
@@ -31,13 +30,7 @@ def examples(default: int, shrink: bool = True) -> settings:
 
 # --- random models ---------------------------------------------------------------------------------
 
-# Under the dispatch-mode engine (torch's SAC) two things the native engine handles are left out:
-# a second backward (torch frees its cache at the first) and in-place writes to a kept output
-# (torch raises where the native engine demotes the output to recompute).
-NATIVE = sac_plugin.engine() == "native"
-OPS = ["mm", "addmm", "tanh", "sin", "mul", "add", "sigmoid", "dropout", "softmax", "view"] + (
-    ["inplace"] if NATIVE else []
-)
+OPS = ["mm", "addmm", "tanh", "sin", "mul", "add", "sigmoid", "dropout", "softmax", "view", "inplace"]
 UNITS = [(), ("attn",), ("mlp",), ("attn", "rope")]
 
 
