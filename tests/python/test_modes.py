@@ -28,6 +28,16 @@ class FakeQuantize(TorchDispatchMode):
         return out
 
 
+class CastThroughBfloat16(TorchDispatchMode):
+    """Casts every matmul's output to bfloat16 and back, as a mixed-precision emulation does."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (ADDMM, torch.ops.aten.mm.default):
+            out = out.to(torch.bfloat16).to(out.dtype)
+        return out
+
+
 class Calls(TorchDispatchMode):
     """Counts the calls that reach it, by op ("aten::addmm", "sac::op_traits")."""
 
@@ -49,9 +59,18 @@ class Layer(torch.nn.Module):
         return x + self.down(torch.tanh(self.up(x))).sin()
 
 
-def _model(policy=None):
+class WritingLayer(Layer):
+    """Writes its kept projection's output in place (NOTE: [Kept outputs written in the forward])."""
+
+    def forward(self, x):
+        h = self.up(x)
+        h.mul_(0.5)
+        return x + self.down(torch.tanh(h)).sin()
+
+
+def _model(policy=None, layer=Layer):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Layer(), Layer(), Layer())
+    model = torch.nn.Sequential(layer(), layer(), layer())
     if policy is not None:
         for layer in model:
             sac_plugin.apply_selective_checkpointing(layer, policy)
@@ -94,17 +113,19 @@ def _assert_bitwise(ours, reference):
         Policy(offloaded_ops=["aten::addmm"], offload_min_bytes=0),
     ],
 )
-def test_a_value_changing_mode_gives_the_unmodified_models_gradients(policy):
-    reference = _gradients(_model(), whole_step=[FakeQuantize])
-    _assert_bitwise(_gradients(_model(policy), whole_step=[FakeQuantize]), reference)
+@pytest.mark.parametrize("mode", [FakeQuantize, CastThroughBfloat16])
+@pytest.mark.parametrize("layer", [Layer, WritingLayer])
+def test_a_value_changing_mode_gives_the_unmodified_models_gradients(policy, mode, layer):
+    reference = _gradients(_model(layer=layer), whole_step=[mode])
+    _assert_bitwise(_gradients(_model(policy, layer), whole_step=[mode]), reference)
     # Nested under a counting mode, and under autocast.
     _assert_bitwise(
-        _gradients(_model(policy), whole_step=[Calls, FakeQuantize]),
-        _gradients(_model(), whole_step=[Calls, FakeQuantize]),
+        _gradients(_model(policy, layer), whole_step=[Calls, mode]),
+        _gradients(_model(layer=layer), whole_step=[Calls, mode]),
     )
     _assert_bitwise(
-        _gradients(_model(policy), whole_step=[FakeQuantize], autocast=True),
-        _gradients(_model(), whole_step=[FakeQuantize], autocast=True),
+        _gradients(_model(policy, layer), whole_step=[mode], autocast=True),
+        _gradients(_model(layer=layer), whole_step=[mode], autocast=True),
     )
 
 
