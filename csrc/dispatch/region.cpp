@@ -388,7 +388,11 @@ int64_t Region::offloadedCalls() const {
 // or a user's FlopCounterMode sees served. Preserved, the same calls are served either way, and
 // the copy holds the bytes the mode's out-of-place add holds.
 // Outputs that cannot be copied this way (one in a tensor list, outputs of two element types in
-// one storage, a tensor subclass) are not: their calls are released and recomputed.
+// one storage, a tensor subclass) are not: their calls are released and recomputed. Nor is a
+// storage a kept view op's output lives in: the view's call did not make it, and the forward
+// may fill it by calls its recompute does not make again (FSDP2 all-gathers into the buffer its
+// parameter views point into in the forward only), where a copy from before the write would
+// serve what was never read; recomputed, the view reads the storage as the recompute finds it.
 bool preservableFromWrites(const at::Tensor& tensor) {
   return tensor.defined() && tensor.has_storage() && !tensor.key_set().has(c10::DispatchKey::Python) &&
          tensor.storage().nbytes() % tensor.itemsize() == 0;
@@ -444,6 +448,7 @@ bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, const std::vec
   for (uint64_t call : calls) {
     if (!seen.insert(call).second) continue;  // one entry per output in the storage
     KeptOutputs& kept = kept_.at(call);
+    if (kept.op->traits.is_view) return false;
     size_t version = 0;
     for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
       const c10::IValue& value = kept.outputs[slot];
