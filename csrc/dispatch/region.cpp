@@ -440,6 +440,7 @@ bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, const std::vec
     size_t version;  // index in kept->versions
   };
   std::vector<DeviceSlot> on_device;
+  std::optional<caffe2::TypeMeta> element_type;            // of the device outputs: one copy, one view type
   std::vector<std::pair<KeptOutputs*, size_t>> offloaded;  // index in kept->offloaded
   HashSet<uint64_t> seen;
   auto in_storage = [storage](const at::Tensor& tensor) {
@@ -464,11 +465,8 @@ bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, const std::vec
       if (!value.isTensor()) continue;
       const at::Tensor& tensor = value.toTensor();
       if (in_storage(tensor)) {
-        if (!preservableFromWrites(tensor)) return false;
-        if (!on_device.empty() &&
-            on_device.front().kept->outputs[on_device.front().slot].toTensor().dtype() != tensor.dtype()) {
-          return false;  // one copy of the storage, viewed with one element type
-        }
+        if (!preservableFromWrites(tensor) || element_type.value_or(tensor.dtype()) != tensor.dtype()) return false;
+        element_type = tensor.dtype();
         on_device.push_back({&kept, slot, version});
       }
       ++version;
@@ -559,14 +557,15 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
     for (const c10::IValue& value : *outputs) results.push_back(detachedValue(value));
     // The recompute writes what it is served again: a backward that keeps its graph is served
     // this pass's copy (NOTE: [Kept outputs written in the forward]).
-    for (auto& [slot, preserved] : kept.preserved) {
-      if (consume_served_) break;
-      if (preserved->working_pass != passes_) {
-        PluginCallGuard not_the_models;
-        preserved->working = preserved->pristine.clone();
-        preserved->working_pass = passes_;
+    if (!consume_served_) {
+      for (auto& [slot, preserved] : kept.preserved) {
+        if (preserved->working_pass != passes_) {
+          PluginCallGuard not_the_models;
+          preserved->working = preserved->pristine.clone();
+          preserved->working_pass = passes_;
+        }
+        results[slot] = viewOver(preserved->working, kept.outputs[slot].toTensor());
       }
-      results[slot] = viewOver(preserved->working, kept.outputs[slot].toTensor());
     }
   }
   // The outputs go after the arguments, which the engine drops: only it knows whether it owns
