@@ -11,8 +11,8 @@
 namespace sac {
 namespace {
 
-// Ops that carry no activation and may run a different number of times in the two passes
-// (Python's metadata fast paths skip the dispatcher); torch's SAC ignores the same ops.
+// Ops that carry no activation and may run a different number of times in the forward and the
+// recompute (Python's metadata fast paths skip the dispatcher); torch's SAC ignores the same ops.
 constexpr std::array<std::string_view, 15> kNeverCountedOps = {
     "aten::detach",
     "prim::device",
