@@ -22,6 +22,7 @@
 #include <ATen/ops/tanh_ops.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <optional>
 #include <tuple>
@@ -49,45 +50,85 @@ namespace {
 // call arrives differs. A hot op's call on another owner's tensors passes through uncounted, as
 // in the fallback (NOTE: [Calls that are not ours] in fallback.cpp).
 
+// The stacks hot calls build their arguments on, reused call after call on each thread, so that a
+// hot call allocates nothing for them. A call that arrives while another is being handled on the
+// thread (none does today: kernels run with the key excluded) takes the next one, or a stack of
+// its own past the last.
+class ReusedStacks {
+ public:
+  static torch::jit::Stack* take() {
+    ReusedStacks& stacks = mine();
+    return stacks.in_use_ < kReused ? &stacks.stacks_[stacks.in_use_++] : new torch::jit::Stack();
+  }
+  static void give_back(torch::jit::Stack* stack) {
+    ReusedStacks& stacks = mine();
+    stack->clear();
+    if (stacks.in_use_ > 0 && stack == &stacks.stacks_[stacks.in_use_ - 1]) {
+      --stacks.in_use_;
+    } else {
+      delete stack;
+    }
+  }
+
+ private:
+  static constexpr size_t kReused = 4;
+  static ReusedStacks& mine() {
+    static thread_local ReusedStacks stacks;
+    return stacks;
+  }
+  std::array<torch::jit::Stack, kReused> stacks_;
+  size_t in_use_ = 0;
+};
+
 // The arguments of one call as the call pipeline reads them: tensors borrowed, other values boxed
 // as torch boxes them.
 class BorrowedStack {
  public:
   template <class... Args>
-  explicit BorrowedStack(const Args&... args) {
-    values_.reserve(sizeof...(Args) + 1);
+  explicit BorrowedStack(const Args&... args) : values_(ReusedStacks::take()) {
+    values_->reserve(sizeof...(Args) + 1);
     (push(args), ...);
     num_arguments_ = sizeof...(Args);
   }
   BorrowedStack(const BorrowedStack&) = delete;
   BorrowedStack& operator=(const BorrowedStack&) = delete;
   ~BorrowedStack() {
-    for (size_t i = 0; i < num_arguments_ && i < values_.size(); ++i) {
-      if (values_[i].isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow(values_[i]);
+    for (size_t i = 0; i < num_arguments_ && i < values_->size(); ++i) {
+      if ((*values_)[i].isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow((*values_)[i]);
     }
+    ReusedStacks::give_back(values_);
   }
 
-  torch::jit::Stack& values() { return values_; }
+  torch::jit::Stack& values() { return *values_; }
 
  private:
-  void push(const at::Tensor& tensor) { values_.emplace_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(tensor)); }
-  void push(const c10::Scalar& scalar) { values_.emplace_back(scalar); }
+  void push(const at::Tensor& tensor) {
+    values_->emplace_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(tensor));
+  }
+  void push(const c10::Scalar& scalar) { values_->emplace_back(scalar); }
 
-  torch::jit::Stack values_;
+  torch::jit::Stack* values_;
   size_t num_arguments_ = 0;
 };
 
-template <class Op, class... Args>
-class UnboxedInvocation {
+// A hot call, seen through two functions of its op: one builds its arguments' stack, one runs its
+// kernel below the key. The fallback's steps (InterceptedCall) are thereby compiled once for every
+// hot op rather than once per op: a block that calls a dozen different ops runs one copy of them,
+// which stays in the instruction cache, where a copy per op crowded it out.
+class HotInvocation {
  public:
-  explicit UnboxedInvocation(const Args&... args) : args_(args...) {}
+  using BuildStack = void (*)(const void* arguments, std::optional<BorrowedStack>* stack);
+  using Redispatch = at::Tensor (*)(c10::DispatchKeySet below, const void* arguments);
+
+  HotInvocation(const void* arguments, BuildStack build_stack, Redispatch redispatch)
+      : arguments_(arguments), build_stack_(build_stack), redispatch_(redispatch) {}
 
   torch::jit::Stack& arguments() {
-    if (!stack_.has_value()) std::apply([this](const Args&... args) { stack_.emplace(args...); }, args_);
+    if (!stack_.has_value()) build_stack_(arguments_, &stack_);
     return stack_->values();
   }
   void runKernel(c10::DispatchKeySet below) {
-    result_ = std::apply([below](const Args&... args) { return Op::redispatch(below, args...); }, args_);
+    result_ = redispatch_(below, arguments_);
     if (stack_.has_value()) stack_->values().emplace_back(result_);
   }
   void served(size_t /*num_arguments*/, size_t /*num_returns*/) {
@@ -97,10 +138,18 @@ class UnboxedInvocation {
   at::Tensor takeResult() { return std::move(result_); }
 
  private:
-  std::tuple<const Args&...> args_;
+  const void* arguments_;  // the op's std::tuple of argument references
+  BuildStack build_stack_;
+  Redispatch redispatch_;
   std::optional<BorrowedStack> stack_;
   at::Tensor result_;
 };
+
+// The one copy of the fallback's steps that every hot op runs.
+C10_NOINLINE void interceptHotCall(const OpEntry& entry, const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                                   HotInvocation& invocation) {
+  InterceptedCall<HotInvocation>(entry, handle, keys, invocation).run();
+}
 
 inline bool carriesOurKey(const at::Tensor& tensor) {
   return tensor.defined() && tensor.unsafeGetTensorImpl()->key_set().has(kSacKey);
@@ -115,11 +164,22 @@ struct HotOpKernel<Op, at::Tensor(Args...)> {
   static_assert((... && (std::is_same_v<Args, const at::Tensor&> || std::is_same_v<Args, const c10::Scalar&>)),
                 "hot ops take tensors and scalars only (BorrowedStack boxes no other kind)");
 
+  using Arguments = std::tuple<Args...>;  // references: Args are const T&
+
   static at::Tensor call(c10::DispatchKeySet keys, Args... args) {
     if ((... || carriesOurKey(args))) return Op::redispatch(keys & kBelowSacKey, args...);
-    UnboxedInvocation<Op, std::remove_cv_t<std::remove_reference_t<Args>>...> invocation(args...);
-    InterceptedCall(entry(), *handle, keys, invocation).run();
+    const Arguments arguments(args...);
+    HotInvocation invocation(&arguments, &buildStack, &redispatch);
+    interceptHotCall(entry(), *handle, keys, invocation);
     return invocation.takeResult();
+  }
+
+  static void buildStack(const void* arguments, std::optional<BorrowedStack>* stack) {
+    std::apply([stack](Args... args) { stack->emplace(args...); }, *static_cast<const Arguments*>(arguments));
+  }
+  static at::Tensor redispatch(c10::DispatchKeySet below, const void* arguments) {
+    return std::apply([below](Args... args) { return Op::redispatch(below, args...); },
+                      *static_cast<const Arguments*>(arguments));
   }
 
   static const OpEntry& entry() {

@@ -204,7 +204,7 @@ void Region::offload(KeptOutputs& kept) {
   }
   std::lock_guard<std::mutex> lock(offload_mutex_);
   size_t next_buffer = 0;
-  std::vector<int64_t> versions;
+  c10::SmallVector<int64_t, 1> versions;
   size_t version = 0;
   for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
     c10::IValue& value = kept.outputs[slot];
@@ -432,7 +432,7 @@ void Region::preserveKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   }
 }
 
-bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, const std::vector<uint64_t>& calls) {
+bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, c10::ArrayRef<uint64_t> calls) {
   // All checks first: a refusal changes nothing.
   struct DeviceSlot {
     KeptOutputs* kept;
@@ -517,9 +517,19 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
     forEachTensor(value,
                   [&](const at::Tensor& tensor) { check_version(kept.versions[position++], versionOf(tensor)); });
   }
+  // The common case: a backward that frees what it is served, of outputs the region holds as
+  // they were stored. Those detached aliases are the region's own and are freed right after, so
+  // they are handed over as they are rather than aliased again.
+  if (consume_served_ && kept.offloaded.empty() && kept.preserved.empty() && !op.traits.writes_out_arguments) {
+    for (c10::IValue& value : kept.outputs) stack->push_back(std::move(value));
+    drop(kept);
+    kept.consumed = true;
+    --left_to_serve_;
+    return true;
+  }
   // NOTE: [Offloading kept outputs] (offload.cpp): checked before the host copy is used.
-  const std::vector<c10::IValue>* outputs = &kept.outputs;
-  std::vector<c10::IValue> with_offloaded;
+  const KeptValues* outputs = &kept.outputs;
+  KeptValues with_offloaded;
   if (!kept.offloaded.empty()) {
     std::lock_guard<std::mutex> lock(offload_mutex_);
     for (const auto& [slot, offloaded] : kept.offloaded) {
@@ -532,8 +542,7 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
 
   const c10::FunctionSchema& schema = handle.schema();
   const size_t num_arguments = schema.arguments().size();
-  std::vector<c10::IValue> results;
-  results.reserve(kept.outputs.size());
+  KeptValues results;
   if (op.traits.writes_out_arguments) {
     // An out= op must leave its result in the caller's out= tensors, which in the recompute are
     // fresh buffers: copy the kept values into them and return them (NOTE: [The plugin's own calls]).

@@ -10,6 +10,7 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
@@ -183,11 +184,13 @@ class Region : public c10::intrusive_ptr_target {
     at::Tensor working;
     uint64_t working_pass = 0;
   };
+  // Most calls return one tensor: held inline, a kept call allocates nothing for its outputs.
+  using KeptValues = c10::SmallVector<c10::IValue, 1>;
   struct KeptOutputs {
     const OpEntry* op = nullptr;
     // Tensors stored detached (shallow copies); an offloaded output's slot holds None.
-    std::vector<c10::IValue> outputs;
-    std::vector<int64_t> versions;  // version of each stored tensor, in output order
+    KeptValues outputs;
+    c10::SmallVector<int64_t, 1> versions;  // version of each stored tensor, in output order
     // Offloaded outputs, by their slot in `outputs`.
     std::vector<std::pair<size_t, OffloadedTensor>> offloaded;
     // The storages the offloaded outputs lived in on the device, held weakly: while a write to
@@ -210,7 +213,7 @@ class Region : public c10::intrusive_ptr_target {
   // `calls` (the device ones as views of one copy of the storage, the offloaded ones copied out
   // first); false, changing nothing, when they cannot be (NOTE: [Kept outputs written in the
   // forward]).
-  bool preserveBeforeWrite(const c10::StorageImpl* storage, const std::vector<uint64_t>& calls);
+  bool preserveBeforeWrite(const c10::StorageImpl* storage, c10::ArrayRef<uint64_t> calls);
 
   // Frees what an entry holds: its kept outputs, and its offloaded outputs' host buffers.
   void drop(KeptOutputs& kept);
@@ -253,7 +256,7 @@ class Region : public c10::intrusive_ptr_target {
   DataFlow flow_;
   RoutingCheck routing_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
-  HashMap<const c10::StorageImpl*, std::vector<uint64_t>> kept_storages_;
+  HashMap<const c10::StorageImpl*, c10::SmallVector<uint64_t, 1>> kept_storages_;
   HashMap<const OpEntry*, uint32_t> kept_per_op_;
   HashMap<const OpEntry*, uint64_t> forward_nth_calls_;
   std::vector<UnitId> units_around_forward_;
