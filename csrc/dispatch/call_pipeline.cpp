@@ -58,12 +58,12 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   call->hold = false;
   call->routing = CallInFlight::RoutingStep::kNone;
   call->written.clear();
-  if (op.traits.mutates_inputs || op.traits.writes_out_arguments) {
+  if (C10_UNLIKELY(op.traits.mutates_inputs || op.traits.writes_out_arguments)) {
     call->written = writtenStorages(schema, arguments);
     if (!in_recompute) region.preserveKeptOutputsIn(call->written);  // in place and out= writes alike
   }
   DataFlow& flow = region.flow();
-  if (naming_key.has_value()) {
+  if (C10_UNLIKELY(naming_key.has_value())) {  // the dispatch-mode engine only
     stack->emplace_back(*naming_key);
     call->identity = flow.identify(op, &(*stack)[stack->size() - num_arguments - 1], num_arguments + 1);
     stack->pop_back();
@@ -74,7 +74,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
 
   if (in_recompute) {
     if (!region.serve(op, call->identity, handle, stack)) {
-      if (region.routing().pending() > 0 && region.routing().expects(call->identity)) {
+      if (C10_UNLIKELY(region.routing().pending() > 0) && region.routing().expects(call->identity)) {
         call->routing = CallInFlight::RoutingStep::kCheck;
       }
       return traced(op, CallOutcome::kRecomputed, CallStep::kRunAndFinish);
@@ -90,10 +90,10 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   const std::vector<UnitId>& open_units = UnitStack::current().units();
   if (policy.countsCalls(op, open_units)) facts.call_index = region.nextCallIndex(op);
   call->decision = policy.decide(op, open_units, facts);
-  if (facts.routes_tokens && !policy.pinsRouting() && !policy.keepsNothing()) {
+  if (C10_UNLIKELY(facts.routes_tokens) && !policy.pinsRouting() && !policy.keepsNothing()) {
     call->routing = CallInFlight::RoutingStep::kNote;
   }
-  if (call->decision.mutating_in_kept_unit || call->decision.random_call_of_kept_op) {
+  if (C10_UNLIKELY(call->decision.mutating_in_kept_unit || call->decision.random_call_of_kept_op)) {
     warnAboutRecomputedSelection(region.site(), op, call->decision);
   }
   region.advancePosition();
@@ -110,9 +110,9 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
 void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                 size_t num_returns) {
   if (call.hold) region.keep(*call.op, call.identity, call.decision, stack, num_returns, call.kept_ordinal);
-  if (call.routing == CallInFlight::RoutingStep::kNote) {
+  if (C10_UNLIKELY(call.routing == CallInFlight::RoutingStep::kNote)) {
     region.routing().note(*call.op, call.identity, stack, num_returns);
-  } else if (call.routing == CallInFlight::RoutingStep::kCheck) {
+  } else if (C10_UNLIKELY(call.routing == CallInFlight::RoutingStep::kCheck)) {
     call.routing = CallInFlight::RoutingStep::kNone;
     region.routing().check(call.identity, stack, num_returns, region.site().label());
   }

@@ -107,12 +107,12 @@ void DataFlow::reset(uint64_t salt, size_t expected_calls) {
 }
 
 uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
-  if (!tensor.defined()) return kUndefinedTensor;
+  if (C10_UNLIKELY(!tensor.defined())) return kUndefinedTensor;
   const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
   if (impl->is_wrapped_number() && tensor.device().is_cpu()) {
     if (uint64_t value = wrappedNumberValue(tensor)) return value;
   }
-  if (!tensor.has_storage() || impl->has_symbolic_sizes_strides()) {
+  if (C10_UNLIKELY(!tensor.has_storage() || impl->has_symbolic_sizes_strides())) {
     // No origin to name: unique to this pass and to this tensor.
     return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
   }

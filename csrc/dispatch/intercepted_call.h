@@ -47,11 +47,13 @@ class InterceptedCall {
     // region (a compiled submodule compiles on its first call). Those calls carry no data and
     // never run again in the recompute: keeping or counting them would only pollute the region
     // and the audit, so they pass straight through, like metadata queries.
-    if (entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit)) return runKernel();
+    if (C10_UNLIKELY(entry_.traits.never_counts || keys_.has_backend(c10::BackendComponent::MetaBit))) {
+      return runKernel();
+    }
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
-    if (region == nullptr || !region->intercepts() || python_handles_it) {
+    if (C10_UNLIKELY(region == nullptr || !region->intercepts() || python_handles_it)) {
       traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
       return countAndRun(state.phase());
     }
