@@ -517,18 +517,8 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
     forEachTensor(value,
                   [&](const at::Tensor& tensor) { check_version(kept.versions[position++], versionOf(tensor)); });
   }
-  // The common case: a backward that frees what it is served, of outputs the region holds as
-  // they were stored. Those detached aliases are the region's own and are freed right after, so
-  // they are handed over as they are rather than aliased again.
-  if (consume_served_ && kept.offloaded.empty() && kept.preserved.empty() && !op.traits.writes_out_arguments) {
-    for (c10::IValue& value : kept.outputs) stack->push_back(std::move(value));
-    drop(kept);
-    kept.consumed = true;
-    --left_to_serve_;
-    return true;
-  }
   // NOTE: [Offloading kept outputs] (offload.cpp): checked before the host copy is used.
-  const KeptValues* outputs = &kept.outputs;
+  KeptValues* outputs = &kept.outputs;
   KeptValues with_offloaded;
   if (!kept.offloaded.empty()) {
     std::lock_guard<std::mutex> lock(offload_mutex_);
@@ -563,7 +553,10 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
       results.push_back(out);
     }
   } else {
-    for (const c10::IValue& value : *outputs) results.push_back(detachedValue(value));
+    // A backward that frees what it is served hands over the region's own detached aliases (or the
+    // device copies of offloaded outputs), which are freed right after; one that keeps its graph
+    // serves fresh aliases and keeps its own for the next backward.
+    for (c10::IValue& value : *outputs) results.push_back(consume_served_ ? std::move(value) : detachedValue(value));
     // The recompute writes what it is served again: a backward that keeps its graph is served
     // this pass's copy (NOTE: [Kept outputs written in the forward]).
     if (!consume_served_) {
