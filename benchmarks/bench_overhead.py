@@ -11,7 +11,10 @@ the forward and the recompute (executions + kept outputs served). Two ratios: wi
 kept-op list (both modes also skip the kept ops' recompute), and "intercept only", a policy that
 intercepts every op and keeps none, which isolates the interception cost itself. "median" is the
 median of paired differences: each round's (mode - full recompute) from the same round, so load
-that drifts between rounds cancels; "min" uses each mode's fastest sample.
+that drifts between rounds cancels; "min" uses each mode's fastest sample. Beside them, the
+per-region set-up: what the region of one checkpoint call costs in the step before any call is
+intercepted (the plugin's context function making its two scopes, and each scope's enter and
+exit), timed around the calls torch's checkpoint makes.
 
 Each of the plugin's three ways of running is measured in its own process, each against torch's
 SAC in that same process (--paths, all three by default): the native path (its fallback on the
@@ -29,12 +32,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -134,6 +139,59 @@ def run_modes(block, x, grad, policy):
     }
 
 
+REGION_STEPS = ("make", "forward enter", "forward exit", "recompute enter", "recompute exit")
+
+
+class _TimedScope:
+    """One of a region's two scopes, its enter and exit timed where the step runs them."""
+
+    __slots__ = ("_scope", "_enter", "_exit")
+
+    def __init__(self, scope, enter: list, exit: list):
+        self._scope, self._enter, self._exit = scope, enter, exit
+
+    def __enter__(self):
+        start = time.perf_counter_ns()
+        self._scope.__enter__()
+        self._enter.append(time.perf_counter_ns() - start)
+        return self
+
+    def __exit__(self, *exc_info):
+        start = time.perf_counter_ns()
+        suppress = self._scope.__exit__(*exc_info)
+        self._exit.append(time.perf_counter_ns() - start)
+        return suppress
+
+
+def region_setup(block, x, grad, policy, steps: int) -> dict:
+    """The per-region set-up of a checkpoint call in a real step, in us (median of `steps`): the
+    plugin's context function making the region's two scopes, and each scope's enter and exit,
+    timed around the very calls torch's checkpoint makes, with the caches as the step leaves them
+    (a step's kernels run between them), the garbage collector off as in time_interleaved. The
+    calls the region intercepts are not in it."""
+    make_contexts = sac_plugin.context_fn(policy)
+    samples = {step: [] for step in REGION_STEPS}
+
+    def timed_contexts():
+        start = time.perf_counter_ns()
+        forward, recompute = make_contexts()
+        samples["make"].append(time.perf_counter_ns() - start)
+        return (
+            _TimedScope(forward, samples["forward enter"], samples["forward exit"]),
+            _TimedScope(recompute, samples["recompute enter"], samples["recompute exit"]),
+        )
+
+    gc.disable()  # as while the modes are timed
+    try:
+        for _ in range(steps + steps // 2):  # the first third warms up
+            checkpoint(block, x, use_reentrant=False, context_fn=timed_contexts).backward(grad)
+    finally:
+        gc.enable()
+    medians = {step: statistics.median(t[-steps:]) / 1e3 for step, t in samples.items()}
+    medians["total"] = sum(medians.values())
+    return medians
+
+
 def intercepted_ops(run) -> int:
     with sac_plugin.audit() as audit:
         run()
@@ -155,6 +213,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         around=lambda name: sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext(),
     )
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
+    setup = region_setup(block, x, grad, policy, steps=50 * reps)
     # The median of paired differences: each round times every mode once, back to back, so a
     # mode's overhead in that round is its time minus full recompute's in the same round. Load
     # that drifts between rounds (a shared machine) cancels out; a median of all of one mode's
@@ -169,6 +228,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     for name in summary:
         if name not in ("no checkpointing", "full recompute"):
             summary[name]["overhead_per_op_us"] = overhead(name, "min") / ops * 1e6
+            summary[name]["overhead_median_us"] = overhead(name, "median") * 1e6
 
     def ratio(plugin, reference, stat):
         return overhead(plugin, stat) / overhead(reference, stat)
@@ -183,6 +243,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         "intercept_only_ratio": {
             s: ratio("sac_plugin, intercept only", "torch SAC, intercept only", s) for s in ("min", "median")
         },
+        "region_setup_us": setup,
         "nothing_kept_over_full": {
             s: summary["sac_plugin, nothing kept"][s] / summary["full recompute"][s] for s in ("min", "median")
         },
@@ -316,6 +377,11 @@ def print_report(report):
             ("plugin with nothing kept / full recompute", "nothing_kept_over_full"),
         ):
             print(f"  {label}: {r[key]['min']:.3f} (min), {r[key]['median']:.3f} (median)")
+        setup, overhead = r["region_setup_us"], r["modes"]["sac_plugin"]["overhead_median_us"]
+        print(
+            f"  per-region set-up in the step: {setup['total']:.1f} us of the plugin's {overhead:.1f} us overhead "
+            "(median): " + ", ".join(f"{step} {setup[step]:.1f}" for step in REGION_STEPS)
+        )
     for layers in report.get("layers", []):
         print(
             f"\n{layers['config']}, attention core kept: step time minus full recompute's (median of paired "

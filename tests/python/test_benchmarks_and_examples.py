@@ -116,6 +116,7 @@ def test_overhead_benchmark_prints_its_ratios():
     )
     assert "plugin overhead / torch SAC overhead, same kept list" in out
     assert "plugin with nothing kept / full recompute" in out
+    assert out.count("per-region set-up in the step: ") == 3
     for path in ("native", "coexisting", "dispatch_mode"):
         assert f"#### path: {path} " in out, path
     assert "16 layers of 16x16 ops, attention core kept" in out
