@@ -16,6 +16,10 @@
 // and a per-thread message, with its Python type), and do exactly what the torchbind methods
 // do, through the same RegionHandle and UnitStack code, so the checks are identical.
 //
+// A checkpointed region's own two scopes go one step further: they are a Python type written in C
+// (NOTE: [Scopes as a C type] in python_scopes.cpp); the region functions below serve the marker
+// regions of the recompute above dispatch modes.
+//
 // Python finds these symbols in the library torch.ops.load_library loaded (ctypes.CDLL on the
 // same path returns the same handle), so SAC_PLUGIN_LIBRARY builds serve them too.
 
@@ -25,7 +29,7 @@
 
 // Bumped when a signature or a meaning changes; Python (sac_plugin/_native.py, C_API_VERSION)
 // refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 6;
+inline constexpr int32_t kSacCApiVersion = 7;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -66,6 +70,12 @@ SAC_C_API int32_t sac_unit_pop(int64_t unit_id_plus_one, int64_t depth);
 
 // The message of this thread's last failed call; the status says which Python exception.
 SAC_C_API const char* sac_scope_last_error();
+
+// The module of the region scope type, a Python type written in C (NOTE: [Scopes as a C type] in
+// bindings/python_scopes.cpp): a new reference to a PyObject, which ctypes takes as py_object with
+// the GIL held (PyDLL). It is the one function here that calls the Python C API.
+struct _object;
+SAC_C_API _object* sac_python_scope_types();
 
 // --- The keep rule (NOTE: [The keep rule] in policy/policy.cpp) ---------------------------------
 //

@@ -59,7 +59,7 @@ class _ModeRegionReference:
 
     def __init__(self, site, marker, plan: dict):
         with no_python_dispatch():
-            self.address = torch.ops.sac.mode_region_new(site.address, marker.forward._region.address)
+            self.address = torch.ops.sac.mode_region_new(site.address, marker.forward.address)
         self.other_returns: dict = {}
         self.plan = plan
 

@@ -22,7 +22,7 @@ from ._mode_calls import (
 from ._native import MEMORY_FORMATS
 from .policy import Policy
 
-__all__ = ["RecomputeScope", "new_region_scopes", "recompute_above_modes"]
+__all__ = ["new_region_scopes", "recompute_above_modes"]
 
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
 _RUN_ONLY, _SERVED = ModeAction.RUN_ONLY, ModeAction.SERVED
@@ -153,45 +153,7 @@ def recompute_above_modes(region_address: int):
     return RecomputeAboveModes(address, marker) if address else None
 
 
-class RecomputeScope(_scopes.RegionScope):
-    """The recompute of a native region: a RegionScope that, while dispatch modes are on, also runs
-    the recompute above them (recompute_above_modes)."""
-
-    __slots__ = ("_above_modes",)
-
-    def __init__(self, region: _scopes.RegionReference):
-        super().__init__(region, 1)
-        self._above_modes = None
-
-    def __enter__(self):
-        super().__enter__()
-        if _dispatch_modes_on():
-            # Served calls hidden from the modes (NOTE: [Modes above the key see only what ran]).
-            try:
-                above_modes = recompute_above_modes(self._address)
-                if above_modes is not None:
-                    above_modes.__enter__()
-            except BaseException:
-                _scopes.region_exit(self._address, 1, self._depth)
-                raise
-            self._above_modes = above_modes
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        above_modes = self._above_modes
-        if above_modes is None:  # every recompute but those under foreign dispatch modes
-            return super().__exit__(exc_type, exc_value, traceback)
-        self._above_modes = None
-        try:
-            above_modes.__exit__(exc_type, exc_value, traceback)
-        finally:
-            status = _scopes.region_exit(self._address, 1, self._depth)
-        if status:
-            _scopes.raise_last_error(status)
-        return False
-
-
-def new_region_scopes(site_address: int) -> tuple[_scopes.RegionScope, RecomputeScope]:
-    """The forward and recompute scopes of a new native region of the site at `site_address`."""
-    region = _scopes.RegionReference(site_address)
-    return _scopes.RegionScope(region, 0), RecomputeScope(region)
+# A native region's recompute scope, opening while dispatch modes are on, runs the recompute
+# above them through recompute_above_modes (the scopes are C: NOTE: [Scopes as a C type]).
+_scopes.set_recompute_above_modes(recompute_above_modes)
+new_region_scopes = _scopes.new_region_scopes

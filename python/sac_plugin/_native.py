@@ -115,7 +115,7 @@ def interception_path() -> str:
 # --- The C ABI (csrc/bindings/c_api.h) ------------------------------------------------------------
 
 # kSacCApiVersion: bumped in C++ when a signature or a meaning changes.
-C_API_VERSION = 6
+C_API_VERSION = 7
 
 _c_int32, _c_int64, _c_pointer, _c_string = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
 # Every C function Python calls but the version (which _bind reads first): name -> (restype,
@@ -134,6 +134,8 @@ _SIGNATURES = {
     "sac_unit_push": (_c_int64, [_c_int64]),
     "sac_unit_pop": (_c_int32, [_c_int64, _c_int64]),
     "sac_scope_last_error": (_c_string, []),
+    # The region scopes as a Python type written in C (NOTE: [Scopes as a C type]).
+    "sac_python_scope_types": (ctypes.py_object, []),
     # The keep rule.
     "sac_op_entry": (_c_pointer, [_c_string, _c_int64]),
     "sac_call_decider_new": (_c_pointer, [_c_pointer]),
@@ -153,6 +155,9 @@ _SIGNATURES = {
 
 # The bound C ABI, set by load(); `lib.sac_region_enter(...)` and so on.
 lib: ctypes.PyDLL | None = None
+# The module of the region scope type (csrc/bindings/python_scopes.cpp), set by load():
+# new_region_scopes, adopt_forward_scope, set_recompute_above_modes and the RegionScope type.
+scope_types = None
 
 
 def _bind(path: Path) -> None:
@@ -183,6 +188,8 @@ def _bind(path: Path) -> None:
             f"sac_plugin._native.Reason ({len(Reason)}); rebuild the library from the same source as the package"
         )
     lib = bound
+    global scope_types
+    scope_types = bound.sac_python_scope_types()
 
 
 class ScopeStatus(enum.IntEnum):

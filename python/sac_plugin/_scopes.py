@@ -1,11 +1,9 @@
-"""Region and unit scopes through the library's C ABI (NOTE: [Scopes through a C ABI] in
-csrc/bindings/c_api.h): a checkpoint call opens a region and enters and exits two scopes,
-and torchbind's per-call cost there outweighed the interception of a hundred ops. ctypes calls
-the same checks and state changes as the torchbind methods, for about a tenth of the cost."""
+"""Region and unit scopes: a checkpointed region's two scopes are a Python type written in C
+(NOTE: [Scopes as a C type] in csrc/bindings/python_scopes.cpp); sites, units and marker regions
+go through the library's C ABI with ctypes (NOTE: [Scopes through a C ABI] in
+csrc/bindings/c_api.h). Both run the same checks and state changes as the torchbind methods."""
 
 from __future__ import annotations
-
-import torch
 
 from . import _native
 
@@ -51,59 +49,27 @@ class SiteReference:
 
 
 class RegionReference:
-    """Owns one reference to a C++ region handle; dropping the last Python reference releases it.
-
-    The scopes and the Region wrapper each point here, and nothing here points back, so a
-    region is freed by reference counting as soon as torch's checkpoint drops its contexts,
-    never left to the cycle collector.
-    """
+    """Owns one reference to a C++ region handle entered through the C ABI (a marker region,
+    NOTE: [Modes above the key see only what ran] in _mode_recompute.py); dropping it releases
+    the handle."""
 
     __slots__ = ("address",)
 
     def __init__(self, site_address: int):
         self.address = _region_new(site_address)
 
-    @classmethod
-    def adopt(cls, address: int) -> RegionReference:
-        """Owns a region handle the library made elsewhere (a profiling region)."""
-        reference = cls.__new__(cls)
-        reference.address = address
-        return reference
-
     def __del__(self, _release=_region_release):
         _release(self.address)
 
-    def torchbind(self):
-        """The same region as a torch.classes.sac.Region (shares ownership)."""
-        return torch.ops.sac.region_at(self.address)
 
-
-class RegionScope:
-    """The forward (recompute=0) or the recompute (1) of one region, as a context manager.
-
-    The native engine's recompute is a RecomputeScope (_mode_recompute.py), which also runs the
-    recompute above any dispatch modes that are on."""
-
-    __slots__ = ("_region", "_address", "_recompute", "_depth")
-
-    def __init__(self, region: RegionReference, recompute: int):
-        self._region = region  # owns the handle; the address below is valid while it lives
-        self._address = region.address
-        self._recompute = recompute
-        self._depth = 0
-
-    def __enter__(self):
-        depth = _region_enter(self._address, self._recompute)
-        if depth < 0:
-            raise_last_error(-depth)
-        self._depth = depth
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        status = region_exit(self._address, self._recompute, self._depth)
-        if status:
-            raise_last_error(status)
-        return False
+# A checkpointed region's forward and recompute scopes: a Python type written in C (NOTE: [Scopes
+# as a C type] in csrc/bindings/python_scopes.cpp). new_region_scopes(site_address) makes a new
+# region of a site and returns its (forward, recompute) scopes, each owning a reference to it; a
+# scope's `address` is the region handle's. A recompute scope that opens while dispatch modes are
+# on calls the function set_recompute_above_modes gave it with that address.
+RegionScope = _native.scope_types.RegionScope
+new_region_scopes = _native.scope_types.new_region_scopes
+set_recompute_above_modes = _native.scope_types.set_recompute_above_modes
 
 
 def enter_marker(address: int, recompute: int) -> int:
@@ -125,7 +91,7 @@ def exit_marker(address: int, recompute: int, depth: int) -> None:
 
 def profiling_region_forward(profile) -> RegionScope:
     """The forward scope of a new profiling region of `profile` (a torch.classes.sac.CallProfile)."""
-    return RegionScope(RegionReference.adopt(profile.new_region_address()), 0)
+    return _native.scope_types.adopt_forward_scope(profile.new_region_address())
 
 
 def unit_id(name: str) -> int:

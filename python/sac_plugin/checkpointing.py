@@ -34,7 +34,7 @@ class Region:
         TypeError: `policy` is neither.
     """
 
-    __slots__ = ("_reference", "_site", "forward", "recompute")
+    __slots__ = ("_site", "forward", "recompute")
 
     def __init__(self, policy: Policy | Site):
         if isinstance(policy, Policy):
@@ -43,12 +43,11 @@ class Region:
             raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
         self._site = policy
         self.forward, self.recompute = _mode_recompute.new_region_scopes(policy.address)
-        self._reference = self.forward._region
 
     @property
     def handle(self):
         """The region as a torch.classes.sac.Region (kept_bytes, kept_calls, kept_tensors)."""
-        return self._reference.torchbind()
+        return torch.ops.sac.region_at(self.forward.address)
 
     @property
     def kept_bytes(self) -> int:
@@ -214,7 +213,7 @@ def _selective_contexts(site: Site):
         for observer in _observers.observers():
             observer.region_created(region)
         forward, recompute = region.forward, region.recompute
-        address = region._reference.address
+        address = region.forward.address
         position = functools.partial(_scopes.region_forward_position, address)
         release_unreached = functools.partial(_scopes.release_unreached, address)
 

@@ -264,3 +264,36 @@ def test_early_stop_is_torch_s_and_can_be_turned_off(early_stop, sin_recomputed)
     assert counted.count("aten::sin", phase="recompute") == sin_recomputed
     assert counted.hits("aten::tanh") == 1
     assert_same_gradients(layer, reference)
+
+
+def test_a_region_lives_while_either_of_its_scopes_does():
+    regions_before = torch.ops.sac.live_regions()
+    region = Region(Policy(kept_ops=["aten::tanh"]))
+    forward, recompute = region.forward, region.recompute
+    del region
+    assert forward.address == recompute.address
+    assert torch.ops.sac.live_regions() == regions_before + 1
+    del forward
+    gc.collect()
+    assert torch.ops.sac.live_regions() == regions_before + 1
+    with recompute:
+        assert sac_key_included()
+    del recompute
+    gc.collect()
+    assert torch.ops.sac.live_regions() == regions_before
+
+
+def test_region_scopes_are_made_only_by_the_library():
+    scope_type = type(Region(Policy(kept_ops=["aten::tanh"])).forward)
+    with pytest.raises(TypeError, match="cannot create 'sac_plugin.RegionScope' instances"):
+        scope_type()
+
+
+def test_a_recompute_exited_before_it_was_entered_is_refused_and_changes_nothing():
+    region = Region(Policy(kept_ops=["aten::tanh"]))
+    with pytest.raises(RuntimeError) as error:
+        region.recompute.__exit__(None, None, None)
+    assert str(error.value) == "sac: exiting this region's recompute that is not open; nothing was changed"
+    with region.recompute:
+        assert sac_key_included()
+    assert not sac_key_included()
