@@ -175,9 +175,11 @@ _PHASE_MARKER_SITE = Site(Policy())
 # entered for the backward only), the recompute runs above them (NOTE: [Modes above the key see
 # only what ran] in _mode_recompute.py), serving values no mode changed in the forward.
 def _selective_contexts(site: Site):
-    # The hot path, tested cheapest first: a native region with no dispatch mode on (so neither
-    # torch.compile's PROXY mode nor a foreign mode), nothing observing and nothing left to watch
-    # at its site is the branch marked "the hot path" below, reached without the other tests.
+    # The hot path, tested cheapest first: a native region with no dispatch mode on, nothing
+    # observing and nothing left to watch at its site is the branch marked "the hot path" below,
+    # reached without the other tests. No dispatch mode on means no compilation either: Dynamo
+    # never calls a context_fn, and AOTAutograd and export call it under their PROXY or fake mode
+    # (NOTE: [context_fn under AOTAutograd on torch 2.11] in _compat.py).
     if (
         not site.reach_unknown
         and not site.unchecked_units
@@ -185,7 +187,6 @@ def _selective_contexts(site: Site):
         and not _dispatch_modes_on()
         and not _observers.observing()
         and _engine.engine() == "native"
-        and not torch.compiler.is_compiling()
     ):
         return _mode_recompute.new_region_scopes(site.address)
     policy = site.policy
