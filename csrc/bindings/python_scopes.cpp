@@ -69,6 +69,16 @@ bool exitActivation(RegionScopeObject* scope) {
   }
 }
 
+// With a Python exception set: exits the scope's activation and returns null, the exception still
+// the one raised (a refused exit is dropped, not raised in its place).
+PyObject* exitKeepingTheError(RegionScopeObject* scope) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (!exitActivation(scope)) PyErr_Clear();
+  PyErr_Restore(type, value, traceback);
+  return nullptr;
+}
+
 PyObject* newScope(RegionHandle* owned, ActivationKind kind) {
   auto alloc = reinterpret_cast<allocfunc>(PyType_GetSlot(region_scope_type, Py_tp_alloc));
   auto* scope = reinterpret_cast<RegionScopeObject*>(alloc(region_scope_type, 0));
@@ -112,14 +122,8 @@ PyObject* scopeEnter(PyObject* self, PyObject* /*unused*/) {
       if (entered == nullptr) Py_CLEAR(above);
       Py_XDECREF(entered);
     }
-    if (above == nullptr) {
-      // The recompute does not run: its activation closes again, and the error stays the one raised.
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-      if (!exitActivation(scope)) PyErr_Clear();
-      PyErr_Restore(type, value, traceback);
-      return nullptr;
-    }
+    // The recompute does not run: its activation closes again.
+    if (above == nullptr) return exitKeepingTheError(scope);
     if (above == Py_None) {
       Py_DECREF(above);
     } else {
@@ -139,14 +143,8 @@ PyObject* scopeExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* result = PyObject_CallMethod(above, "__exit__", "OOO", given ? args[0] : Py_None,
                                            given ? args[1] : Py_None, given ? args[2] : Py_None);
     Py_DECREF(above);
-    if (result == nullptr) {
-      // The context above the modes raised: the activation closes anyway, and that error stays.
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-      if (!exitActivation(scope)) PyErr_Clear();
-      PyErr_Restore(type, value, traceback);
-      return nullptr;
-    }
+    // The context above the modes raised: the activation closes anyway.
+    if (result == nullptr) return exitKeepingTheError(scope);
     Py_DECREF(result);
   }
   if (!exitActivation(scope)) return nullptr;
