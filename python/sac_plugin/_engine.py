@@ -12,18 +12,20 @@ from __future__ import annotations
 import os
 import warnings
 
-__all__ = ["ENGINES", "ENGINE_VARIABLE", "choose_engine", "engine"]
+__all__ = ["ENGINES", "ENGINE_VARIABLE", "choose_engine", "chosen", "engine"]
 
 ENGINE_VARIABLE = "SAC_PLUGIN_ENGINE"
 ENGINES = ("native", "dispatch_mode")
 
-_chosen: str | None = None
+# The engine of this process, set once by choose_engine. The hot path of checkpointing.py reads
+# it as a module global, not through engine(): a Python call per checkpoint costs microseconds.
+chosen: str = "native"
 
 
 def choose_engine(install_error: str | None) -> str:
     """The engine for this process: SAC_PLUGIN_ENGINE if set, else native unless the C++
     interception could not be installed (then dispatch_mode, with one warning saying why)."""
-    global _chosen
+    global chosen
     requested = os.environ.get(ENGINE_VARIABLE, "").strip()
     if requested and requested not in ENGINES:
         raise ImportError(
@@ -35,7 +37,7 @@ def choose_engine(install_error: str | None) -> str:
             f"sac_plugin: {ENGINE_VARIABLE}=native, but the native engine cannot run here: {install_error}"
         )
     if requested:
-        _chosen = requested
+        chosen = requested
     elif install_error is not None:
         warnings.warn(
             f"sac_plugin: the native engine cannot run in this torch ({install_error}); using the dispatch-mode "
@@ -44,10 +46,10 @@ def choose_engine(install_error: str | None) -> str:
             RuntimeWarning,
             stacklevel=3,
         )
-        _chosen = "dispatch_mode"
+        chosen = "dispatch_mode"
     else:
-        _chosen = "native"
-    return _chosen
+        chosen = "native"
+    return chosen
 
 
 def engine() -> str:
@@ -56,4 +58,4 @@ def engine() -> str:
     Returns:
         "native" or "dispatch_mode".
     """
-    return _chosen or "native"
+    return chosen

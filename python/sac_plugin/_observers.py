@@ -3,9 +3,10 @@
 Audits, per-layer reports, activation-memory tracking and the unit checks all need to see what a
 checkpointed step does: which regions it creates, its passes, each recompute unit it opens. They
 register an `Observer` here (`observe(observer)` as a context manager, or `register`/`unregister`)
-instead of appending to lists in other modules. The hot path asks one question, `observing()`, a
-read of one module global: with nothing registered, a checkpointed region pays nothing for any of
-this.
+instead of appending to lists in other modules. The hot path asks one question: is `registered`,
+this module's one global, empty? It reads the global itself, not through `observing()`, because a
+Python call made once per checkpoint, with the interpreter cold, costs microseconds. With nothing
+registered, a checkpointed region pays nothing for any of this.
 
 Observers are called on the thread that runs the step (the forward, or autograd's thread for the
 recompute), in registration order. The registry is a tuple replaced under a lock, so a reader
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["Observer", "observe", "observers", "observing", "register", "unregister"]
+__all__ = ["Observer", "observe", "observers", "observing", "register", "registered", "unregister"]
 
 
 class Observer:
@@ -39,34 +40,35 @@ class Observer:
         """The unit opened with `token` closed on this thread."""
 
 
-_observers: tuple[Observer, ...] = ()
+# The observers, in registration order; replaced whole under the lock, never changed in place.
+registered: tuple[Observer, ...] = ()
 _lock = threading.Lock()
 
 
 def observing() -> bool:
-    """Whether any observer is registered: the one test the hot path makes."""
-    return bool(_observers)
+    """Whether any observer is registered (the hot path reads `registered` itself)."""
+    return bool(registered)
 
 
 def observers() -> tuple[Observer, ...]:
-    return _observers
+    return registered
 
 
 def register(observer: Observer) -> None:
-    global _observers
+    global registered
     if not isinstance(observer, Observer):
         raise TypeError(f"sac_plugin: an observer must be a sac_plugin Observer, got {type(observer).__name__}")
     with _lock:
-        _observers = (*_observers, observer)
+        registered = (*registered, observer)
 
 
 def unregister(observer: Observer) -> None:
     """Removes one registration of `observer`; a second call for the same one changes nothing."""
-    global _observers
+    global registered
     with _lock:
-        for i in range(len(_observers) - 1, -1, -1):
-            if _observers[i] is observer:
-                _observers = _observers[:i] + _observers[i + 1 :]
+        for i in range(len(registered) - 1, -1, -1):
+            if registered[i] is observer:
+                registered = registered[:i] + registered[i + 1 :]
                 return
 
 

@@ -179,14 +179,16 @@ def _selective_contexts(site: Site):
     # observing and nothing left to watch at its site is the branch marked "the hot path" below,
     # reached without the other tests. No dispatch mode on means no compilation either: Dynamo
     # never calls a context_fn, and AOTAutograd and export call it under their PROXY or fake mode
-    # (NOTE: [context_fn under AOTAutograd on torch 2.11] in _compat.py).
+    # (NOTE: [context_fn under AOTAutograd on torch 2.11] in _compat.py). The observers and the
+    # engine are read as module globals, not through observing() and engine(): called once per
+    # checkpoint with the interpreter cold, those two calls cost about 4 us of a 64-op step.
     if (
         not site.reach_unknown
         and not site.unchecked_units
         and not site.keeps_nothing
         and not _dispatch_modes_on()
-        and not _observers.observing()
-        and _engine.engine() == "native"
+        and not _observers.registered
+        and _engine.chosen == "native"
     ):
         return _mode_recompute.new_region_scopes(site.address)
     policy = site.policy

@@ -53,7 +53,7 @@ def test_an_unknown_engine_is_refused_by_name():
 @pytest.fixture
 def restores_the_engine(monkeypatch):
     # The engine is chosen once per process; these tests choose again and put it back.
-    monkeypatch.setattr(_engine, "_chosen", _engine.engine())
+    monkeypatch.setattr(_engine, "chosen", _engine.engine())
 
 
 def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_engine):
