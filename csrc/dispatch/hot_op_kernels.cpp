@@ -93,13 +93,22 @@ class BorrowedStack {
   BorrowedStack(const BorrowedStack&) = delete;
   BorrowedStack& operator=(const BorrowedStack&) = delete;
   ~BorrowedStack() {
-    for (size_t i = 0; i < num_arguments_ && i < values_->size(); ++i) {
+    const size_t borrowed = num_arguments_ + (borrows_result_ ? 1 : 0);
+    for (size_t i = 0; i < borrowed && i < values_->size(); ++i) {
       if ((*values_)[i].isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow((*values_)[i]);
     }
     ReusedStacks::give_back(values_);
   }
 
   torch::jit::Stack& values() { return *values_; }
+
+  // The kernel's output, borrowed from the invocation that owns it and outlives this stack: copying
+  // it onto the stack would retain and release the new tensor once more per call, two atomic
+  // operations that a small op notices.
+  void pushBorrowedResult(const at::Tensor& result) {
+    push(result);
+    borrows_result_ = true;
+  }
 
  private:
   void push(const at::Tensor& tensor) {
@@ -109,6 +118,7 @@ class BorrowedStack {
 
   torch::jit::Stack* values_;
   size_t num_arguments_ = 0;
+  bool borrows_result_ = false;
 };
 
 // A hot call, seen through two functions of its op: one builds its arguments' stack, one runs its
@@ -129,7 +139,7 @@ class HotInvocation {
   }
   void runKernel(c10::DispatchKeySet below) {
     result_ = redispatch_(below, arguments_);
-    if (stack_.has_value()) stack_->values().emplace_back(result_);
+    if (stack_.has_value()) stack_->pushBorrowedResult(result_);
   }
   void served(size_t /*num_arguments*/, size_t /*num_returns*/) {
     result_ = std::move(stack_->values().back()).toTensor();
@@ -141,8 +151,8 @@ class HotInvocation {
   const void* arguments_;  // the op's std::tuple of argument references
   BuildStack build_stack_;
   Redispatch redispatch_;
+  at::Tensor result_;  // declared before stack_, so that it outlives the stack's borrow of it
   std::optional<BorrowedStack> stack_;
-  at::Tensor result_;
 };
 
 // The one copy of the fallback's steps that every hot op runs.
