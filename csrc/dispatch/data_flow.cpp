@@ -35,13 +35,21 @@ namespace sac {
 // carries, and cannot move what any other call is served. Two calls with equal identities
 // compute the same value from the same inputs (random calls are never kept, and the recompute
 // restores the generator), so serving one's output to the other is exact. Where the origin of a
-// tensor cannot be named (no storage, symbolic shapes, a storage created outside any
-// intercepted call during the pass), the identity differs between passes and the call simply
-// runs: the match can only fail towards recomputing, never towards a wrong tensor.
+// tensor cannot be named (no storage, symbolic shapes), the identity is unique to the pass and
+// the call simply runs: the match can only fail towards recomputing, never towards a wrong
+// tensor.
 //
-// Storage records pin the StorageImpl's memory with a weak reference, so its address is not
-// reused by another storage while the record names it; the data itself is freed as usual. The
-// records live for one pass and are dropped when it ends.
+// The records are keyed by the StorageImpl's address, live for one pass, and hold no reference
+// to the storage: a storage that dies leaves its record behind. Every storage an intercepted
+// call produces replaces the record at its address as it is made, so a storage with an origin is
+// always named by its own. A storage made during the pass outside any intercepted call (a
+// from_numpy, a kernel's cache, the plugin's own copies) has no origin: it is named by its
+// address, or by the record a dead storage left there. Both names follow the order in which the
+// region allocates and frees, so they agree between the passes where the region runs the same
+// code on the same values twice, the premise of every match above. A reference that kept
+// addresses unique (a weak one on each storage) would add no guarantee to that premise and
+// costs three atomic operations and a deferred free per storage: a tenth of the per-call cost
+// on a block of small ops.
 
 namespace {
 
@@ -95,12 +103,12 @@ constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
 }  // namespace
 
 void DataFlow::reset(uint64_t salt, size_t expected_calls) {
-  storages_.clear();
+  origins_.clear();
   occurrences_.clear();
   if (expected_calls > 0) {
     // One allocation per pass instead of a rehash at every doubling; every call produces about
     // one storage.
-    storages_.reserve(expected_calls);
+    origins_.reserve(expected_calls);
     occurrences_.reserve(expected_calls);
   }
   salt_ = salt;
@@ -117,9 +125,8 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
     return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
   }
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
-  auto found = storages_.find(storage);
-  uint64_t seed =
-      found != storages_.end() ? found->second.origin : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
+  auto found = origins_.find(storage);
+  uint64_t seed = found != origins_.end() ? found->second : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
   mix(seed, (static_cast<uint64_t>(impl->storage_offset()) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
@@ -181,16 +188,14 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
 
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  // One probe: most calls originate a storage the pass has not seen (a fresh output), so the
-  // record is made up front; where one exists, the spare pin is dropped again.
-  auto [record, inserted] = storages_.try_emplace(impl, StorageRecord{storage.getWeakStorageImpl(), origin});
-  if (!inserted) {
-    record->second.origin = was_written ? mixed(record->second.origin, origin) : origin;
+  if (!was_written) {
+    origins_.insert_or_assign(impl, origin);
     return;
   }
   // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
   // the origin: that address is the same in both passes.
-  if (was_written) record->second.origin = mixed(mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)), origin);
+  auto [record, inserted] = origins_.try_emplace(impl, mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)));
+  record->second = mixed(record->second, origin);
 }
 
 void DataFlow::recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,

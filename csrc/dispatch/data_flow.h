@@ -7,7 +7,6 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 #include <c10/core/Storage.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -32,7 +31,7 @@ struct WrittenStorage {
 
 class DataFlow {
  public:
-  // Forgets the pass: records, pins and occurrence counts. `salt` makes tensors whose origin
+  // Forgets the pass: storage records and occurrence counts. `salt` makes tensors whose origin
   // cannot be named (no storage) unique to this pass, so such calls never match another pass.
   // `expected_calls` reserves room for that many calls, so a pass does not regrow its tables
   // from empty (0: release the tables' memory).
@@ -56,13 +55,9 @@ class DataFlow {
   void mixValue(uint64_t& seed, const c10::IValue& value) const;
   void originate(const c10::Storage& storage, uint64_t origin, bool was_written);
 
-  struct StorageRecord {
-    // Holds the StorageImpl's memory (not its data) so that its address cannot be reused by
-    // another storage while this pass still names it.
-    c10::weak_intrusive_ptr<c10::StorageImpl> pin;
-    uint64_t origin;
-  };
-  HashMap<const c10::StorageImpl*, StorageRecord> storages_;
+  // The origin of each storage named in this pass, by its StorageImpl's address (NOTE: [Matching
+  // kept calls by data flow]: records hold no reference to their storage).
+  HashMap<const c10::StorageImpl*, uint64_t> origins_;
   HashMap<uint64_t, uint32_t> occurrences_;
   uint64_t salt_ = 0;
 };

@@ -487,5 +487,34 @@ TEST(DataFlowTest, TensorsWithoutANameableOriginNeverMatchAcrossPasses) {
   EXPECT_NE(first.identify(tanh, arguments.data(), 1), second.identify(tanh, arguments.data(), 1));
 }
 
+TEST(DataFlowTest, RecordsNameAStorageByItsLatestProducerAndHoldNoReference) {
+  const c10::OperatorHandle handle = *c10::Dispatcher::singleton().findSchema({"aten::tanh", ""});
+  const OpEntry& tanh = lookupOp(handle);
+  const c10::FunctionSchema& schema = handle.schema();
+  at::Tensor output = at::zeros({2});
+  c10::weak_intrusive_ptr<c10::StorageImpl> watch = output.storage().getWeakStorageImpl();
+  const size_t weak_references = watch.weak_use_count();
+  auto consumer = [&](DataFlow& flow) {
+    std::vector<c10::IValue> arguments{output};
+    return flow.identify(tanh, arguments.data(), arguments.size());
+  };
+  // A storage produced at an address a dead storage held is recorded as that address's new
+  // producer: the same storage recorded by a second call stands in for it.
+  DataFlow first, second;
+  first.reset(1, 0);
+  second.reset(2, 0);
+  torch::jit::Stack stack{at::zeros({2}), output};
+  first.recordCall(/*call=*/11, schema, stack, 1, {});
+  first.recordCall(/*call=*/12, schema, stack, 1, {});
+  second.recordCall(/*call=*/12, schema, stack, 1, {});
+  EXPECT_EQ(consumer(first), consumer(second));
+  DataFlow third;
+  third.reset(3, 0);
+  third.recordCall(/*call=*/11, schema, stack, 1, {});
+  EXPECT_NE(consumer(third), consumer(second));
+  // No record keeps the storage, or its address, alive.
+  EXPECT_EQ(watch.weak_use_count(), weak_references);
+}
+
 }  // namespace
 }  // namespace sac
