@@ -194,7 +194,7 @@ void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_
   }
   // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
   // the origin: that address is the same in both passes.
-  auto [record, inserted] = origins_.try_emplace(impl, mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl)));
+  auto record = origins_.try_emplace(impl, mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl))).first;
   record->second = mixed(record->second, origin);
 }
 
