@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import random
 import time
 from typing import Callable, ContextManager
@@ -20,6 +21,25 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 # --- timing ------------------------------------------------------------------------------------------
+
+
+def rounds_to_fill(
+    modes: dict[str, Callable[[], None]], seconds: float, steps_per_sample: int, *, at_least: int, device="cpu"
+) -> int:
+    """How many rounds of time_interleaved fill about `seconds`, and never fewer than `at_least`:
+    one round of every mode, `steps_per_sample` steps each, is timed after a step of each warms
+    it. A paired median resolves a difference only as well as its number of rounds allows, so a
+    small block, whose rounds are short and whose differences are small, gets more of them."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for run in modes.values():
+        run()
+    sync()
+    started = time.perf_counter()
+    for run in modes.values():
+        for _ in range(steps_per_sample):
+            run()
+    sync()
+    return max(at_least, math.ceil(seconds / (time.perf_counter() - started)))
 
 
 def time_interleaved(

@@ -1,6 +1,6 @@
 """Interception overhead: sac_plugin against torch's own SAC, side by side in one process.
 
-    .venv/bin/python benchmarks/bench_overhead.py [--sizes 64 400 1600] [--reps 20] [--paths ...]
+    .venv/bin/python benchmarks/bench_overhead.py [--sizes 64 400 1600] [--seconds 40] [--paths ...]
 
 A checkpointed block of many small ops (tiny matmuls, elementwise chains, a tiny attention) so
 that per-op cost dominates. Every mode runs on the same inputs, interleaved round by round in a
@@ -11,7 +11,10 @@ the forward and the recompute (executions + kept outputs served). Two ratios: wi
 kept-op list (both modes also skip the kept ops' recompute), and "intercept only", a policy that
 intercepts every op and keeps none, which isolates the interception cost itself. "median" is the
 median of paired differences: each round's (mode - full recompute) from the same round, so load
-that drifts between rounds cancels; "min" uses each mode's fastest sample. Beside them, the
+that drifts between rounds cancels; "min" uses each mode's fastest sample. Each size gets as many
+rounds as fill --seconds, and at least 20 (--reps fixes the number instead): a small block's
+overhead is a few percent of its step, and twenty rounds of it do not resolve a ratio of 0.05
+from 0.07, while a large block's twenty rounds already take longer than that. Beside them, the
 per-region set-up: what the region of one checkpoint call costs in the step before any call is
 intercepted (the plugin's context function making its two scopes, and each scope's enter and
 exit), timed around the calls torch's checkpoint makes.
@@ -54,9 +57,11 @@ from torch.nn import functional as F  # noqa: E402
 from sac_plugin.targets import ATTENTION_OPS  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
 
-from _common import time_interleaved  # noqa: E402
+from _common import rounds_to_fill, time_interleaved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+AT_LEAST_ROUNDS = 20  # per size, whatever --seconds allows
+REGION_SETUP_STEPS = 1000  # timed steps of the per-region set-up (at most; fewer with a small --reps)
 PATHS = ("native", "coexisting", "dispatch_mode")
 
 
@@ -198,13 +203,15 @@ def intercepted_ops(run) -> int:
     return sum(row.forward + row.recompute + row.hits for row in audit.rows())
 
 
-def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> dict:
+def measure(size: int, reps: int | None, seconds: float, dim: int, device, steps_per_sample: int) -> dict:
     block, _ = make_attention_block(size, dim, device)
     x = torch.randn(16, dim, device=device)
     grad = torch.ones(16, dim, device=device)
     policy = sac_plugin.Policy(kept_ops={"aten::mm"} | ATTENTION_OPS.resolve())
     modes = run_modes(block, x, grad, policy)
     ops = intercepted_ops(modes["sac_plugin"])
+    if reps is None:
+        reps = rounds_to_fill(modes, seconds, steps_per_sample, at_least=AT_LEAST_ROUNDS, device=device)
     times = time_interleaved(
         modes,
         reps,
@@ -213,7 +220,7 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
         around=lambda name: sac_plugin.audit() if name == "sac_plugin + audit" else contextlib.nullcontext(),
     )
     summary = {name: {"min": min(t), "median": statistics.median(t)} for name, t in times.items()}
-    setup = region_setup(block, x, grad, policy, steps=50 * reps)
+    setup = region_setup(block, x, grad, policy, steps=min(50 * reps, REGION_SETUP_STEPS))
     # The median of paired differences: each round times every mode once, back to back, so a
     # mode's overhead in that round is its time minus full recompute's in the same round. Load
     # that drifts between rounds (a shared machine) cancels out; a median of all of one mode's
@@ -236,6 +243,8 @@ def measure(size: int, reps: int, dim: int, device, steps_per_sample: int) -> di
     return {
         "size": size,
         "ops_intercepted": ops,
+        "rounds": reps,
+        "steps_per_sample": steps_per_sample,
         "modes": summary,
         # The headline: same kept-op list, (mode - full recompute).
         "kept_list_ratio": {s: ratio("sac_plugin", "torch SAC", s) for s in ("min", "median")},
@@ -366,7 +375,10 @@ def print_report(report):
         f"{report['threads']} threads)"
     )
     for r in results:
-        print(f"\nblock of ~{r['size']} ops ({r['ops_intercepted']} intercepted per step: forward + recompute)")
+        print(
+            f"\nblock of ~{r['size']} ops ({r['ops_intercepted']} intercepted per step: forward + recompute; "
+            f"{r['rounds']} rounds of {r['steps_per_sample']} step{'' if r['steps_per_sample'] == 1 else 's'})"
+        )
         print(f"  {'mode':<28}{'min ms':>10}{'median ms':>11}{'overhead/op (min)':>19}")
         for name, m in r["modes"].items():
             per_op = f"{m['overhead_per_op_us']:>11.2f} us" if "overhead_per_op_us" in m else ""
@@ -415,8 +427,11 @@ def measure_this_process(args) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    report["results"] = [measure(size, args.reps, args.dim, device, args.steps_per_sample) for size in args.sizes]
-    report["layers"] = [measure_layers(name, args.reps, args.steps_per_sample, device) for name in args.layers]
+    report["results"] = [
+        measure(size, args.reps, args.seconds, args.dim, device, args.steps_per_sample) for size in args.sizes
+    ]
+    layer_reps = AT_LEAST_ROUNDS if args.reps is None else args.reps
+    report["layers"] = [measure_layers(name, layer_reps, args.steps_per_sample, device) for name in args.layers]
     return report
 
 
@@ -447,8 +462,9 @@ def measure_in_subprocess(path: str, args) -> dict | None:
             out.name,
             "--sizes",
             *map(str, args.sizes),
-            "--reps",
-            str(args.reps),
+            *(["--reps", str(args.reps)] if args.reps is not None else []),
+            "--seconds",
+            str(args.seconds),
             "--steps-per-sample",
             str(args.steps_per_sample),
             "--dim",
@@ -470,7 +486,13 @@ def measure_in_subprocess(path: str, args) -> dict | None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 400, 1600])
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=40.0,
+        help=f"timing per size and path: as many rounds as fill it, at least {AT_LEAST_ROUNDS} (default 40)",
+    )
+    parser.add_argument("--reps", type=int, help="rounds per size, fixed (overrides --seconds)")
     parser.add_argument("--steps-per-sample", type=int, default=5)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--device", default="cpu")
