@@ -23,6 +23,12 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 # --- timing ------------------------------------------------------------------------------------------
 
 
+def synchronizer(device) -> Callable[[], None]:
+    """What waits for `device`'s queued work before a clock is read: CUDA runs kernels
+    asynchronously; the CPU has nothing queued."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def rounds_to_fill(
     modes: dict[str, Callable[[], None]], seconds: float, steps_per_sample: int, *, at_least: int, device="cpu"
 ) -> int:
@@ -30,7 +36,7 @@ def rounds_to_fill(
     one round of every mode, `steps_per_sample` steps each, is timed after a step of each warms
     it. A paired median resolves a difference only as well as its number of rounds allows, so a
     small block, whose rounds are short and whose differences are small, gets more of them."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     for run in modes.values():
         run()
     sync()
@@ -59,7 +65,7 @@ def time_interleaved(
     noise and allocator state hit all modes alike and no mode always runs first, right after a
     collection. Like timeit, the garbage collector stays off while timing, and each sample is the
     mean of a few steps, so one sample is not one timer tick or one collection."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     times: dict[str, list[float]] = {name: [] for name in modes}
     for run in modes.values():
         for _ in range(warmup):

@@ -27,7 +27,7 @@ from sac_plugin.models import LLAMA_TARGETS
 from sac_plugin.targets import ATTENTION_OPS
 from torch.utils.checkpoint import checkpoint
 
-from _common import cached_tensors, torch_sac
+from _common import cached_tensors, synchronizer, torch_sac
 
 
 def main():
@@ -67,7 +67,7 @@ def main():
         ),
         "attn + mlp units kept, sac_plugin": functools.partial(units_block, x, cos, sin),
     }
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = synchronizer(device)
     results = {}
     for name, forward in modes.items():
         times, peak = [], None

@@ -490,7 +490,7 @@ def main():
         "--seconds",
         type=float,
         default=40.0,
-        help=f"timing per size and path: as many rounds as fill it, at least {AT_LEAST_ROUNDS} (default 40)",
+        help=f"timing per size and path: as many rounds as fill it, at least {AT_LEAST_ROUNDS} (default %(default)s)",
     )
     parser.add_argument("--reps", type=int, help="rounds per size, fixed (overrides --seconds)")
     parser.add_argument("--steps-per-sample", type=int, default=5)
