@@ -21,12 +21,19 @@ const char* callOutcomeName(CallOutcome outcome) {
 }
 
 namespace detail {
+std::atomic<int> threads_tracing{0};
 thread_local bool tracing_calls = false;
 }  // namespace detail
 
 namespace {
-// The traces installed on this thread, in installation order.
-thread_local std::vector<std::shared_ptr<CallTrace>> installed;
+// The traces installed on this thread, in installation order. A thread that ends with traces
+// installed no longer counts as tracing.
+struct InstalledTraces : std::vector<std::shared_ptr<CallTrace>> {
+  ~InstalledTraces() {
+    if (!empty()) detail::threads_tracing.fetch_sub(1, std::memory_order_relaxed);
+  }
+};
+thread_local InstalledTraces installed;
 }  // namespace
 
 void CallTrace::record(const TracedCall& call) {
@@ -46,12 +53,15 @@ std::vector<TracedCall> CallTrace::calls() const {
 
 void CallTrace::install(const std::shared_ptr<CallTrace>& trace) {
   installed.push_back(trace);
+  if (installed.size() == 1) detail::threads_tracing.fetch_add(1, std::memory_order_relaxed);
   detail::tracing_calls = true;
 }
 
 void CallTrace::uninstall(const CallTrace* trace) {
   auto it = std::find_if(installed.rbegin(), installed.rend(), [&](const auto& t) { return t.get() == trace; });
-  if (it != installed.rend()) installed.erase(std::next(it).base());
+  if (it == installed.rend()) return;
+  installed.erase(std::next(it).base());
+  if (installed.empty()) detail::threads_tracing.fetch_sub(1, std::memory_order_relaxed);
   detail::tracing_calls = !installed.empty();
 }
 

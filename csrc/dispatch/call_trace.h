@@ -15,6 +15,7 @@
 
 #include <c10/macros/Macros.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -56,13 +57,18 @@ class CallTrace {
 };
 
 namespace detail {
+extern std::atomic<int> threads_tracing;  // threads with a trace installed
 extern thread_local bool tracing_calls;
 void traceCallSlow(const OpEntry& op, Phase phase, CallOutcome outcome);
 }  // namespace detail
 
 // The fallback's one call per decided call (NOTE: [The per-op trace is recorded below Python]).
 // Whether a trace records this thread's calls: callers whose phase costs a lookup test it first.
-inline bool tracingCalls() { return detail::tracing_calls; }
+// The process-wide count is read first: it costs no thread-local lookup, and is zero unless a
+// report watches (NOTE: [One lookup per thread-local object]).
+inline bool tracingCalls() {
+  return C10_UNLIKELY(detail::threads_tracing.load(std::memory_order_relaxed) > 0) && detail::tracing_calls;
+}
 
 inline void traceCall(const OpEntry& op, Phase phase, CallOutcome outcome) {
   if (C10_UNLIKELY(tracingCalls())) detail::traceCallSlow(op, phase, outcome);

@@ -30,6 +30,7 @@
 
 #include "dispatch/intercepted_call.h"
 #include "dispatch/interception.h"
+#include "ops/per_thread.h"
 
 namespace sac {
 namespace {
@@ -53,18 +54,17 @@ namespace {
 // The stacks hot calls build their arguments on, reused call after call on each thread, so that a
 // hot call allocates nothing for them. A call that arrives while another is being handled on the
 // thread (none does today: kernels run with the key excluded) takes the next one, or a stack of
-// its own past the last.
+// its own past the last. A stack is given back to the thread's stacks it was taken from, so a
+// call looks them up once (NOTE: [One lookup per thread-local object]).
 class ReusedStacks {
  public:
-  static torch::jit::Stack* take() {
-    ReusedStacks& stacks = mine();
-    return stacks.in_use_ < kReused ? &stacks.stacks_[stacks.in_use_++] : new torch::jit::Stack();
-  }
-  static void give_back(torch::jit::Stack* stack) {
-    ReusedStacks& stacks = mine();
+  static ReusedStacks& mine() { return PerThread<ReusedStacks>::get(); }
+
+  torch::jit::Stack* take() { return in_use_ < kReused ? &stacks_[in_use_++] : new torch::jit::Stack(); }
+  void give_back(torch::jit::Stack* stack) {
     stack->clear();
-    if (stacks.in_use_ > 0 && stack == &stacks.stacks_[stacks.in_use_ - 1]) {
-      --stacks.in_use_;
+    if (in_use_ > 0 && stack == &stacks_[in_use_ - 1]) {
+      --in_use_;
     } else {
       delete stack;
     }
@@ -72,10 +72,6 @@ class ReusedStacks {
 
  private:
   static constexpr size_t kReused = 4;
-  static ReusedStacks& mine() {
-    static thread_local ReusedStacks stacks;
-    return stacks;
-  }
   std::array<torch::jit::Stack, kReused> stacks_;
   size_t in_use_ = 0;
 };
@@ -85,7 +81,7 @@ class ReusedStacks {
 class BorrowedStack {
  public:
   template <class... Args>
-  explicit BorrowedStack(const Args&... args) : values_(ReusedStacks::take()) {
+  explicit BorrowedStack(const Args&... args) : owner_(ReusedStacks::mine()), values_(owner_.take()) {
     values_->reserve(sizeof...(Args) + 1);
     (push(args), ...);
     num_arguments_ = sizeof...(Args);
@@ -97,7 +93,7 @@ class BorrowedStack {
     for (size_t i = 0; i < borrowed && i < values_->size(); ++i) {
       if ((*values_)[i].isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow((*values_)[i]);
     }
-    ReusedStacks::give_back(values_);
+    owner_.give_back(values_);
   }
 
   torch::jit::Stack& values() { return *values_; }
@@ -116,6 +112,7 @@ class BorrowedStack {
   }
   void push(const c10::Scalar& scalar) { values_->emplace_back(scalar); }
 
+  ReusedStacks& owner_;
   torch::jit::Stack* values_;
   size_t num_arguments_ = 0;
   bool borrows_result_ = false;

@@ -5,6 +5,7 @@
 #include "dispatch/interception.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
+#include "ops/per_thread.h"
 
 namespace sac {
 
@@ -48,10 +49,8 @@ const char* describeActivation(ActivationKind kind) {
   return "an activation";
 }
 
-ThreadState& ThreadState::current() {
-  thread_local ThreadState state;
-  return state;
-}
+// One lookup per call: NOTE: [One lookup per thread-local object] in ops/per_thread.h.
+ThreadState& ThreadState::current() { return PerThread<ThreadState>::get(); }
 
 size_t ThreadState::enter(ActivationKind kind, Region* region) {
   const bool intercept = needsInterception(kind, region);

@@ -7,6 +7,7 @@
 
 #include "ops/hash_containers.h"
 #include "ops/op_resolution.h"
+#include "ops/per_thread.h"
 
 namespace sac {
 namespace {
@@ -73,10 +74,8 @@ const std::string& unitName(UnitId unit) {
   return table.names.at(baseUnit(unit));
 }
 
-UnitStack& UnitStack::current() {
-  thread_local UnitStack stack;
-  return stack;
-}
+// One lookup per call: NOTE: [One lookup per thread-local object] in ops/per_thread.h.
+UnitStack& UnitStack::current() { return PerThread<UnitStack>::get(); }
 
 size_t UnitStack::push(UnitId unit) {
   units_.push_back(unit);

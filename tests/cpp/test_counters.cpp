@@ -128,6 +128,33 @@ TEST(CallTraceTest, RecordsOnlyWhileInstalledOnceEachAndNests) {
   EXPECT_STREQ(callOutcomeName(CallOutcome::kOffloaded), "offloaded");
 }
 
+// Whether a thread traces is its own: another thread installing, removing or leaving a trace
+// installed as it ends never stops this thread's trace recording.
+TEST(CallTraceTest, AThreadsTraceRecordsWhateverOtherThreadsInstallAndRemove) {
+  const OpEntry& tanh = lookupOp(c10::Dispatcher::singleton().findSchemaOrThrow("aten::tanh", ""));
+  auto mine = std::make_shared<CallTrace>();
+  auto theirs = std::make_shared<CallTrace>();
+  auto left_installed = std::make_shared<CallTrace>();
+  CallTrace::install(mine);
+  std::thread other([&] {
+    CallTrace::install(theirs);
+    traceCall(tanh, Phase::kForward, CallOutcome::kKept);
+    CallTrace::uninstall(theirs.get());
+    CallTrace::uninstall(theirs.get());  // not installed any more: changes nothing
+    traceCall(tanh, Phase::kForward, CallOutcome::kKept);
+    CallTrace::install(left_installed);  // the thread ends with it installed
+  });
+  other.join();
+  traceCall(tanh, Phase::kRecompute, CallOutcome::kServed);
+  CallTrace::uninstall(mine.get());
+  traceCall(tanh, Phase::kForward, CallOutcome::kKept);
+  EXPECT_EQ(theirs->size(), 1u);
+  EXPECT_EQ(left_installed->size(), 0u);
+  ASSERT_EQ(mine->size(), 1u);
+  EXPECT_EQ(mine->calls()[0].outcome, CallOutcome::kServed);
+  EXPECT_FALSE(tracingCalls());
+}
+
 TEST(AuditTest, CountsOpsRunUnderAnAuditActivation) {
   installInterception();
   at::Tensor x = at::ones({4});
