@@ -125,7 +125,7 @@ struct ProfileHandle : torch::CustomClassHolder {
 // --- audits, counts and the per-op trace ---------------------------------------------------------
 
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                             std::vector<int64_t>>;
+                             std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
 
 AuditRows auditColumns(const std::vector<AuditRow>& rows) {
   AuditRows columns;
@@ -135,6 +135,8 @@ AuditRows auditColumns(const std::vector<AuditRow>& rows) {
     std::get<2>(columns).push_back(static_cast<int64_t>(row.counts.executions[1]));
     std::get<3>(columns).push_back(static_cast<int64_t>(row.counts.executions[2]));
     std::get<4>(columns).push_back(static_cast<int64_t>(row.counts.hits));
+    std::get<5>(columns).push_back(static_cast<int64_t>(row.counts.never_served));
+    std::get<6>(columns).push_back(static_cast<int64_t>(row.counts.never_served_bytes));
   }
   return columns;
 }

@@ -36,7 +36,7 @@ TORCH_LIBRARY_FRAGMENT(sac, m) {
                                 regionHandleAt(marker_address, "mode_region_over").region);
         });
   m.def("mode_region_release(int address) -> ()", &releaseModeRegion);
-  m.def("mode_region_pass(int address, int which) -> ()", &modeRegionPass);
+  m.def("mode_region_pass(int address, int which) -> str", &modeRegionPass);
   // NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp), as the C ABI's
   // sac_region_forward_position and sac_region_release_unreached for a native region.
   m.def("mode_region_forward_position(int address) -> int",

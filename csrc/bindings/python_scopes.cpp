@@ -42,6 +42,33 @@ struct RegionScopeObject {
 PyTypeObject* region_scope_type = nullptr;
 // sac_plugin._mode_recompute.recompute_above_modes, set when that module is imported.
 PyObject* recompute_above_modes = nullptr;
+// sac_plugin.HeldNeverServedWarning, set when sac_plugin._scopes is imported.
+PyObject* never_served_warning = nullptr;
+
+// Whether the exception a context's __exit__ was handed ends the recompute as designed: none, or
+// torch's early stop (_StopRecomputationError), raised once every tensor saved for backward is
+// recomputed.
+bool endedAsDesigned(PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || args[0] == Py_None) return true;
+  PyObject* name = PyObject_GetAttrString(args[0], "__name__");
+  if (name == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool early_stop = PyUnicode_CompareWithASCIIString(name, "_StopRecomputationError") == 0;
+  Py_DECREF(name);
+  return early_stop;
+}
+
+// NOTE: [Served, or named] (dispatch/region.cpp): the warning a recompute left, issued where the
+// user's warning filters apply. False with the warning raised as an exception (an "error" filter).
+bool warnAboutUnservedOutputs(RegionScopeObject* scope, PyObject* const* args, Py_ssize_t nargs) {
+  if (scope->kind != ActivationKind::kRecompute) return true;
+  const std::string notice = scope->handle->region->takeNeverServedNotice();
+  // A recompute that raised has not served what it would have: its error says enough.
+  if (notice.empty() || never_served_warning == nullptr || !endedAsDesigned(args, nargs)) return true;
+  return PyErr_WarnEx(never_served_warning, notice.c_str(), 1) == 0;
+}
 
 // Raises the Python exception a C++ one stands for (the C ABI's statuses make the same choice).
 void raiseTranslated() {
@@ -148,6 +175,7 @@ PyObject* scopeExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(result);
   }
   if (!exitActivation(scope)) return nullptr;
+  if (!warnAboutUnservedOutputs(scope, args, nargs)) return nullptr;
   Py_RETURN_FALSE;
 }
 
@@ -226,11 +254,22 @@ PyObject* setRecomputeAboveModes(PyObject* /*module*/, PyObject* function) {
   Py_RETURN_NONE;
 }
 
+// set_never_served_warning(category): the warning class NOTE: [Served, or named] is issued as.
+PyObject* setNeverServedWarning(PyObject* /*module*/, PyObject* category) {
+  Py_INCREF(category);
+  PyObject* previous = never_served_warning;
+  never_served_warning = category;
+  Py_XDECREF(previous);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef module_methods[] = {
     {"new_region_scopes", newRegionScopes, METH_O, "(site_address) -> (forward, recompute) of a new region."},
     {"adopt_forward_scope", adoptForwardScope, METH_O, "(region_address) -> the forward scope, owning the handle."},
     {"set_recompute_above_modes", setRecomputeAboveModes, METH_O,
      "(function) -> None: what a recompute calls when dispatch modes are on."},
+    {"set_never_served_warning", setNeverServedWarning, METH_O,
+     "(category) -> None: the warning class for kept outputs a recompute never asked for."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

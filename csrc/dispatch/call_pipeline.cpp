@@ -59,7 +59,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   call->routing = CallInFlight::RoutingStep::kNone;
   call->written.clear();
   if (C10_UNLIKELY(op.traits.mutates_inputs || op.traits.writes_out_arguments)) {
-    call->written = writtenStorages(schema, arguments);
+    call->written = writtenStorages(op.traits, arguments);
     if (!in_recompute) region.preserveKeptOutputsIn(call->written);  // in place and out= writes alike
   }
   DataFlow& flow = region.flow();

@@ -122,7 +122,7 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   facts.casts_a_parameter = castsAParameter(op.traits, arguments);
   call.not_keepable = whyNotKeepable(op, facts);
   std::vector<WrittenStorage> written;
-  if (op.traits.mutates_inputs || op.traits.writes_out_arguments) written = writtenStorages(schema, arguments);
+  if (op.traits.mutates_inputs || op.traits.writes_out_arguments) written = writtenStorages(op.traits, arguments);
   HashSet<const c10::StorageImpl*> seen;
   for (size_t i = 0; i < num_arguments; ++i) {
     forEachTensor(arguments[i], [&](const at::Tensor& tensor) {

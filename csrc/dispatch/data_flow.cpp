@@ -51,6 +51,16 @@ namespace sac {
 // costs three atomic operations and a deferred free per storage: a tenth of the per-call cost
 // on a block of small ops.
 
+// NOTE: [A copy the region makes is named as its original]
+// An input the region offloads for its recompute comes back in a new storage: named by its
+// address, it would carry an origin nothing in the forward carried, and no call computed from it
+// would ever be served (every kept output of the layer held for nothing). The region knows which
+// tensor of the forward each copy stands for, so the copy is named as that tensor: its storage
+// takes the original storage's address as its origin, and its offset is counted as the
+// original's. The copy holds the very values the original held at the end of the forward (the
+// region refuses an input written after it, NOTE: [Offloading a layer's inputs] in offload.cpp),
+// so a call computed from it computes what its twin in the forward computed.
+
 namespace {
 
 inline void mix(uint64_t& seed, uint64_t value) {
@@ -105,6 +115,7 @@ constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
 void DataFlow::reset(uint64_t salt, size_t expected_calls) {
   origins_.clear();
   occurrences_.clear();
+  copies_.clear();
   if (expected_calls > 0) {
     // One allocation per pass instead of a rehash at every doubling; every call produces about
     // one storage.
@@ -126,10 +137,11 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
   }
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   auto found = origins_.find(storage);
-  uint64_t seed = found != origins_.end() ? found->second : mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
+  int64_t offset = impl->storage_offset();
+  uint64_t seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
-  mix(seed, (static_cast<uint64_t>(impl->storage_offset()) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
+  mix(seed, (static_cast<uint64_t>(offset) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
   c10::IntArrayRef sizes = impl->sizes();
   c10::IntArrayRef strides = impl->strides();
   for (size_t d = 0; d < sizes.size(); ++d) {
@@ -186,6 +198,24 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
   return mixed(description, earlier);
 }
 
+uint64_t DataFlow::externalOrigin(const c10::StorageImpl* storage, int64_t* offset_shift) const {
+  uintptr_t address = reinterpret_cast<uintptr_t>(storage);
+  if (C10_UNLIKELY(!copies_.empty())) {
+    auto copy = copies_.find(storage);
+    if (copy != copies_.end()) {
+      address = copy->second.original_storage;
+      *offset_shift += copy->second.offset_shift;
+    }
+  }
+  return mixed(kExternalTag, address);
+}
+
+void DataFlow::nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset) {
+  if (!copy.defined() || !copy.has_storage()) return;
+  copies_.insert_or_assign(copy.storage().unsafeGetStorageImpl(),
+                           CopyOf{reinterpret_cast<uintptr_t>(original_storage), original_offset - copy.storage_offset()});
+}
+
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   if (!was_written) {
@@ -194,7 +224,11 @@ void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_
   }
   // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
   // the origin: that address is the same in both passes.
-  auto record = origins_.try_emplace(impl, mixed(kExternalTag, reinterpret_cast<uintptr_t>(impl))).first;
+  auto record = origins_.find(impl);
+  if (record == origins_.end()) {
+    int64_t unused_shift = 0;
+    record = origins_.emplace(impl, externalOrigin(impl, &unused_shift)).first;
+  }
   record->second = mixed(record->second, origin);
 }
 

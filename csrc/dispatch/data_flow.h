@@ -50,8 +50,18 @@ class DataFlow {
   void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns,
                   const std::vector<WrittenStorage>& written);
 
+  // For the rest of this pass, `copy` (a tensor the region made anew: an offloaded input brought
+  // back for the recompute) is named as the tensor of the forward it copies, which lived at
+  // `original_offset` in the storage at `original_storage` (an address, never dereferenced; NOTE:
+  // [A copy the region makes is named as its original] in data_flow.cpp).
+  void nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset);
+
  private:
   uint64_t provenanceOf(const at::Tensor& tensor) const;
+  // The origin of a storage no intercepted call of this pass produced: its address, or the
+  // address of the storage it copies (nameCopyAs); `offset_shift` receives what to add to a
+  // tensor's offset in it.
+  uint64_t externalOrigin(const c10::StorageImpl* storage, int64_t* offset_shift) const;
   void mixValue(uint64_t& seed, const c10::IValue& value) const;
   void originate(const c10::Storage& storage, uint64_t origin, bool was_written);
 
@@ -59,6 +69,13 @@ class DataFlow {
   // kept calls by data flow]: records hold no reference to their storage).
   HashMap<const c10::StorageImpl*, uint64_t> origins_;
   HashMap<uint64_t, uint32_t> occurrences_;
+  // The region's copies named as their originals (nameCopyAs): the original storage's address
+  // and how far into it the copy's first element lived.
+  struct CopyOf {
+    uintptr_t original_storage;
+    int64_t offset_shift;
+  };
+  HashMap<const c10::StorageImpl*, CopyOf> copies_;
   uint64_t salt_ = 0;
 };
 

@@ -110,16 +110,11 @@ c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long a
 
 }  // namespace
 
-std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, const c10::IValue* arguments) {
+std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments) {
   std::vector<WrittenStorage> storages;
-  const auto& declared = schema.arguments();
-  for (size_t i = 0; i < declared.size(); ++i) {
-    const c10::AliasInfo* alias = declared[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) continue;
+  for (uint32_t i : traits.written_arguments) {
     forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
-      if (tensor.defined() && tensor.has_storage()) {
-        storages.push_back(WrittenStorage{tensor.storage(), static_cast<uint32_t>(i)});
-      }
+      if (tensor.defined() && tensor.has_storage()) storages.push_back(WrittenStorage{tensor.storage(), i});
     });
   }
   return storages;

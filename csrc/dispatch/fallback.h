@@ -33,9 +33,10 @@ InterceptionPath installInterception();
 InterceptionPath interceptionPath();
 const char* interceptionPathName(InterceptionPath path);
 
-// The storages of the arguments a call writes (in place or as out= arguments), noted before the
-// kernel consumes them; `arguments` are the call's arguments in schema order.
-std::vector<WrittenStorage> writtenStorages(const c10::FunctionSchema& schema, const c10::IValue* arguments);
+// The storages of the arguments a call writes (in place, as out= arguments, or as NOTE: [Writes
+// no schema declares] in ops/op_traits.h names them), noted before the kernel consumes them;
+// `arguments` are the call's arguments in schema order.
+std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments);
 
 // The once-per-site warning for a call the rule recomputes although the policy selected it: a
 // mutating op inside a kept unit, or a kept op's call that draws random numbers.

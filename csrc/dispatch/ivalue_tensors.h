@@ -1,7 +1,7 @@
 #pragma once
-// Op arguments and results hold tensors as a Tensor or a Tensor[] (split, _foreach_*); every
-// place that looks at "the tensors of a value" goes through this one visitor. And the one way the
-// plugin holds a tensor without its autograd history.
+// Op arguments and results hold tensors as a Tensor, a Tensor[] (split, _foreach_*) or a
+// Tensor[][] (c10d's allgather_); every place that looks at "the tensors of a value" goes through
+// this one visitor. And the one way the plugin holds a tensor without its autograd history.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -16,6 +16,12 @@ void forEachTensor(const c10::IValue& value, Visit visit) {
     // Through the list's IValues, by reference: toTensorList().vec() would copy every tensor,
     // and a copy of a tensor Python holds retains its PyObject, which takes the GIL.
     for (const c10::IValue& element : value.toListRef()) visit(element.toTensor());
+  } else if (C10_UNLIKELY(value.isList())) {
+    // Tensor[][] (c10d's allgather_ outputs): each element a Tensor[]. Other lists hold no tensor.
+    for (const c10::IValue& element : value.toListRef()) {
+      if (!element.isTensorList()) return;
+      for (const c10::IValue& tensor : element.toListRef()) visit(tensor.toTensor());
+    }
   }
 }
 

@@ -349,7 +349,7 @@ void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& 
   sac::finishCall(*mode.region, mode.pending, op.handle.schema(), stack, stack.size());
 }
 
-void modeRegionPass(int64_t address, int64_t pass) {
+std::string modeRegionPass(int64_t address, int64_t pass) {
   ModeRegion& mode = modeRegion(address);
   mode.pending_op = nullptr;  // a kernel that raised leaves its call unfinished
   mode.pending.written.clear();
@@ -357,23 +357,24 @@ void modeRegionPass(int64_t address, int64_t pass) {
     case kBeginForward:
       mode.recompute = false;
       mode.region->beginForward();
-      return;
+      return {};
     case kEndForward:
       mode.region->endForward();
-      return;
+      return {};
     case kBeginRecompute:
       mode.recompute = true;
       mode.region->beginRecompute();
-      return;
+      return {};
     case kEndRecompute:
       mode.region->endRecompute(/*keep_entries=*/currentBackwardKeepsGraph());
       mode.recompute = false;
-      return;
+      return mode.region->takeNeverServedNotice();
     default:
       TORCH_CHECK_VALUE(false,
                         "sac: mode_region_pass takes 0 to 3 (begin forward, end forward, begin recompute, "
                         "end recompute), got ",
                         pass);
+      return {};
   }
 }
 

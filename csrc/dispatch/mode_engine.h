@@ -45,7 +45,9 @@ int64_t newModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> mar
 int64_t modeRegionOver(c10::intrusive_ptr<Region> native, c10::intrusive_ptr<Region> marker);
 void releaseModeRegion(int64_t address);
 Region& modeRegionRegion(int64_t address);
-void modeRegionPass(int64_t address, int64_t pass);
+// Returns, at the end of a recompute, the warning NOTE: [Served, or named] (region.cpp) left for
+// the user (empty if none): the caller issues it.
+std::string modeRegionPass(int64_t address, int64_t pass);
 
 // (action, the call's identity, the served tensors, each return's tensor count). The identity
 // lets Python store the non-tensor values a kept call returned, and find them when it is served.

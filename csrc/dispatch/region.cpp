@@ -163,7 +163,7 @@ void Region::offload(KeptOutputs& kept) {
     bytes += sac::offloadedBytes(tensor);
   }
   if (!on_accelerator) {
-    if (site_->claimOffloadNotice(Site::OffloadNotice::kRunsOnCpu)) {
+    if (site_->claimNotice(Site::Notice::kRunsOnCpu)) {
       SAC_WARN_USER("sac: ", name,
                     " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
                     "they are, in host memory already; offloading moves outputs off an accelerator (said once per "
@@ -172,7 +172,7 @@ void Region::offload(KeptOutputs& kept) {
     return;
   }
   if (!copyable) {
-    if (site_->claimOffloadNotice(Site::OffloadNotice::kCannotCopy)) {
+    if (site_->claimNotice(Site::Notice::kCannotCopy)) {
       SAC_WARN_USER("sac: the outputs of ", name,
                     " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
                     "that overlap or share storage), so they are kept on the device (said once per checkpoint site)");
@@ -190,7 +190,7 @@ void Region::offload(KeptOutputs& kept) {
     c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(value.toTensor()), policy.hostMemoryLimit());
     if (!buffer) {
       for (c10::Storage& taken : buffers) returnPinnedBuffer(std::move(taken));
-      if (site_->claimOffloadNotice(Site::OffloadNotice::kHostLimitReached)) {
+      if (site_->claimNotice(Site::Notice::kHostLimitReached)) {
         SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
                       " bytes is reached: the "
                       "offload pool cannot hold the outputs of ",
@@ -273,11 +273,13 @@ std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, cons
         held.offloaded = OffloadedTensor::start(tensor, std::move(buffer));
         held.offloaded.setSavedVersion(held.saved_version);
         held.is_offloaded = true;
+        held.original_storage = tensor.storage().unsafeGetStorageImpl();
+        held.original_offset = tensor.storage_offset();
         offloaded_input_bytes_ += held.offloaded.bytes();
         any_offloaded_ = true;
         offloaded[i] = true;
       } else if (notice != nullptr && notice->empty() &&
-                 site_->claimOffloadNotice(Site::OffloadNotice::kHostLimitReached)) {
+                 site_->claimNotice(Site::Notice::kHostLimitReached)) {
         *notice = c10::str("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
                            " bytes is reached: "
                            "the offload pool cannot hold ",
@@ -313,7 +315,13 @@ std::vector<at::Tensor> Region::takeInputs() {
   std::vector<at::Tensor> tensors;
   tensors.reserve(inputs_.size());
   for (HeldInput& input : inputs_) {
-    tensors.push_back(input.is_offloaded ? input.offloaded.take(!consume_served_) : input.on_device);
+    if (!input.is_offloaded) {
+      tensors.push_back(input.on_device);
+      continue;
+    }
+    tensors.push_back(input.offloaded.take(!consume_served_));
+    // NOTE: [A copy the region makes is named as its original] (data_flow.cpp)
+    flow_.nameCopyAs(tensors.back(), input.original_storage, input.original_offset);
   }
   if (consume_served_) {
     inputs_.clear();
@@ -654,9 +662,50 @@ void Region::beginRecompute() {
   }
 }
 
+// NOTE: [Served, or named]
+// A kept (or offloaded) output costs memory from the forward to the backward; it pays for itself
+// only when the recompute is served it. One the recompute never asked for (its call was named
+// differently in the two passes: an argument came from a tensor the region cannot name, made
+// outside its intercepted calls) was held for nothing and its call ran again. That must never
+// pass in silence: at the end of every recompute that frees what it holds, each such output is
+// counted (the audit's never_served calls and bytes, per op), and the first recompute of a
+// checkpoint site that finds any leaves a warning naming the layer, each call, its unit and the
+// bytes, which the scope closing the recompute issues as a HeldNeverServedWarning. Outputs the
+// recompute never reaches by design (torch's early stop, NOTE: [Kept outputs the recompute never
+// reaches]) are released before the backward and are not counted.
 void Region::endRecompute(bool keep_entries) {
   flow_.reset(++passes_, 0);
   if (keep_entries) return;
+  int64_t unserved_calls = 0;
+  int64_t unserved_bytes = 0;
+  std::string unserved_names;
+  for (auto& [key, kept] : kept_) {
+    if (kept.consumed || kept.released || kept.outputs.empty()) continue;
+    int64_t bytes = 0;
+    for (const c10::IValue& value : kept.outputs) {
+      forEachTensor(value, [&](const at::Tensor& tensor) {
+        if (tensor.defined() && tensor.has_storage()) bytes += static_cast<int64_t>(tensor.storage().nbytes());
+      });
+    }
+    for (const auto& [slot, offloaded] : kept.offloaded) bytes += offloaded.bytes();
+    kept.op->counters.recordNeverServed(static_cast<uint64_t>(bytes));
+    ++unserved_calls;
+    unserved_bytes += bytes;
+    if (unserved_calls <= 8) {
+      unserved_names += c10::str(unserved_calls > 1 ? "; " : "", kept.op->traits.qualified_name, ", call ",
+                                 kept.ordinal, unitSuffix(kept.unit, !kept.offloaded.empty()));
+    }
+  }
+  if (unserved_calls > 0 && site_->claimNotice(Site::Notice::kHeldNeverServed)) {
+    never_served_notice_ = c10::str(
+        "sac: ", site_->label(), " held the outputs of ", unserved_calls, " call", unserved_calls > 1 ? "s" : "",
+        " (", unserved_bytes, " bytes) from its forward to its backward, and its recompute never asked for them: ",
+        unserved_names, unserved_calls > 8 ? "; ..." : "",
+        ". Those calls ran again. The recompute named them differently from the forward: an argument came from a "
+        "tensor the region cannot name, made outside its intercepted calls (a constant built without the "
+        "dispatcher, a value a cache kept from the forward, a copy made outside the region). sac_plugin.audit() "
+        "counts them per op (never_served); warned once per checkpoint site");
+  }
   if (holds_inputs_ && !inputs_.empty()) {
     dropInputs();
     inputs_consumed_ = true;

@@ -134,8 +134,13 @@ class Region : public c10::intrusive_ptr_target {
   void beginRecompute();
   // Starts copying back every offloaded output still on the host (a prefetch).
   void fetchOffloaded();
-  // Frees every kept output unless the backward keeps its graph (retain_graph=True).
+  // Frees every kept output unless the backward keeps its graph (retain_graph=True); counts the
+  // ones the recompute never asked for and, once per site, words the warning that names them
+  // (NOTE: [Served, or named] in region.cpp), which takeNeverServedNotice hands over.
   void endRecompute(bool keep_entries);
+  // The warning the last recompute left for the user, once per checkpoint site; empty if none.
+  // The caller issues it where the user's warning filters apply (a HeldNeverServedWarning).
+  std::string takeNeverServedNotice() { return std::exchange(never_served_notice_, std::string()); }
 
   void setUnitsAroundForward(const std::vector<UnitId>& units) { units_around_forward_ = units; }
   const std::vector<UnitId>& unitsAroundForward() const { return units_around_forward_; }
@@ -226,6 +231,10 @@ class Region : public c10::intrusive_ptr_target {
     OffloadedTensor offloaded;
     int64_t saved_version = -1;  // for the held alias; the offloaded tensor keeps its own
     bool is_offloaded = false;
+    // Where the input lived in the forward, for naming its copy as the input (NOTE: [A copy the
+    // region makes is named as its original] in data_flow.cpp): an address, never dereferenced.
+    const c10::StorageImpl* original_storage = nullptr;
+    int64_t original_offset = 0;
   };
   // Frees the held inputs (their host buffers back to the pool).
   void dropInputs();
@@ -264,6 +273,7 @@ class Region : public c10::intrusive_ptr_target {
   uint64_t forward_position_ = 0;
   size_t left_to_serve_ = 0;
   size_t calls_per_pass_ = 0;  // calls the forward named: what the recompute's records reserve
+  std::string never_served_notice_;
   bool consume_served_ = true;
 };
 

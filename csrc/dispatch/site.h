@@ -46,11 +46,12 @@ class Site {
 
   // True once per site and op: the caller warns then (a selected call the rule recomputes).
   bool claimWarning(const OpEntry& op);
-  // True once per site and notice: the caller says then why an offloaded call stays on the device.
-  enum class OffloadNotice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2 };
-  bool claimOffloadNotice(OffloadNotice notice) {
+  // True once per site and notice: the caller says then why an offloaded call stays on the device,
+  // or which kept outputs the recompute never asked for (NOTE: [Served, or named] in region.cpp).
+  enum class Notice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2, kHeldNeverServed = 3 };
+  bool claimNotice(Notice notice) {
     const uint8_t bit = static_cast<uint8_t>(uint8_t{1} << static_cast<int>(notice));
-    return (offload_notices_.fetch_or(bit) & bit) == 0;
+    return (notices_.fetch_or(bit) & bit) == 0;
   }
 
   // How many calls a forward of a region of this site named last time: a sizing hint for the
@@ -61,7 +62,7 @@ class Site {
  private:
   std::shared_ptr<const Policy> policy_;
   std::string label_;
-  std::atomic<uint8_t> offload_notices_{0};
+  std::atomic<uint8_t> notices_{0};
   std::atomic<size_t> calls_per_pass_hint_{0};
   std::atomic<bool> any_never_reached_{false};
   mutable std::mutex mutex_;  // guards warned_ and never_reached_

@@ -21,6 +21,10 @@ const char* phaseName(Phase phase);
 struct CounterSnapshot {
   std::array<uint64_t, kNumPhases> executions{};
   uint64_t hits = 0;  // kept outputs served in the recompute instead of running the kernel
+  // Kept (or offloaded) outputs held from the forward to the backward and freed unserved (NOTE:
+  // [Served, or named] in dispatch/region.cpp), and the bytes they held.
+  uint64_t never_served = 0;
+  uint64_t never_served_bytes = 0;
 
   uint64_t totalExecutions() const;
   CounterSnapshot minus(const CounterSnapshot& earlier) const;
@@ -32,6 +36,8 @@ struct CounterSnapshot {
 struct CountSlot {
   std::array<std::atomic<uint64_t>, kNumPhases> executions{};
   std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> never_served{0};
+  std::atomic<uint64_t> never_served_bytes{0};
 
   CounterSnapshot snapshot() const;
 };
@@ -102,6 +108,16 @@ class OpCounters {
       addOwn(table->slot(id_).hits, 1);
     } else {
       shared_.hits.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  void recordNeverServed(uint64_t bytes) {
+    if (ThreadCounts* table = ownTable()) {
+      CountSlot& counts = table->slot(id_);
+      addOwn(counts.never_served, 1);
+      addOwn(counts.never_served_bytes, bytes);
+    } else {
+      shared_.never_served.fetch_add(1, std::memory_order_relaxed);
+      shared_.never_served_bytes.fetch_add(bytes, std::memory_order_relaxed);
     }
   }
   // A call first counted as a recompute execution turned out to be served (the dispatch-mode

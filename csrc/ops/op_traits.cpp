@@ -41,6 +41,13 @@ constexpr std::array<std::string_view, 3> kCollectiveNamespaces = {"c10d", "_c10
 constexpr std::array<std::string_view, 5> kUninitialisedAllocations = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"};
 
+const UnannotatedWrite* findUnannotatedWrite(std::string_view base_name) {
+  for (const UnannotatedWrite& entry : unannotatedWrites()) {
+    if (entry.op == base_name) return &entry;
+  }
+  return nullptr;
+}
+
 template <size_t N>
 bool contains(const std::array<std::string_view, N>& values, std::string_view value) {
   for (std::string_view v : values) {
@@ -50,6 +57,47 @@ bool contains(const std::array<std::string_view, N>& values, std::string_view va
 }
 
 }  // namespace
+
+// NOTE: [Writes no schema declares] (op_traits.h)
+const std::vector<UnannotatedWrite>& unannotatedWrites() {
+  static const std::vector<UnannotatedWrite> table = {
+      {"c10d::allreduce_", {"tensors"}},
+      {"c10d::allreduce_coalesced_", {"tensors"}},
+      {"c10d::broadcast_", {"tensors"}},
+      {"c10d::reduce_", {"tensors"}},
+      {"c10d::recv_", {"tensors"}},
+      {"c10d::recv_any_source_", {"tensors"}},
+      {"c10d::allgather_", {"output_tensors"}},
+      {"c10d::allgather_coalesced_", {"output_lists"}},
+      {"c10d::allgather_into_tensor_coalesced_", {"outputs"}},
+      {"c10d::_allgather_base_", {"output_tensor"}},
+      {"c10d::gather_", {"output_tensors"}},
+      {"c10d::scatter_", {"output_tensors"}},
+      {"c10d::reduce_scatter_", {"output_tensors"}},
+      {"c10d::reduce_scatter_tensor_coalesced_", {"outputs"}},
+      {"c10d::_reduce_scatter_base_", {"output_tensor"}},
+      {"c10d::alltoall_", {"output_tensors"}},
+      {"c10d::alltoall_base_", {"output"}},
+      {"inductor::accumulate_grad_", {"variable"}},
+      {"inductor::resize_storage_bytes_", {"variable"}},
+      // Read only: a send, barriers whose tensor only names the device, a NaN check.
+      {"c10d::send", {}},
+      {"c10d::barrier", {}},
+      {"c10d::monitored_barrier_", {}},
+      {"c10d::check_for_nan", {}},
+  };
+  return table;
+}
+
+bool namedAsWritingWithoutMarks(const c10::OperatorHandle& op) {
+  const c10::FunctionSchema& schema = op.schema();
+  for (const c10::Argument& arg : schema.arguments()) {
+    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) return false;
+  }
+  const std::string& name = schema.name();
+  const bool trailing_underscore = name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_';
+  return name.rfind("c10d::", 0) == 0 || trailing_underscore;
+}
 
 std::string qualifiedOpName(const std::string& name, const std::string& overload) {
   return overload.empty() ? name : name + "." + overload;
@@ -69,13 +117,25 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
       traits.dropout_p_argument = static_cast<int>(i);
     }
   }
-  for (const c10::Argument& arg : schema.arguments()) {
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::Argument& arg = schema.arguments()[i];
     const c10::AliasInfo* alias = arg.alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
+    traits.written_arguments.push_back(static_cast<uint32_t>(i));
     if (arg.is_out()) {
       traits.writes_out_arguments = true;
     } else {
       traits.mutates_inputs = true;
+    }
+  }
+  if (traits.written_arguments.empty()) {
+    if (const UnannotatedWrite* unmarked = findUnannotatedWrite(traits.base_name)) {
+      for (size_t i = 0; i < schema.arguments().size(); ++i) {
+        for (std::string_view written : unmarked->written) {
+          if (schema.arguments()[i].name() == written) traits.written_arguments.push_back(static_cast<uint32_t>(i));
+        }
+      }
+      traits.mutates_inputs = !traits.written_arguments.empty();
     }
   }
   if (!traits.mutates_inputs && !traits.writes_out_arguments) {

@@ -1,7 +1,9 @@
 #pragma once
 // What the policy needs to know about an op overload, read once from its schema and tags.
 
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace c10 {
@@ -29,6 +31,9 @@ struct OpTraits {
   bool mutates_inputs = false;
   // Writes only its out= arguments; for the policy it behaves like the functional op.
   bool writes_out_arguments = false;
+  // The arguments the op writes, in schema order: those its schema annotates as written, and
+  // those NOTE: [Writes no schema declares] names (unannotatedWrites).
+  std::vector<uint32_t> written_arguments;
   // Returns an alias of an input. Keeping a view pins its base and breaks aliasing in the
   // recompute, while recomputing it costs nothing, so units never keep views.
   bool is_view = false;
@@ -49,6 +54,27 @@ struct OpTraits {
 };
 
 OpTraits classifyOp(const c10::OperatorHandle& op);
+
+// NOTE: [Writes no schema declares]
+// An op's schema marks the arguments it writes with an alias annotation (`Tensor(a!) self`), and
+// every write the plugin sees is read from those marks: what a kept output written in the forward
+// preserves, and how the data flow names a storage after a write. c10d's in-place collectives
+// (`c10d::allreduce_(Tensor[] tensors, ...)`, which `dist.all_reduce(t)` calls) and a few other ops
+// write their tensor arguments without the mark. Unseen, such a write corrupts gradients in
+// silence: a kept `mm` whose output the forward then all-reduces in place (row-parallel tensor
+// parallelism) would be served the reduced value, and reduced again in the recompute. So every op
+// registered without marks whose name says it writes (the c10d namespace, a trailing underscore)
+// is listed here with the arguments it writes, or with none where it writes nothing (barriers, a
+// NaN check); a test checks every such op registered in the running torch against this table.
+struct UnannotatedWrite {
+  std::string_view op;                          // base name: every overload
+  std::vector<std::string_view> written;        // argument names; empty: writes nothing
+};
+const std::vector<UnannotatedWrite>& unannotatedWrites();
+
+// Whether an op's name says it writes (c10d's namespace, or a trailing underscore) although its
+// schema marks no argument as written: such an op must be in unannotatedWrites().
+bool namedAsWritingWithoutMarks(const c10::OperatorHandle& op);
 
 // The ops (base names, every overload) that are never counted; the native path lets them skip
 // the key (NOTE: [Calls that never count skip the key] in fallback.cpp).

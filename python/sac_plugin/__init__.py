@@ -22,6 +22,7 @@ from .policy import Policy, resolve_kept_ops  # noqa: E402
 from ._oom import install_oom_observer  # noqa: E402
 from ._report import Report, report, trace  # noqa: E402
 from ._trace import TraceEntry  # noqa: E402
+from ._warnings import HeldNeverServedWarning  # noqa: E402
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap  # noqa: E402
 from .units import RecomputeUnit, in_recompute_unit, open_units, recompute_unit  # noqa: E402
 
@@ -29,6 +30,7 @@ __all__ = [
     "Audit",
     "AuditRow",
     "ConfigError",
+    "HeldNeverServedWarning",
     "KeptCallables",
     "KeptOps",
     "Plan",

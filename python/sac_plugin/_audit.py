@@ -35,6 +35,10 @@ class AuditRow(NamedTuple):
         recompute: Its executions in recomputes.
         backward: Its executions in the backward, recomputes left out.
         hits: Its kept outputs served to a recompute instead of running.
+        never_served: Its kept (or offloaded) outputs held from the forward to the backward that
+            the recompute never asked for, and freed unused: each is also named once per
+            checkpoint site by a `HeldNeverServedWarning`.
+        never_served_bytes: The bytes those outputs held.
     """
 
     op: str
@@ -42,6 +46,8 @@ class AuditRow(NamedTuple):
     recompute: int
     backward: int
     hits: int
+    never_served: int = 0
+    never_served_bytes: int = 0
 
 
 class Audit:
@@ -116,8 +122,7 @@ class Audit:
         """
         if self._handle is None:
             raise RuntimeError("sac_plugin: the audit has not started; use it as `with audit() as a:`")
-        names, forward, recompute, backward, hits = self._handle.rows()
-        return [AuditRow(*values) for values in zip(names, forward, recompute, backward, hits)]
+        return [AuditRow(*values) for values in zip(*self._handle.rows())]
 
     def _matching(self, op) -> list[AuditRow]:
         wanted = set(torch.ops.sac.overloads_of(op_spelling(op, "audit: op")))
@@ -155,6 +160,22 @@ class Audit:
             RuntimeError: The audit has not started.
         """
         return sum(row.hits for row in self._matching(op))
+
+    def never_served(self, op=None) -> int:
+        """How many kept (or offloaded) outputs were held for a recompute that never asked for
+        them (NOTE: [Served, or named] in csrc/dispatch/region.cpp).
+
+        Args:
+            op: The op: a name (every overload) or an overload; None: every op.
+
+        Returns:
+            The calls counted.
+
+        Raises:
+            RuntimeError: The audit has not started.
+        """
+        rows = self.rows() if op is None else self._matching(op)
+        return sum(row.never_served for row in rows)
 
     def table(self) -> str:
         """The counts of every op, one line each.

@@ -25,10 +25,12 @@ under other modes (_mode_recompute.py).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._warnings import HeldNeverServedWarning
 from ._mode_calls import (
     ModeAction,
     ModePass,
@@ -101,9 +103,13 @@ class _PassMode(TorchDispatchMode):
             return super().__exit__(*exc_info)
         finally:
             with no_python_dispatch():
-                torch.ops.sac.mode_region_pass(
+                notice = torch.ops.sac.mode_region_pass(
                     self._address, ModePass.END_RECOMPUTE if self._recompute else ModePass.END_FORWARD
                 )
+            # NOTE: [Served, or named] (csrc/dispatch/region.cpp); a recompute that raised (other
+            # than torch's early stop) has not served what it would have, and its error says enough.
+            if notice and (exc_info[0] is None or exc_info[0].__name__ == "_StopRecomputationError"):
+                warnings.warn(notice, HeldNeverServedWarning, stacklevel=2)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -328,8 +328,7 @@ class Report:
 
     def _pass_done(self, scope, audit) -> None:
         layer = self.layers.setdefault(scope._layer, Breakdown(scope._layer))
-        names, forward, recompute, backward, hits = audit.rows()
-        layer.add_rows(AuditRow(*values) for values in zip(names, forward, recompute, backward, hits))
+        layer.add_rows(AuditRow(*values) for values in zip(*audit.rows()))
         if scope._phase == "forward":
             layer.calls += 1
             layer.kept_calls += scope._kept_calls()
@@ -371,8 +370,7 @@ class Report:
         layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
-        names, forward, recompute, backward, hits = audit.rows()
-        breakdown.add_rows(AuditRow(*values) for values in zip(names, forward, recompute, backward, hits))
+        breakdown.add_rows(AuditRow(*values) for values in zip(*audit.rows()))
         if phase == "forward":
             breakdown.calls += 1
             breakdown.kept_calls += kept_calls() - kept_before

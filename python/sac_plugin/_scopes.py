@@ -6,6 +6,7 @@ csrc/bindings/c_api.h). Both run the same checks and state changes as the torchb
 from __future__ import annotations
 
 from . import _native
+from ._warnings import HeldNeverServedWarning
 
 _ERRORS = {_native.ScopeStatus.RUNTIME_ERROR: RuntimeError, _native.ScopeStatus.VALUE_ERROR: ValueError}
 
@@ -70,6 +71,8 @@ class RegionReference:
 RegionScope = _native.scope_types.RegionScope
 new_region_scopes = _native.scope_types.new_region_scopes
 set_recompute_above_modes = _native.scope_types.set_recompute_above_modes
+# What a recompute scope warns with when its region held outputs the recompute never asked for.
+_native.scope_types.set_never_served_warning(HeldNeverServedWarning)
 
 
 def enter_marker(address: int, recompute: int) -> int:

@@ -33,10 +33,10 @@ TEST_F(SiteTest, WarningsAreClaimedOncePerSiteNotPerPolicy) {
   EXPECT_TRUE(first.claimWarning(add_));
   EXPECT_FALSE(first.claimWarning(add_));
   EXPECT_TRUE(second.claimWarning(add_));
-  EXPECT_TRUE(first.claimOffloadNotice(Site::OffloadNotice::kHostLimitReached));
-  EXPECT_FALSE(first.claimOffloadNotice(Site::OffloadNotice::kHostLimitReached));
-  EXPECT_TRUE(first.claimOffloadNotice(Site::OffloadNotice::kRunsOnCpu));
-  EXPECT_TRUE(second.claimOffloadNotice(Site::OffloadNotice::kHostLimitReached));
+  EXPECT_TRUE(first.claimNotice(Site::Notice::kHostLimitReached));
+  EXPECT_FALSE(first.claimNotice(Site::Notice::kHostLimitReached));
+  EXPECT_TRUE(first.claimNotice(Site::Notice::kRunsOnCpu));
+  EXPECT_TRUE(second.claimNotice(Site::Notice::kHostLimitReached));
 }
 
 // What one site learns about the recompute's reach applies to its own regions only: a second

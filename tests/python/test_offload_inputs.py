@@ -75,6 +75,41 @@ report(
     }
 
 
+# Each selection, with the inputs offloaded: the recompute runs on the inputs brought back, which
+# are named as the forward's (NOTE: [A copy the region makes is named as its original] in
+# csrc/dispatch/data_flow.cpp), so every call the selection holds is served as without offload.
+SELECTIONS = {
+    "kept op": "kept_ops=['aten::addmm']",
+    "offloaded op": "offloaded_ops=['aten::addmm'], offload_min_bytes=0",
+    "every nth call": "every_nth_op={'aten::addmm': 2}",
+    "kept call": "kept_calls={'aten::addmm': [1]}",
+}
+
+
+@accelerator
+@pytest.mark.parametrize("selection", list(SELECTIONS.values()), ids=list(SELECTIONS))
+@engines
+def test_every_selection_is_served_with_the_inputs_offloaded_as_without(engine, selection):
+    values = _on_accelerator(
+        f"""
+reference, rx = model_and_input()
+forward(reference, rx).backward()
+served = {{}}
+for offload in (False, True):
+    model, x = checkpointed(Policy({selection}, offload_inputs=offload))
+    with sac_plugin.audit() as audit:
+        step(model, x)
+    served[str(offload)] = [audit.hits("aten::addmm"), same(gradients(reference, rx), gradients(model, x))]
+report(engine=sac_plugin.engine(), served=served)
+""",
+        engine,
+    )
+    without = values["served"]["False"]
+    assert without[0] > 0, "the selection holds nothing: the comparison proves nothing"
+    assert values == {"engine": engine, "served": {"False": without, "True": without}}
+    assert without[1] is True
+
+
 @accelerator
 @engines
 def test_the_recompute_fetches_the_next_layers_input_ahead(engine):
