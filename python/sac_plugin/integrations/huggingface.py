@@ -45,6 +45,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -56,12 +57,12 @@ from .._logging import describe_layers
 from .._logging import logger as _logger
 from ..checkpointing import context_fn
 from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
-from ..planner import Plan, plan
-from ..planner._split import split, total_budget_bytes
-from ..planner._apply import _capture_inputs, layer_signature
 from .._validation import bounded_repr, describe_value
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
 from ..units import RecomputeUnit
+
+if TYPE_CHECKING:
+    from ..planner import Plan
 
 __all__ = [
     "apply_recompute_config",
@@ -129,15 +130,31 @@ HF_TARGET_MAPS: Mapping[str, RecomputeTargetMap] = {
 }
 
 
+def _unwrapped(model):
+    """The transformers model inside a PEFT model (peft's get_base_model(): the model its adapters
+    were injected into, so that its layers hold them), told without importing peft; any other
+    object as given."""
+    if isinstance(model, nn.Module) and type(model).__module__.startswith("peft."):
+        get_base_model = getattr(type(model), "get_base_model", None)
+        if callable(get_base_model):
+            base = get_base_model(model)
+            if isinstance(base, nn.Module) and base is not model:
+                return base
+    return model
+
+
 def is_hf_model(model) -> bool:
-    """Whether `model` is a transformers model, told without importing transformers.
+    """Whether `model` is a transformers model, or a PEFT model of one, told without importing
+    transformers or peft.
 
     Args:
         model: Any object.
 
     Returns:
-        True for an `nn.Module` from transformers with a config that names its model_type.
+        True for an `nn.Module` from transformers with a config that names its model_type, or a
+            PEFT model (LoRA, ...) whose base model is one.
     """
+    model = _unwrapped(model)
     return (
         isinstance(model, nn.Module)
         and type(model).__module__.startswith("transformers.")
@@ -155,7 +172,7 @@ def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     one derived from its layers (derived_target_map).
 
     Args:
-        model: The transformers model.
+        model: The transformers model, or a PEFT model of one.
 
     Returns:
         The model's target map.
@@ -163,6 +180,7 @@ def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     Raises:
         ConfigError: No map ships for the model type, and none can be derived.
     """
+    model = _unwrapped(model)
     model_type = _model_type(model)
     if model_type in HF_TARGET_MAPS:
         return HF_TARGET_MAPS[model_type]
@@ -282,7 +300,7 @@ def derived_target_map(model: nn.Module, layers: list[nn.Module] | None = None) 
     how); units found in no layer are absent. Logged at INFO once per model class.
 
     Args:
-        model: The transformers model.
+        model: The transformers model, or a PEFT model of one.
         layers: The layers to derive from; None: `decoder_layers(model)`.
 
     Returns:
@@ -291,6 +309,7 @@ def derived_target_map(model: nn.Module, layers: list[nn.Module] | None = None) 
     Raises:
         ConfigError: The layers have no attention, MLP or norm children, or no layers are found.
     """
+    model = _unwrapped(model)
     layers = decoder_layers(model) if layers is None else layers
     moe = _declares_experts(model)
     paths: dict[RecomputeUnit, list[str]] = {}
@@ -335,7 +354,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     of one class. Never embeddings or heads.
 
     Args:
-        model: The transformers model.
+        model: The transformers model, or a PEFT model of one.
 
     Returns:
         The layers, first to last.
@@ -343,6 +362,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     Raises:
         ConfigError: The model has neither.
     """
+    model = _unwrapped(model)
     layers, outer = [], []
     for name, module in model.named_modules():
         if _is_checkpointing_layer(module) and not any(name.startswith(prefix + ".") for prefix in outer):
@@ -390,14 +410,17 @@ def _enable_through_transformers(model: nn.Module, config: RecomputeConfig, sele
     """Turns transformers' own checkpointing on first, through its entry point
     (activation_checkpointing_enable; gradient_checkpointing_enable before transformers renamed
     it), with every_n_layers as the config's layer rule says, so that whatever transformers does
-    when checkpointing is enabled (the model's own override of it, the input embeddings made to
-    require grad for frozen ones, its flags) is done. The caller then hands each selected layer
+    when checkpointing is enabled (the model's own override of it, its flags) is done. The caller then hands each selected layer
     its own policy. Every other module transformers turned on is turned off again: the config's
     selection is what is checkpointed. A model that transformers says cannot be checkpointed but
-    whose layers have the hook (JetMoE) is left to that hook alone. Returns whether the input
-    embeddings' hook was added (removed again with the rest)."""
+    whose layers have the hook (JetMoE) is left to that hook alone.
+
+    The forward hook transformers puts on the input embeddings (enable_input_require_grads) is
+    removed again: it makes their output require grad for reentrant checkpointing, and the
+    plugin's checkpoint is never reentrant. Being a local function, it would also make the model
+    unpicklable (torch.save(model)). A hook the model had before is left."""
     if getattr(model, "supports_gradient_checkpointing", None) is not True:
-        return False
+        return
     hooked = "_require_grads_hook" in vars(model)
     every = config.every_nth_layer if config.first_layer == 0 and config.layer_ratio is None else 1
     kwargs = {"use_reentrant": False}  # each selected layer's own function replaces this one
@@ -413,14 +436,78 @@ def _enable_through_transformers(model: nn.Module, config: RecomputeConfig, sele
         module.gradient_checkpointing = False
         del vars(module)["_gradient_checkpointing_func"]
         module._sac_undo = functools.partial(_undo, module, True)
-    return not hooked and "_require_grads_hook" in vars(model)
+    if not hooked and "_require_grads_hook" in vars(model):
+        model.disable_input_require_grads()
 
 
-def _undo_model(model: nn.Module, hook_added: bool) -> None:
+def _undo_model(model: nn.Module) -> None:
     _undo(model.base_model, False)
     vars(model.base_model).pop("_gradient_checkpointing_func", None)
-    if hook_added and "_require_grads_hook" in vars(model):
-        model.disable_input_require_grads()
+    for name in _ENABLE_NAMES:
+        if isinstance(vars(model).get(name), _KeepTheConfig):
+            del vars(model)[name]
+
+
+# transformers' entry points to its checkpointing: activation_checkpointing_enable, and
+# gradient_checkpointing_enable before transformers renamed it.
+_ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+
+
+class _KeepTheConfig:
+    """model.activation_checkpointing_enable after apply_recompute_config: transformers' Trainer
+    (TrainingArguments(gradient_checkpointing=True)) calls it on the model it trains, and
+    transformers' own would hand every layer torch's full recompute in place of the plugin's
+    policy. Called as the Trainer calls it (no kwargs, or use_reentrant=False alone; every layer;
+    no offload), checkpointing is on already and the layers keep the plugin's config; called
+    asking for anything else, it raises, naming the fix. Once transformers has turned the
+    plugin's layers off (activation_checkpointing_disable()), it is transformers' own again. An
+    object holding its model (not a closure), so that the model pickles and a copy gets one bound
+    to the copy."""
+
+    __slots__ = ("model", "name")
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model, self.name = model, name
+
+    def __reduce__(self):
+        return (_KeepTheConfig, (self.model, self.name))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        layers = [module for module in model.modules() if "_sac_policy" in vars(module)]
+        if not layers or any(_disabled_by_transformers(layer) for layer in layers):
+            # The config is no longer on: transformers' own checkpointing, as asked.
+            for module in model.modules():
+                if _disabled_by_transformers(module):
+                    module._sac_undo()
+            vars(model).pop(self.name, None)
+            return getattr(type(model), self.name)(model, *args, **kwargs)
+        names = ("activation_checkpointing_kwargs", "every_n_layers", "offload")
+        given = {**dict(zip(names, args)), **kwargs}
+        if "gradient_checkpointing_kwargs" in given:
+            given["activation_checkpointing_kwargs"] = given.pop("gradient_checkpointing_kwargs")
+        checkpoint_kwargs = given.get("activation_checkpointing_kwargs")
+        if (
+            len(args) <= len(names)
+            and set(given) <= set(names)
+            and checkpoint_kwargs in (None, {}, {"use_reentrant": False})
+            and given.get("every_n_layers", 1) == 1
+            and given.get("offload", False) is False
+        ):
+            _logger.info(
+                "%s.%s: the layers stay checkpointed by the config given to apply_recompute_config",
+                type(model).__name__,
+                self.name,
+            )
+            return None
+        asked = ", ".join([*(bounded_repr(a) for a in args), *(f"{k}={bounded_repr(v)}" for k, v in kwargs.items())])
+        raise ValueError(
+            f"sac_plugin: {type(model).__name__}.{self.name}({asked}): the model's layers are checkpointed by the "
+            "config given to sac_plugin.apply_recompute_config, which these arguments would replace; it accepts "
+            "no kwargs (or use_reentrant=False alone), every_n_layers=1 and offload=False, which keep that config. "
+            "Say what to keep, offload and checkpoint in the RecomputeConfig (every_nth_layer, offloaded_units), "
+            "or call sac_plugin.remove_checkpointing(model) first to use transformers' own checkpointing"
+        )
 
 
 def _check_model(model, where: str) -> None:
@@ -554,6 +641,11 @@ def _plan_layers(model: nn.Module, config: RecomputeConfig, layers: list[nn.Modu
             "recompute config: a budget for a transformers model is planned on an example batch: pass "
             "example_inputs=batch (the keyword batch the model takes, such as {'input_ids': ..., 'labels': ...})"
         )
+    # The planner imports torch._dynamo: imported when a budget is planned, not with this module.
+    from ..planner import plan
+    from ..planner._apply import _capture_inputs, layer_signature
+    from ..planner._split import split, total_budget_bytes
+
     inputs = _capture_inputs(model, layers, _keyword_batch(example_inputs))
     plans, by_signature = [], {}
     for layer, (args, kwargs) in zip(layers, inputs):
@@ -598,21 +690,28 @@ def apply_recompute_config(
     gradient checkpointing does, so that the recompute does not write the cache a second time.
     sac_plugin.apply_recompute_config(model, config) calls this for a transformers model.
 
+    A PEFT model (get_peft_model(model, LoraConfig(...))) is checkpointed in its base model's
+    layers, which hold its adapters: they are recomputed, or kept, with the unit they are in.
+    The config stays on when transformers enables its own checkpointing again as the Trainer
+    does (TrainingArguments(gradient_checkpointing=True)); asked for anything else (offload,
+    every_n_layers, other kwargs) that call raises.
+
     Args:
-        model: The transformers model.
+        model: The transformers model, or a PEFT model of one.
         config: What to keep and which layers to checkpoint; None keeps nothing (full recompute).
         target_map: What the config's units mean for the model; None: `target_map_for(model)`.
         wrap_sites: The layers to checkpoint, a list of modules; None: `decoder_layers(model)`.
         example_inputs: The keyword batch the model takes, on which a budget is planned.
 
     Returns:
-        `model`, its selected layers checkpointed.
+        `model` (as given: a PEFT model stays one), its selected layers checkpointed.
 
     Raises:
         TypeError: `model` is not a transformers model, or an argument has the wrong type.
         ConfigError: The config cannot be applied to the model (a unit it lacks, example_inputs
             without a budget, a layer already checkpointed).
     """
+    given, model = model, _unwrapped(model)
     _check_model(model, "huggingface.apply_recompute_config")
     if config is not None and not isinstance(config, RecomputeConfig):
         raise TypeError(
@@ -622,7 +721,7 @@ def apply_recompute_config(
     config = RecomputeConfig() if config is None else config
     if example_inputs is not None and config.budget is None:
         raise ConfigError("apply_recompute_config: example_inputs are for planning a budget; the config sets no budget")
-    layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(model, wrap_sites)
+    layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(given, wrap_sites)
     _check_layers(model, layers, "huggingface.apply_recompute_config")
     selected = config.selected_layers(len(layers))
     target_map = None if config.budget is not None else _map_for(model, config, target_map, layers)
@@ -638,7 +737,7 @@ def apply_recompute_config(
     else:
         policy = _prepare(model, config, target_map, layers, selected)
         policies = [policy] * len(selected)
-    hook_added = _enable_through_transformers(model, config, [layers[index] for index in selected])
+    _enable_through_transformers(model, config, [layers[index] for index in selected])
     for position, (index, policy) in enumerate(zip(selected, policies)):
         layer = layers[index]
         layer._sac_policy = policy  # marks it checkpointed (reports, a second apply)
@@ -652,13 +751,17 @@ def apply_recompute_config(
     # The base model turns use_cache off in training while this flag is set: a cache written in
     # the forward would be written again by the recompute.
     model.base_model.gradient_checkpointing = True
-    model.base_model._sac_undo = functools.partial(_undo_model, model, hook_added)
+    model.base_model._sac_undo = functools.partial(_undo_model, model)
+    for name in _ENABLE_NAMES:
+        if hasattr(type(model), name):
+            setattr(model, name, _KeepTheConfig(model, name))
+            break
     if _logger.isEnabledFor(logging.INFO) and plans is None:
         _logger.info(
             "%s",
             _layers.describe_application(type(model).__name__, selected, len(layers), policies[0], config, target_map),
         )
-    return model
+    return given
 
 
 def _offloading_config(config: RecomputeConfig) -> RecomputeConfig:
@@ -731,9 +834,15 @@ def _checkpointed_module(frame) -> nn.Module | None:
     return None
 
 
-class _LayerContexts:
+class _LayerContexts(str):
     """The `context_fn` of gradient_checkpointing_kwargs: the plugin's policy, for every layer it
     checkpoints.
+
+    A str (what it keeps, for which model), so that TrainingArguments, which holds the kwargs,
+    writes them as JSON (to_json_string, and the loggers' to_dict) and pickles them into each
+    checkpoint it saves (training_args.bin): pickled, it is its config and target map, and the
+    copy prepares the layers it checkpoints as another instance's kwargs do (below). Compared and
+    hashed as an object, not as its text.
 
     NOTE: [kwargs on another model instance]
     The kwargs' units are callables installed on the layers of the model they were built on. The
@@ -745,6 +854,17 @@ class _LayerContexts:
     the same target map before its forward runs, and one that has none of them is an error naming
     it. A call whose layer cannot be read (checkpoint called on something else) is served as is.
     """
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __new__(
+        cls, policy, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, *, offloading: bool = False
+    ):
+        default = RecomputeConfig().to_dict()
+        fields = ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if v != default[k])
+        return super().__new__(cls, f"sac_plugin policy for {target_map.model_name}: {fields or 'full recompute'}")
 
     def __init__(
         self, policy, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, *, offloading: bool = False
@@ -775,6 +895,12 @@ class _LayerContexts:
 
     def __deepcopy__(self, memo):
         return self  # TrainingArguments are copied; the kwargs' policy and layers stay shared
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        return (_restored_contexts, (self._config, self._target_map, self._offloading))
 
     def _prepare(self, layer: nn.Module) -> None:
         names = {unit.value for unit in self._config.selected_units}
@@ -828,6 +954,11 @@ class _LayerContexts:
         offloaded = _LayerContexts(policy_for(config, self._target_map), config, self._target_map, [], offloading=True)
         offloaded._prepared = self._prepared
         return offloaded
+
+
+def _restored_contexts(config: RecomputeConfig, target_map: RecomputeTargetMap, offloading: bool) -> _LayerContexts:
+    """Unpickled kwargs: the same policy, with no layer prepared yet."""
+    return _LayerContexts(policy_for(config, target_map), config, target_map, [], offloading=offloading)
 
 
 class _PluginOffloadEnable:
@@ -894,7 +1025,7 @@ def gradient_checkpointing_kwargs(
     apply_recompute_config.
 
     Args:
-        model: The transformers model.
+        model: The transformers model, or a PEFT model of one.
         config: What to keep; it selects every layer. None keeps nothing (full recompute).
         target_map: What the config's units mean for the model; None: `target_map_for(model)`.
         wrap_sites: The layers the units are installed on; None: `decoder_layers(model)`.
@@ -908,6 +1039,7 @@ def gradient_checkpointing_kwargs(
         ConfigError: The config sets a budget or selects fewer than every layer, or cannot be
             applied to the model.
     """
+    given, model = model, _unwrapped(model)
     _check_model(model, "huggingface.gradient_checkpointing_kwargs")
     config = RecomputeConfig() if config is None else config
     if not isinstance(config, RecomputeConfig):
@@ -927,7 +1059,7 @@ def gradient_checkpointing_kwargs(
             "activation_checkpointing_enable, or use huggingface.apply_recompute_config(model, config) to checkpoint "
             "some layers"
         )
-    layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(model, wrap_sites)
+    layers = decoder_layers(model) if wrap_sites is None else _layers.wrap_sites(given, wrap_sites)
     _check_layers(model, layers, "huggingface.gradient_checkpointing_kwargs", hook_needed=False)
     target_map = _map_for(model, config, target_map, layers)
     policy = _prepare(model, config, target_map, layers, list(range(len(layers))))
