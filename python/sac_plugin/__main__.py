@@ -121,6 +121,13 @@ def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
             parser.error(
                 f"--device {args.device}: this torch ({torch.__version__}) has no {device.type} device available"
             )
+        count = getattr(module, "device_count", lambda: 1)()
+        if device.index is not None and device.index >= count:
+            indices = f"{device.type}:0" + (f" to {device.type}:{count - 1}" if count > 1 else "")
+            parser.error(
+                f"--device {args.device}: there is no {device.type} device {device.index}; this machine has "
+                f"{count} (pass {device.type} or {indices})"
+            )
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))

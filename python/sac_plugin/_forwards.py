@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -62,14 +63,22 @@ class InstanceForward:
     the copy. TorchScript cannot compile it, so the owning module also gets a
     __prepare_scriptable__ that says so (torch.jit.script calls it on every submodule before
     compiling anything).
+
+    It refers to its module weakly: the module holds it in its __dict__, and a strong reference
+    back would be a cycle that keeps the module, and its device memory, alive after the last
+    reference to it goes, until the cyclic garbage collector runs.
     """
 
-    __slots__ = ("module",)
+    __slots__ = ("_module",)
     # What the module became, for the TorchScript refusal.
     what = ""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        self._module = weakref.ref(module)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return _alive(self._module, type(self).__name__)
 
     def __reduce__(self):
         return (type(self), (self.module,))
@@ -91,13 +100,28 @@ def inner_forward(module: torch.nn.Module, args: tuple) -> tuple:
     return (found, args) if found is not None else (type(module).forward, (module, *args))
 
 
-class _RefuseScripting:
-    """A module's __prepare_scriptable__: refuses torch.jit.script with what to do instead."""
+def _alive(reference: weakref.ref, holder: str) -> torch.nn.Module:
+    module = reference()
+    if module is None:
+        raise ReferenceError(
+            f"sac_plugin: this {holder} belongs to a module that no longer exists; call the module itself, "
+            "not a forward taken from it"
+        )
+    return module
 
-    __slots__ = ("module",)
+
+class _RefuseScripting:
+    """A module's __prepare_scriptable__: refuses torch.jit.script with what to do instead. It
+    refers to its module weakly, as InstanceForward does, for the same reason."""
+
+    __slots__ = ("_module",)
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        self._module = weakref.ref(module)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return _alive(self._module, "__prepare_scriptable__")
 
     def __reduce__(self):
         return (_RefuseScripting, (self.module,))
@@ -264,16 +288,22 @@ class ForwardInUnits(InstanceForward):
 
 
 class MethodInUnits:
-    """A method of one instance run inside units; rebinds to the copy on deepcopy."""
+    """A method of one instance run inside units; rebinds to the copy on deepcopy and pickling.
+    The instance holds it, so it refers to the instance weakly (as InstanceForward does)."""
 
     def __init__(self, owner, name: str, units: tuple[str, ...]):
-        self._owner, self._name, self.units = owner, name, units
+        self._owner, self._name, self.units = weakref.ref(owner), name, units
 
     def __call__(self, *args, **kwargs):
-        return call_in_units(self.units, getattr(type(self._owner), self._name), self._owner, *args, **kwargs)
+        owner = _alive(self._owner, f"{self._name} run in units")
+        return call_in_units(self.units, getattr(type(owner), self._name), owner, *args, **kwargs)
+
+    def __reduce__(self):
+        return (MethodInUnits, (_alive(self._owner, f"{self._name} run in units"), self._name, self.units))
 
     def __deepcopy__(self, memo):
-        return MethodInUnits(copy.deepcopy(self._owner, memo), self._name, self.units)
+        owner = _alive(self._owner, f"{self._name} run in units")
+        return MethodInUnits(copy.deepcopy(owner, memo), self._name, self.units)
 
 
 def run_in_unit(owner, name: str, unit: str) -> None:

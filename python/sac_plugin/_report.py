@@ -47,6 +47,26 @@ OUTSIDE = "(outside regions)"
 # Tensor descriptions kept per saved-storage entry: enough to recognise it, bounded over steps.
 _TENSORS_PER_STORAGE = 8
 running_reports: list[Report] = []  # innermost last (the OOM observer prints it)
+# Each thread's open reports, in the order they were entered (see _ClosedAtThreadEnd).
+_open_here = threading.local()
+
+
+class _ClosedAtThreadEnd:
+    """Held only by the list of open reports of the thread that entered a report. A thread that
+    ends with the report open frees that list on its way out, and this closes the report there:
+    its observer, global module hooks and running_reports entry, which are process-wide and hold
+    the report and its model, do not outlive the thread. A list frees its items last first, so
+    nested reports close innermost first."""
+
+    __slots__ = ("report",)
+
+    def __init__(self, report: Report):
+        self.report = report
+
+    def __del__(self):
+        report, self.report = self.report, None
+        if report is not None and any(running is report for running in running_reports):
+            report.__exit__(None, None, None)
 
 
 @dataclasses.dataclass
@@ -230,6 +250,9 @@ class Report:
         # by a weak reference to it (NOTE: [Saved storages are counted per life, not per address]).
         self._saved: dict[tuple[str, str, int], SavedStorage] = {}
         self._live: dict[tuple[str, int], tuple] = {}
+        # What each storage's weak reference calls back with: the report itself, weakly, so that
+        # the report's own references make no cycle and it is freed with its last reference.
+        self._weak_self = weakref.ref(self)
         self._local = threading.local()
         self._thread = None
         self.steps = 0
@@ -262,10 +285,17 @@ class Report:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved))
         running_reports.append(self)
         stack.callback(running_reports.remove, self)
+        if not hasattr(_open_here, "reports"):
+            _open_here.reports = []
+        _open_here.reports.append(_ClosedAtThreadEnd(self))
         self._offload_at_entry = memory.offload_stats()
         return self
 
     def __exit__(self, *exc_info):
+        for held in getattr(_open_here, "reports", ()):
+            if held.report is self:
+                held.report = None
+        _open_here.reports = [held for held in getattr(_open_here, "reports", ()) if held.report is not None]
         self._exit.close()
         self.totals = self._audit.rows()
         if self._call_trace is not None:
@@ -424,13 +454,9 @@ class Report:
             added += nbytes
             if len(entry.tensors) < _TENSORS_PER_STORAGE:
                 entry.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
-            self._live[live_key] = (weakref.ref(storage, functools.partial(self._forget, live_key)), entry)
+            forget = functools.partial(_forget, self._weak_self, live_key)
+            self._live[live_key] = (weakref.ref(storage, forget), entry)
         return added
-
-    def _forget(self, live_key, reference) -> None:
-        live = self._live.get(live_key)
-        if live is not None and live[0] is reference:
-            del self._live[live_key]
 
     # --- results -------------------------------------------------------------------------------
 
@@ -566,6 +592,15 @@ class Report:
 
 
 _OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "exposed_copy_us")
+
+
+def _forget(report_reference: weakref.ref, live_key, storage_reference) -> None:
+    """A storage a report noted died: its entry in the live table goes (NOTE: [Saved storages
+    are counted per life, not per address])."""
+    report = report_reference()
+    live = report._live.get(live_key) if report is not None else None
+    if live is not None and live[0] is storage_reference:
+        del report._live[live_key]
 
 
 def _line(label: str, row: Breakdown) -> str:

@@ -8,12 +8,14 @@ import copy
 import gc
 import io
 import pickle
+import weakref
 
 import pytest
 import sac_plugin
 import torch
 from sac_plugin import Policy, apply_selective_checkpointing, audit
 from sac_plugin.checkpointing import Region, torch_policy_fn
+from sac_plugin.models import Llama
 from support.thread_checks import on_another_thread, sac_key_included
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
@@ -63,6 +65,44 @@ def test_a_checkpointed_module_round_trips_and_stays_checkpointed(way):
     assert torch.equal(loss, run_step(reference, x))
     assert_same_gradients(loaded, reference)
     assert a.hits("aten::tanh") == 2  # still checkpointed, still keeping the attn unit
+
+
+def _checkpointed_model(how):
+    if how == "apply_selective_checkpointing":
+        model, _ = make_pair(policy=Policy(kept_units=["attn"]))
+        run_step(model, torch.randn(4, 16))
+        return model
+    torch.manual_seed(0)
+    model = Llama(vocab=32, dim=16, heads=2, layers=2, seq=8)
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["attn", "mlp"]))
+    tokens = torch.randint(32, (2, 8))
+    model.loss(tokens, tokens).backward()
+    return model
+
+
+@pytest.mark.parametrize("how", ["apply_selective_checkpointing", "apply_recompute_config"])
+def test_a_checkpointed_model_is_freed_with_its_last_reference_without_the_garbage_collector(how):
+    model = _checkpointed_model(how)
+    modules = [weakref.ref(m) for m in model.modules()]
+    gc.disable()
+    try:
+        del model
+        assert [type(r()).__name__ for r in modules if r() is not None] == []
+    finally:
+        gc.enable()
+
+
+def test_a_forward_taken_from_a_freed_module_says_so():
+    layer = apply_selective_checkpointing(nn.Linear(4, 4))
+    forward = layer.forward
+    del layer
+    gc.collect()
+    with pytest.raises(ReferenceError) as raised:
+        forward(torch.randn(2, 4))
+    assert str(raised.value) == (
+        "sac_plugin: this CheckpointedForward belongs to a module that no longer exists; call the module itself, "
+        "not a forward taken from it"
+    )
 
 
 def test_torch_jit_script_of_a_checkpointed_module_says_what_to_do():

@@ -283,22 +283,34 @@ def _model_and_step():
         (
             {"peak_bytes": 0},
             ValueError,
-            "peak_bytes must be a positive int (bytes of device memory, such as 8 * 2**30), got 0 (int)",
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), got 0 (int)",
         ),
         (
             {"peak_bytes": 8.0 * 2**30},
             ValueError,
-            "peak_bytes must be a positive int (bytes of device memory, such as 8 * 2**30), got 8589934592.0 (float)",
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), got 8589934592.0 (float)",
         ),
         (
             {"peak_bytes": True},
             ValueError,
-            "peak_bytes must be a positive int (bytes of device memory, such as 8 * 2**30), got True (bool)",
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), got True (bool)",
         ),
         (
             {"peak_bytes": "8GiB"},
             ValueError,
-            "peak_bytes must be a positive int (bytes of device memory, such as 8 * 2**30), got '8GiB' (str)",
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), got '8GiB' (str)",
+        ),
+        (
+            {"peak_bytes": 2**63},
+            ValueError,
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), "
+            f"got {2**63} (int)",
+        ),
+        (
+            {"peak_bytes": 2**70},
+            ValueError,
+            "peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, such as 8 * 2**30), "
+            f"got {2**70} (int)",
         ),
         (
             {"step": "model.loss"},
@@ -472,6 +484,19 @@ def test_the_peak_command_checks_its_arguments(arguments, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_device_the_machine_does_not_have_is_an_argument_error_before_any_work(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(sac_plugin, "plan_step", lambda *a, **k: pytest.fail("planned with a bad --device"))
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "llama", "--peak", "8GiB", "--device", "cuda:7"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m sac_plugin: error: --device cuda:7: there is no cuda device 7; this machine has 2 "
+        "(pass cuda or cuda:0 to cuda:1)"
+    )
+
+
 @pytest.mark.parametrize(
     "text, value", [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096), ("2kib", 2048)]
 )
@@ -549,3 +574,42 @@ def test_offload_reaches_below_full_recompute_by_offloading_layer_inputs():
     assert v["measured"] <= v["budget"] < v["full_recompute"]
     assert any(v["inputs"]) and v["policies"] == v["inputs"]
     assert v["unequal_grads"] == []
+
+
+@pytest.fixture(scope="module")
+def limits():
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    return run_accelerator_program("plan_step_limits.py")
+
+
+@pytest.mark.slow
+def test_the_lowest_reachable_peak_a_plan_error_names_is_reached(limits):
+    lowest = limits["lowest"]
+    assert limits["below"] == (
+        f"sac_plugin: plan_step: no plan reaches peak_bytes=1 (0.00 MiB): the lowest reachable peak is {lowest} "
+        f"bytes ({lowest / MiB:.2f} MiB), with full recompute of every layer; offload=True may go lower"
+    )
+    assert limits["at_lowest"] <= lowest
+
+
+@pytest.mark.slow
+def test_the_largest_peak_bytes_is_planned_without_a_plan_error(limits):
+    assert limits["lowest"] < limits["largest"] < 2**63 - 1
+
+
+@pytest.mark.slow
+def test_a_step_that_changes_the_parameters_is_refused_by_name_leaving_no_state(limits):
+    assert limits["optimizer"] == (
+        "sac_plugin: plan_step: the step calls Adam.step(), which would change 21 parameters (embed.weight, "
+        "layers.0.attention_norm.weight, layers.0.attention.wq.weight and 18 more) and the optimizer's state; "
+        "plan_step runs the step several times from the same state, so the step must run forward, loss and "
+        "backward only: call the optimizer after plan_step (refused before it ran: nothing was changed)"
+    )
+    assert limits["in_place"] == (
+        "sac_plugin: plan_step: the step changed 1 parameter (embed.weight) in place; plan_step runs the step "
+        "several times from the same state, so the step must run forward, loss and backward only, without "
+        "changing the parameters (this change stays: plan_step keeps no copy of the parameters to undo it)"
+    )
+    assert limits["parameters"] == 21 and limits["optimizer_state"] == 0
+    assert limits["changed"] == limits["grads"] == limits["checkpointed"] == []

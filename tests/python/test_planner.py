@@ -110,8 +110,9 @@ def test_plan_policy_gives_bitwise_gradients_and_keeps_exactly_the_planned_calls
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "moe"])
 def test_measured_bytes_are_the_predicted_bytes(moe, monkeypatch):
     block, args = llama_inputs(moe=moe)
+    profiled = sac_plugin.plan(block, *args, budget=1.0, runs=1)
     for budget in (0.0, 0.2, 0.5, 1.0):
-        plan = sac_plugin.plan(block, *args, budget=budget, runs=1)
+        plan = profiled.with_budget(budget)  # 0.0: below the floor, full recompute
         held = measured_bytes(block, args, plan.policy, monkeypatch)
         assert held == plan.held_bytes, budget
         assert held <= max(plan.budget_bytes, plan.profile.full_recompute_bytes), budget
@@ -233,7 +234,9 @@ def test_plan_never_exceeds_its_budget_on_random_layers(steps, budget):
 
     layer = Layer()
     x = torch.randn(4, DIM, requires_grad=True)
-    plan = sac_plugin.plan(layer, x, budget=budget, runs=1, warmup=0)
+    # Profiled within a budget above the floor (2**30 bytes), then planned for `budget`, which
+    # may be below it: that plan is full recompute.
+    plan = sac_plugin.plan(layer, x, budget=2**30, runs=1, warmup=0).with_budget(budget)
     limit = max(plan.budget_bytes, plan.profile.full_recompute_bytes)
     assert plan.held_bytes <= limit
     assert plan.held_bytes <= max(plan.profile.no_checkpoint_bytes, plan.profile.full_recompute_bytes)
@@ -320,14 +323,16 @@ def test_profile_counts_bytes_by_unique_storage():
         def forward(self, a):
             return (a + 1).sum()  # autograd saves nothing: a recompute would stop before any call
 
-    nothing = sac_plugin.plan(SavesNothing(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=1)
+    # Budgets in bytes above what these small layers hold (their floor, with the RNG state the
+    # checkpoint saves, is above what they hold without checkpointing): only their profiles are read.
+    nothing = sac_plugin.plan(SavesNothing(), torch.randn(4, 8, requires_grad=True), budget=2**30, runs=1)
     assert [(c.op, c.why_not_keepable, c.recomputed) for c in nothing.profile.calls] == [
         ("aten::add.Tensor", "after the recompute stops", False),
         ("aten::sum", "after the recompute stops", False),
     ]
     assert nothing.kept == frozenset() and nothing.recompute_seconds == 0
 
-    plan = sac_plugin.plan(Layer(), torch.randn(4, 8, requires_grad=True), budget=1.0, runs=2)
+    plan = sac_plugin.plan(Layer(), torch.randn(4, 8, requires_grad=True), budget=2**30, runs=2)
     calls = {(c.op, c.index): c for c in plan.profile.calls}
     assert (calls[("aten::mul.Tensor", 0)].bytes, calls[("aten::mul.Tensor", 0)].why_not_keepable) == (128, "")
     assert (calls[("aten::view", 0)].bytes, calls[("aten::view", 0)].why_not_keepable) == (0, "view")
@@ -366,7 +371,8 @@ def test_save_and_load_give_the_same_plan(tmp_path):
             PlanError,
             "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int for a byte count",
         ),
-        (-5, PlanError, "sac_plugin: budget as a byte count must be >= 0, got -5"),
+        (-5, PlanError, "sac_plugin: budget as a byte count must be an int from 0 to 2**63 - 1, got -5"),
+        (2**63, PlanError, f"sac_plugin: budget as a byte count must be an int from 0 to 2**63 - 1, got {2**63}"),
         (
             "0.3",
             TypeError,
@@ -387,6 +393,27 @@ def test_bad_budgets_are_refused_by_name(budget, error, message):
         sac_plugin.plan(block, *args, budget=budget)
     assert str(raised.value) == message
     assert all(p.grad is None for p in block.parameters())
+
+
+def test_a_budget_below_full_recompute_names_the_least_a_plan_holds():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 256)
+    x = torch.randn(4, 2, 64, requires_grad=True)
+    profile = sac_plugin.plan(layer, x, budget=1.0, runs=1).profile
+    budget, floor = int(0.1 * profile.no_checkpoint_bytes), profile.full_recompute_bytes
+    assert budget < floor
+    with pytest.raises(PlanError) as raised:
+        sac_plugin.plan(layer, x, budget=0.1, runs=1)
+    assert str(raised.value) == (
+        f"sac_plugin: plan: no plan reaches budget=0.1 ({budget} bytes): the least a plan holds is {floor} "
+        f"bytes ({floor / 2**20:.2f} MiB), with full recompute (the layer's inputs and the RNG state its "
+        "checkpoint saves)"
+    )
+    assert raised.value.lowest_bytes == floor
+    with pytest.raises(PlanError, match=f"^sac_plugin: plan: no plan reaches budget={floor - 1} "):
+        sac_plugin.plan(layer, x, budget=floor - 1, runs=1)
+    assert sac_plugin.plan(layer, x, budget=floor, runs=1).held_bytes == floor
+    assert all(p.grad is None for p in layer.parameters()) and x.grad is None
 
 
 def _edit(data, **changes):

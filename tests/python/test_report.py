@@ -1,8 +1,10 @@
 """The per-layer report: counts, kept calls and kept bytes by checkpointed module and by unit, as
 the audit and the regions see them; saved-for-backward storages by place; table and JSON."""
 
+import gc
 import json
 import threading
+import weakref
 
 import pytest
 import sac_plugin
@@ -493,6 +495,35 @@ def _report_model_steps(model, tokens, steps):
         for _ in range(steps):
             _step(model, tokens)
     return rep
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_report_left_open_by_a_thread_that_ends_is_closed_with_it(trace):
+    from sac_plugin import _report
+
+    models = [_model()]
+    tokens = torch.randint(64, (2, 16))
+    seen = {}
+
+    def left_open():
+        model = models[0]
+        report = sac_plugin.report(model, trace=trace).__enter__()
+        model.loss(tokens, tokens).backward()
+        seen["registered"] = sum(isinstance(o, _report._ReportObserver) for o in _observers.registered)
+        seen["report"] = weakref.ref(report)
+
+    gc.disable()
+    try:
+        thread = threading.Thread(target=left_open)
+        thread.start()
+        thread.join()
+        assert seen["registered"] == 1
+        assert [o for o in _observers.registered if isinstance(o, _report._ReportObserver)] == []
+        assert _report.running_reports == [] and not sac_plugin._audit.any_active()
+        freed = weakref.ref(models.pop())
+        assert freed() is None and seen["report"]() is None
+    finally:
+        gc.enable()
 
 
 def test_reports_on_two_threads_training_at_once_count_their_own_calls():

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from .. import _compat
 from .._forwards import InstanceForward
 from ..checkpointing import apply_selective_checkpointing
-from ._plan import Plan, plan as plan_layer
+from ._plan import Plan, profile_and_plan
 from ._split import split, total_budget_bytes
 
 log = logging.getLogger("sac_plugin")
@@ -123,7 +123,7 @@ def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bo
     for site, (args, kwargs) in zip(sites, inputs):
         signature = layer_signature(site, args, kwargs)
         if signature not in by_signature:
-            by_signature[signature] = plan_layer(site, *args, budget=1.0, **kwargs)
+            by_signature[signature] = profile_and_plan(site, args, kwargs, budget=1.0)
         plans.append(by_signature[signature])
     total = total_budget_bytes(budget, plans)
     chosen = split(plans, total)
@@ -204,7 +204,7 @@ class _PlanOnFirstCall(InstanceForward):
                 module.__dict__.pop("forward")
                 try:
                     with torch.enable_grad():
-                        plan = plan_layer(module, *args, budget=share, **kwargs)
+                        plan = profile_and_plan(module, args, kwargs, budget=share)
                 except Exception as error:  # noqa: BLE001 - any failure falls back, saying why
                     reason = f"profiling it raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"
                 else:

@@ -49,11 +49,38 @@ def offload_placement(
 
 
 class PlanError(ValueError):
-    """A budget or a plan file that cannot be used; the message says what is wrong and what is right."""
+    """A budget or a plan file that cannot be used; the message says what is wrong and what is right.
+
+    Args:
+        message: What is wrong and what is right.
+        lowest_bytes: For a budget below what any plan reaches, the lowest budget a plan reaches.
+
+    Attributes:
+        lowest_bytes: For a budget below what any plan reaches, the lowest budget a plan reaches,
+            in bytes (`plan`'s full recompute floor, `plan_step`'s lowest reachable peak); None
+            for any other error.
+    """
+
+    def __init__(self, message: str, lowest_bytes: int | None = None):
+        super().__init__(message)
+        self.lowest_bytes = lowest_bytes
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.lowest_bytes))
+
+
+def unreachable_budget(where: str, asked: str, lowest_is: str, lowest: int, how: str) -> PlanError:
+    """The PlanError for a budget below the lowest any plan reaches: it names the budget given
+    (`asked`) and that lowest (`lowest_is` says what it is), and carries it as `lowest_bytes`."""
+    return PlanError(
+        f"sac_plugin: {where}: no plan reaches {asked}: {lowest_is} is {lowest} bytes "
+        f"({lowest / 2**20:.2f} MiB), with {how}",
+        lowest_bytes=lowest,
+    )
 
 
 def check_budget(budget, where: str = "budget"):
-    """A fraction in [0, 1] (float) or a byte count >= 0 (int)."""
+    """A fraction in [0, 1] (float) or a byte count from 0 to 2**63 - 1 (int)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
             f"sac_plugin: {where} must be a fraction of the layer's no-checkpointing activation bytes "
@@ -63,8 +90,10 @@ def check_budget(budget, where: str = "budget"):
         raise PlanError(
             f"sac_plugin: {where} as a fraction must be from 0.0 to 1.0, got {budget!r}; pass an int for a byte count"
         )
-    if isinstance(budget, int) and budget < 0:
-        raise PlanError(f"sac_plugin: {where} as a byte count must be >= 0, got {budget}")
+    if isinstance(budget, int) and not is_byte_count(budget):
+        raise PlanError(
+            f"sac_plugin: {where} as a byte count must be an int from 0 to 2**63 - 1, got {bounded_repr(budget)}"
+        )
     return budget
 
 

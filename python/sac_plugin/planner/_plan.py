@@ -40,6 +40,7 @@ from ._cost import (
     call_key,
     check_budget,
     copy_costs,
+    unreachable_budget,
     is_byte_count,
     is_rate,
     offload_placement,
@@ -864,8 +865,50 @@ def plan(
         TypeError: An argument of the wrong type.
         ValueError: The module is already checkpointed, or an offload argument without
             offload=True or out of range.
-        PlanError: budget is out of range.
+        PlanError: budget is out of range, or below what full recompute holds (the message names
+            both; `lowest_bytes` is the latter).
     """
+    result = profile_and_plan(
+        module,
+        example_args,
+        example_kwargs,
+        budget=budget,
+        runs=runs,
+        warmup=warmup,
+        offload=offload,
+        offload_bandwidth=offload_bandwidth,
+        host_memory_limit=host_memory_limit,
+        offload_min_bytes=offload_min_bytes,
+    )
+    floor = result.profile.full_recompute_bytes
+    if result.budget_bytes < floor:
+        # Every plan holds at least what full recompute holds: none keeps within this budget.
+        raise unreachable_budget(
+            "plan",
+            f"budget={budget!r} ({result.budget_bytes} bytes)",
+            "the least a plan holds",
+            floor,
+            "full recompute (the layer's inputs and the RNG state its checkpoint saves)",
+        )
+    return result
+
+
+def profile_and_plan(
+    module: torch.nn.Module,
+    example_args: tuple,
+    example_kwargs: dict,
+    *,
+    budget: float | int,
+    runs: int = 5,
+    warmup: int = 1,
+    offload: bool = False,
+    offload_bandwidth: tuple[float, float] | None = None,
+    host_memory_limit: int | None = None,
+    offload_min_bytes: int | None = None,
+) -> Plan:
+    """`plan`, its arguments checked the same way, for a budget that may be below full
+    recompute's floor: that plan is full recompute. For the callers that profile a layer to plan
+    it again (budget 1.0, then with_budget), whatever its floor."""
     from ..checkpointing import check_checkpointable
 
     check_budget(budget)

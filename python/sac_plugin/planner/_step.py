@@ -19,13 +19,16 @@ its plans each layer takes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from .._forwards import _offloadable_input as offloadable_input
@@ -34,8 +37,8 @@ from .._validation import bounded_repr, describe_value
 from ..policy import Policy
 from . import _fields
 from ._apply import layer_signature
-from ._cost import CopyCost, PlanError
-from ._plan import Plan, plan as plan_layer
+from ._cost import CopyCost, PlanError, unreachable_budget
+from ._plan import Plan, profile_and_plan
 from ._plan_file import read_plan_file, write_plan_file
 from ._profile import leaves_no_trace
 from ._split import candidates
@@ -368,11 +371,59 @@ def _no_trace(model: torch.nn.Module, device: torch.device):
     return leaves_no_trace(model, [device.index or 0] if device.type == "cuda" else [], buffers_on_host=True)
 
 
+# Why a step may not change the parameters, as both refusals below say it.
+_SAME_STATE = (
+    "plan_step runs the step several times from the same state, so the step must run forward, loss and backward only"
+)
+
+
+def _parameters_named(names: list[str]) -> str:
+    """The parameters as a message names them: 1 parameter (a), 5 parameters (a, b, c and 2 more)."""
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{len(names)} parameter{'s' if len(names) != 1 else ''} ({listed})"
+
+
+@contextlib.contextmanager
+def _parameters_unchanged(model: torch.nn.Module):
+    """The step runs several times from the same state, so it must not change the parameters: an
+    optimizer's step on this thread is refused before it changes anything (the parameters and the
+    optimizer's state stay as they were), and any other in-place change of a parameter (its
+    version counter moved) is refused by name after the step."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    versions = [(name, p, p._version) for name, p in model.named_parameters()]
+    thread = threading.get_ident()
+
+    def refuse(optimizer, args, kwargs):
+        if threading.get_ident() != thread:
+            return None
+        ours = [names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in names]
+        if not ours:
+            return None
+        raise ValueError(
+            f"sac_plugin: plan_step: the step calls {type(optimizer).__name__}.step(), which would change "
+            f"{_parameters_named(ours)} and the optimizer's state; {_SAME_STATE}: call the optimizer after "
+            "plan_step (refused before it ran: nothing was changed)"
+        )
+
+    handle = register_optimizer_step_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+    changed = [name for name, p, version in versions if p._version != version]
+    if changed:
+        raise ValueError(
+            f"sac_plugin: plan_step: the step changed {_parameters_named(changed)} in place; {_SAME_STATE}, "
+            "without changing the parameters (this change stays: plan_step keeps no copy of the parameters "
+            "to undo it)"
+        )
+
+
 def _run(step: Callable[[], object], model, layers, names, device, *, capture: bool) -> _StepWatch:
     """One run of the step, window by window (the hooks allocate nothing on the device, so the
     largest window's peak is the step's)."""
     watch = _StepWatch(layers, device, capture)
-    with watch, _no_trace(model, device):
+    with watch, _no_trace(model, device), _parameters_unchanged(model):
         torch.accelerator.synchronize(device)
         torch.accelerator.reset_peak_memory_stats(device.index)
         step()
@@ -846,6 +897,23 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     )
 
 
+def _profile_layers(watch: _StepWatch, modules, device, plan_arguments) -> list[Plan]:
+    """Each layer's plan (sac_plugin.plan's) in forward order, each distinct layer profiled once on
+    device copies of the inputs it got. The copies are this function's alone: they are freed when
+    it returns, so the runs that verify a plan measure none of them."""
+    by_signature: dict = {}
+    layer_plans = []
+    for index in watch.order:
+        signature = watch.signatures[index]
+        if signature not in by_signature:
+            args, kwargs = watch.inputs[signature]
+            args = tuple(_to(a, device) for a in args)
+            kwargs = {k: _to(v, device) for k, v in kwargs.items()}
+            by_signature[signature] = profile_and_plan(modules[index], args, kwargs, **plan_arguments)
+        layer_plans.append(by_signature[signature])
+    return layer_plans
+
+
 def _options(choice_plan: Plan, name: str, input_bytes: int, offload: bool, extra_budgets) -> list[LayerChoice]:
     """One layer's candidates, full recompute first: its Pareto points, two-way and (with offload)
     three-way, and with offload the same again with its inputs offloaded."""
@@ -881,7 +949,8 @@ def plan_step(
     `peak_bytes`, for the least predicted step time, applies the plan to the layers and returns it.
 
     `step` is called with no arguments and runs one step's forward, loss and backward on `model`
-    (a closure over the model and a batch; no optimizer step: it must not change the parameters).
+    (a closure over the model and a batch; no optimizer step: it must not change the parameters, and
+    a step that calls an optimizer's step or changes a parameter in place is refused by name).
     Each run of it starts from the state plan_step was called in: parameter gradients, buffers and
     the RNG state are restored after it. The layers are `layers` (the model's submodules, each
     called once per step) or the model's `recompute_wrap_sites()`. The model must be on an
@@ -921,7 +990,8 @@ def plan_step(
     Raises:
         TypeError: An argument has the wrong type.
         ValueError: An argument is out of range, or the model is not on an accelerator.
-        PlanError: No plan reaches `peak_bytes`; the message names the lowest reachable peak.
+        PlanError: No plan reaches `peak_bytes`; the message names the lowest reachable peak, which
+            is also the error's `lowest_bytes`.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sac_plugin: plan_step: model must be a torch.nn.Module, got {describe_value(model)}")
@@ -930,10 +1000,10 @@ def plan_step(
             "sac_plugin: plan_step: step must be a callable that runs one training step (forward, loss "
             f"and backward) when called with no arguments, got {describe_value(step)}"
         )
-    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, int) or peak_bytes < 1:
+    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, int) or not 1 <= peak_bytes <= _fields.INT64_MAX:
         raise ValueError(
-            "sac_plugin: plan_step: peak_bytes must be a positive int (bytes of device memory, such as "
-            f"8 * 2**30), got {describe_value(peak_bytes)}"
+            "sac_plugin: plan_step: peak_bytes must be an int from 1 to 2**63 - 1 (bytes of device memory, "
+            f"such as 8 * 2**30), got {describe_value(peak_bytes)}"
         )
     if not isinstance(offload, bool):
         raise TypeError(f"sac_plugin: plan_step: offload must be True or False, got {describe_value(offload)}")
@@ -970,25 +1040,12 @@ def plan_step(
         windows = tuple(watch.windows)
         order = watch.order
         # 2. Each distinct layer, profiled once on the inputs it got.
-        by_signature: dict = {}
-        layer_plans = []
-        offload_arguments = {}
+        plan_arguments = {"budget": 1.0, "runs": runs, "warmup": warmup}
         if offload:
-            offload_arguments = {
-                "offload": True,
-                "offload_bandwidth": offload_bandwidth,
-                "offload_min_bytes": offload_min_bytes,
-            }
-        for index in order:
-            signature = watch.signatures[index]
-            if signature not in by_signature:
-                args, kwargs = watch.inputs[signature]
-                args = tuple(_to(a, device) for a in args)
-                kwargs = {k: _to(v, device) for k, v in kwargs.items()}
-                by_signature[signature] = plan_layer(
-                    modules[index], *args, budget=1.0, runs=runs, warmup=warmup, **offload_arguments, **kwargs
-                )
-            layer_plans.append(by_signature[signature])
+            plan_arguments.update(
+                offload=True, offload_bandwidth=offload_bandwidth, offload_min_bytes=offload_min_bytes
+            )
+        layer_plans = _profile_layers(watch, modules, device, plan_arguments)
         full_recompute_peak = max(w.peak for w in windows)
 
         def options_for(target: int) -> list[list[LayerChoice]]:
@@ -1021,10 +1078,12 @@ def plan_step(
                     if offload
                     else "full recompute of every layer; offload=True may go lower"
                 )
-                raise PlanError(
-                    f"sac_plugin: plan_step: no plan reaches peak_bytes={peak_bytes} "
-                    f"({peak_bytes / MiB:.2f} MiB): the lowest reachable peak is {lowest} bytes "
-                    f"({lowest / MiB:.2f} MiB), with {how}"
+                raise unreachable_budget(
+                    "plan_step",
+                    f"peak_bytes={peak_bytes} ({peak_bytes / MiB:.2f} MiB)",
+                    "the lowest reachable peak",
+                    lowest,
+                    how,
                 )
             if chosen is None:
                 if fell_back or full_recompute_peak > peak_bytes:
