@@ -56,6 +56,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
   call->op = &op;
   call->hold = false;
+  call->casts_a_parameter = false;
   call->routing = CallInFlight::RoutingStep::kNone;
   call->written.clear();
   if (C10_UNLIKELY(op.traits.mutates_inputs || op.traits.writes_out_arguments)) {
@@ -86,6 +87,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   CallFacts facts;
   facts.draws_random = draws_random;
   facts.casts_a_parameter = castsAParameter(op.traits, arguments);
+  call->casts_a_parameter = facts.casts_a_parameter;
   facts.routes_tokens = routesTokens(op.traits, arguments);
   const std::vector<UnitId>& open_units = UnitStack::current().units();
   if (policy.countsCalls(op, open_units)) facts.call_index = region.nextCallIndex(op);
@@ -118,6 +120,10 @@ void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& s
   }
   call.routing = CallInFlight::RoutingStep::kNone;
   region.flow().recordCall(call.identity, schema, stack, num_returns, call.written);
+  if (C10_UNLIKELY(call.casts_a_parameter)) {
+    call.casts_a_parameter = false;
+    if (num_returns == 1 && stack.back().isTensor()) region.rememberParameterCast(stack.back().toTensor());
+  }
   call.hold = false;
 }
 

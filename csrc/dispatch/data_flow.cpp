@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <functional>
+#include <string_view>
 
 #include "dispatch/ivalue_tensors.h"
 
@@ -106,6 +107,32 @@ uint64_t wrappedNumberValue(const at::Tensor& tensor) {
   return seed;
 }
 
+// NOTE: [A small constant is named by its value]
+// A constant the code builds from Python values (`torch.tensor([...])`, the index tensor of
+// `x[:, [0, 2]]`, a routing table) is made outside the dispatcher, in a new storage each pass:
+// named by its address, every call computed from it would differ between the passes and never
+// be served, and a router computed through one would be recomputed instead of pinned. Its storage
+// may even come from an intercepted `empty` whose contents were written outside the dispatcher
+// (Python's list indexing), so that call's name says nothing of the value, and such calls made in
+// one pass only shift it. So a small contiguous CPU tensor that does not require grad is named by
+// its value (dtype and bytes), whatever made it. Equal names then mean equal values, so a call
+// served by that name computes what its twin computed. Parameters and activations that require
+// grad, and large tensors, keep the names above: hashing them on every call would cost more than
+// it finds.
+constexpr int64_t kMostElementsNamedByValue = 64;
+
+bool namedByValue(const c10::TensorImpl* impl) {
+  return impl->device_type() == c10::DeviceType::CPU && impl->numel() <= kMostElementsNamedByValue &&
+         !impl->requires_grad() && impl->is_contiguous() && impl->storage().data() != nullptr;
+}
+
+uint64_t valueOf(const at::Tensor& tensor) {
+  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.dtype().itemsize();
+  uint64_t seed = std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(tensor.const_data_ptr()), bytes));
+  mix(seed, static_cast<uint64_t>(tensor.scalar_type()) + 0x76616c75ULL);  // "valu"
+  return seed;
+}
+
 constexpr uint64_t kUndefinedTensor = 0x7e57;
 constexpr uint64_t kWrittenTag = 0x5772697465ULL;  // "Write"
 constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
@@ -136,9 +163,15 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
     return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
   }
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
-  auto found = origins_.find(storage);
   int64_t offset = impl->storage_offset();
-  uint64_t seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
+  uint64_t seed;
+  if (C10_UNLIKELY(namedByValue(impl))) {  // NOTE: [A small constant is named by its value]
+    seed = valueOf(tensor);
+    offset = 0;  // the value is what the tensor shows, wherever in its storage it lives
+  } else {
+    auto found = origins_.find(storage);
+    seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
+  }
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
   mix(seed, (static_cast<uint64_t>(offset) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));

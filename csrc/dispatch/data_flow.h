@@ -56,6 +56,17 @@ class DataFlow {
   // [A copy the region makes is named as its original] in data_flow.cpp).
   void nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset);
 
+  // The origin this pass recorded for `storage`, or 0 when it has none (not produced or written
+  // by an intercepted call of this pass).
+  uint64_t originOf(const c10::StorageImpl* storage) const {
+    auto found = origins_.find(storage);
+    return found == origins_.end() ? 0 : found->second;
+  }
+  // Names `storage` by `origin` for this pass, as if a call of it had produced it: a storage made
+  // by a call of an earlier pass of the same region and reused in this one without a call (NOTE:
+  // [A cast autocast caches is named by the call that made it] in region.cpp).
+  void nameStorage(const c10::StorageImpl* storage, uint64_t origin) { origins_.insert_or_assign(storage, origin); }
+
  private:
   uint64_t provenanceOf(const at::Tensor& tensor) const;
   // The origin of a storage no intercepted call of this pass produced: its address, or the

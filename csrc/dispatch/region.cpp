@@ -590,8 +590,26 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   return true;
 }
 
+// NOTE: [A cast autocast caches is named by the call that made it]
+// Autocast caches its cast of a parameter for as long as the outermost autocast context is open.
+// A backward run inside that context (the usual training loop: forward, loss and backward under
+// one `with torch.autocast(...)`) lets the recompute reuse the cast the forward made in the region,
+// with no call: named by its address, the cast would carry an origin the forward never gave it,
+// and no call computed from the weight (every matmul of the layer) would be served. So the region
+// remembers each parameter cast its forward made, with the origin the data flow gave it, and
+// names the same storage alike when its recompute begins. Where the recompute casts again (the
+// cache was left in between), the new cast is named by its call, as in the forward. The casts are
+// held weakly: a storage freed meanwhile is not named, and its address cannot be taken by another
+// storage while the weak reference lives.
+void Region::rememberParameterCast(const at::Tensor& cast) {
+  if (!cast.defined() || !cast.has_storage()) return;
+  const uint64_t origin = flow_.originOf(cast.storage().unsafeGetStorageImpl());
+  if (origin != 0) parameter_casts_.emplace_back(cast.storage().getWeakStorageImpl(), origin);
+}
+
 // Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
 void Region::beginForward() {
+  parameter_casts_.clear();
   flow_.reset(++passes_, site_->callsPerPassHint());
   forward_position_ = 0;
   routing_.clear();
@@ -643,6 +661,11 @@ void Region::endForward() {
 // would have been served still reaches serve() and is told that its output was freed.
 void Region::beginRecompute() {
   flow_.reset(++passes_, calls_per_pass_);
+  // NOTE: [A cast autocast caches is named by the call that made it] (above)
+  for (const auto& [cast, origin] : parameter_casts_) {
+    c10::intrusive_ptr<c10::StorageImpl> alive = cast.lock();
+    if (alive) flow_.nameStorage(alive.get(), origin);
+  }
   consume_served_ = !currentBackwardKeepsGraph();
   left_to_serve_ = 0;
   bool any_consumed = false;
@@ -678,7 +701,7 @@ void Region::endRecompute(bool keep_entries) {
   if (keep_entries) return;
   int64_t unserved_calls = 0;
   int64_t unserved_bytes = 0;
-  std::string unserved_names;
+  std::vector<std::pair<uint64_t, std::string>> unserved;  // by forward position, for the message
   for (auto& [key, kept] : kept_) {
     if (kept.consumed || kept.released || kept.outputs.empty()) continue;
     int64_t bytes = 0;
@@ -691,12 +714,13 @@ void Region::endRecompute(bool keep_entries) {
     kept.op->counters.recordNeverServed(static_cast<uint64_t>(bytes));
     ++unserved_calls;
     unserved_bytes += bytes;
-    if (unserved_calls <= 8) {
-      unserved_names += c10::str(unserved_calls > 1 ? "; " : "", kept.op->traits.qualified_name, ", call ",
-                                 kept.ordinal, unitSuffix(kept.unit, !kept.offloaded.empty()));
-    }
+    unserved.emplace_back(kept.position, c10::str(kept.op->traits.qualified_name, ", call ", kept.ordinal,
+                                                  unitSuffix(kept.unit, !kept.offloaded.empty())));
   }
   if (unserved_calls > 0 && site_->claimNotice(Site::Notice::kHeldNeverServed)) {
+    std::sort(unserved.begin(), unserved.end());
+    std::string unserved_names;
+    for (size_t i = 0; i < unserved.size() && i < 8; ++i) unserved_names += (i > 0 ? "; " : "") + unserved[i].second;
     never_served_notice_ = c10::str(
         "sac: ", site_->label(), " held the outputs of ", unserved_calls, " call", unserved_calls > 1 ? "s" : "",
         " (", unserved_bytes, " bytes) from its forward to its backward, and its recompute never asked for them: ",

@@ -126,6 +126,10 @@ class Region : public c10::intrusive_ptr_target {
   // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.
   uint64_t nextCallIndex(const OpEntry& op) { return forward_nth_calls_[&op]++; }
 
+  // Forward: `cast` is the output of a call that cast a parameter (NOTE: [A cast autocast caches
+  // is named by the call that made it] in region.cpp).
+  void rememberParameterCast(const at::Tensor& cast);
+
   void beginForward();
   // Drops the forward's data-flow records; the kept outputs stay for the recompute.
   void endForward();
@@ -274,6 +278,9 @@ class Region : public c10::intrusive_ptr_target {
   size_t left_to_serve_ = 0;
   size_t calls_per_pass_ = 0;  // calls the forward named: what the recompute's records reserve
   std::string never_served_notice_;
+  // The forward's parameter casts, weakly (an address that cannot be reused while they are
+  // referenced), with the origin the forward named each by.
+  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, uint64_t>> parameter_casts_;
   bool consume_served_ = true;
 };
 

@@ -16,12 +16,19 @@ pytestmark = pytest.mark.native_engine(
 )
 
 
+# The call the forward makes only once (the cache) is kept and never served: held for nothing in
+# the first step, and named (NOTE: [Served, or named] in csrc/dispatch/region.cpp).
+_CACHE_HELD_FOR_NOTHING = "sac: LazyCacheLayer held the outputs of 1 call \\(128 bytes\\) from its forward"
+
+
 def test_kept_op_with_a_same_shape_call_made_in_the_forward_only():
-    audits = train_pair(Policy(kept_ops=["aten::mm"]))
+    with pytest.warns(sac_plugin.HeldNeverServedWarning, match=_CACHE_HELD_FOR_NOTHING):
+        audits = train_pair(Policy(kept_ops=["aten::mm"]))
     # Step 1: the forward made three mm (cache, x@w1, h@w2), the recompute two, both served.
     assert audits[0].count("aten::mm", phase="forward") == 3
     assert audits[0].hits("aten::mm") == 2
     assert audits[0].count("aten::mm", phase="recompute") == 0
+    assert [audit.never_served("aten::mm") for audit in audits] == [1, 0, 0]
     # Later steps: no cache call at all.
     assert audits[1].count("aten::mm", phase="forward") == 2
     assert audits[1].hits("aten::mm") == 2
@@ -29,7 +36,9 @@ def test_kept_op_with_a_same_shape_call_made_in_the_forward_only():
 
 @pytest.mark.parametrize("cache_shape", [(4, 8), "other"], ids=["same_shapes", "other_shapes"])
 def test_every_nth_op_with_a_call_made_in_the_forward_only(cache_shape):
-    audits = train_pair(Policy(every_nth_op={"aten::mm": 2}), cache_shape=cache_shape)
+    with pytest.warns(sac_plugin.HeldNeverServedWarning, match="sac: LazyCacheLayer held the outputs of 1 call"):
+        audits = train_pair(Policy(every_nth_op={"aten::mm": 2}), cache_shape=cache_shape)
+    assert [audit.never_served("aten::mm") for audit in audits] == [1, 0, 0]
     # Step 1: the forward keeps calls 1 and 3 (the cache and h@w2); x@w1 is recomputed, and
     # h@w2 is served to its own twin.
     assert audits[0].hits("aten::mm") == 1

@@ -1,5 +1,6 @@
 """Bitwise gradient equality against an unmodified deepcopy of the model."""
 
+import copy
 import functools
 
 import pytest
@@ -230,11 +231,62 @@ def test_autocast_weight_cast_cached_in_the_forward_only():
         return w1.grad.clone(), w2.grad.clone()
 
     expected = step(checkpointed=False)
-    with sac_plugin.audit() as audit:
+    with sac_plugin.audit() as audit, pytest.warns(sac_plugin.HeldNeverServedWarning) as caught:
         got = step(checkpointed=True)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     # The forward's first mm read the cast cached before the region; the recompute's reads a cast
     # made in the recompute. Their inputs have different origins, so neither mm is served: the
-    # data flow cannot prove them the same call, and recomputing is always right.
+    # data flow cannot prove them the same call, and recomputing is always right. The memory held
+    # for them is named, not lost in silence.
     assert audit.hits("aten::mm") == 0
     assert audit.count("aten::mm", phase="recompute") == 2
+    assert (audit.never_served("aten::mm"), audit.never_served()) == (2, 4)
+    assert [str(w.message) for w in caught] == [
+        "sac: a checkpointed region held the outputs of 4 calls (256 bytes) from its forward to its backward, and "
+        "its recompute never asked for them: aten::mm, call 1 (kept in unit 'attn'); aten::tanh, call 1 (kept in "
+        "unit 'attn'); aten::mm, call 2 (kept in unit 'attn'); aten::tanh, call 2 (kept in unit 'attn'). Those calls ran again. The recompute named them differently from the forward: an argument "
+        "came from a tensor the region cannot name, made outside its intercepted calls (a constant built without "
+        "the dispatcher, a value a cache kept from the forward, a copy made outside the region). "
+        "sac_plugin.audit() counts them per op (never_served); warned once per checkpoint site"
+    ]
+
+
+class _AutocastLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        with sac_plugin.recompute_unit("attn"):
+            h = torch.tanh(self.up(x))
+        return self.down(h).sin()
+
+
+@pytest.mark.parametrize("backward_inside_autocast", [False, True], ids=["backward outside", "backward inside"])
+def test_a_backward_inside_autocast_serves_what_a_backward_outside_serves(backward_inside_autocast):
+    """Autocast caches the casts the forward made of the weights until its context closes: a
+    backward inside it reuses them in the recompute with no call (NOTE: [A cast autocast caches is
+    named by the call that made it] in csrc/dispatch/region.cpp)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_AutocastLayer(), _AutocastLayer())
+    model = copy.deepcopy(reference)
+    for layer in model:
+        sac_plugin.apply_selective_checkpointing(layer, Policy(kept_units=["attn"], kept_ops=["aten::addmm"]))
+    x = torch.randn(8, 16)
+
+    def step(net):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(x).float().square().mean()
+            if backward_inside_autocast:
+                loss.backward()
+        if not backward_inside_autocast:
+            loss.backward()
+
+    step(reference)
+    with sac_plugin.audit() as audit:
+        step(model)
+    assert_same_gradients(model, reference)
+    # Both linears of both layers (addmm under autocast) and the tanh in the kept unit.
+    assert (audit.hits("aten::addmm"), audit.hits("aten::tanh")) == (4, 2)
+    assert audit.never_served() == 0
