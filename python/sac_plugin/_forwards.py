@@ -183,12 +183,19 @@ def checkpoint_call(
     )
 
 
+# Marks an input a region gave back for its recompute (_offloadable_input).
+_HANDED_BACK = "_sac_held_input"
+
+
 def _offloadable_input(value) -> bool:
     # The activation flowing through the stack, on an accelerator (NOTE: [Offloading a layer's inputs]).
+    # An input a region gives back for its recompute is detached, so a leaf; it was an activation
+    # in the forward, and a checkpointed layer inside (nested checkpoints) must hold it in the
+    # recompute as it did in the forward, or torch's checkpoint finds different saved inputs.
     return (
         isinstance(value, torch.Tensor)
         and value.requires_grad
-        and value.grad_fn is not None
+        and (value.grad_fn is not None or getattr(value, _HANDED_BACK, False))
         and not isinstance(value, torch.nn.Parameter)
         and value.device.type not in ("cpu", "meta")
     )
@@ -282,7 +289,9 @@ class _InputsHeldByRegion:
         with torch._C._DisableTorchDispatch():
             fetched = torch.ops.sac.region_take_inputs()
         for position, tensor, requires_grad in zip(self._positions, fetched, self._requires_grad):
-            args[position] = tensor.detach().requires_grad_(requires_grad)
+            handed_back = tensor.detach().requires_grad_(requires_grad)
+            setattr(handed_back, _HANDED_BACK, True)
+            args[position] = handed_back
         return self._function(*args)
 
     def _name_inputs_that_stay(self, inputs, offloaded) -> None:

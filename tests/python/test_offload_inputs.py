@@ -323,6 +323,49 @@ def test_on_the_cpu_an_input_that_is_not_dense_is_not_named():
         layer((x * 2).expand(8, 16)).sum().backward()
 
 
+@accelerator
+@engines
+def test_nested_checkpoints_offload_their_inputs_with_gradients_bitwise(engine):
+    # A block checkpointed around checkpointed layers, offload_inputs on either or both: the block's
+    # recompute runs the layers' checkpoints again on the inputs the block held, which they hold as
+    # in the forward.
+    values = _on_accelerator(
+        """
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(Layer(), Layer())
+
+    def forward(self, x):
+        return self.inner(x)
+
+def build(block_policy, layer_policy):
+    torch.manual_seed(0)
+    block = Block().to("sac_accel")
+    if layer_policy is not None:
+        for layer in block.inner:
+            sac_plugin.apply_selective_checkpointing(layer, layer_policy)
+    if block_policy is not None:
+        sac_plugin.apply_selective_checkpointing(block, block_policy)
+    return block, torch.randn(256, 512, device="sac_accel", requires_grad=True)
+
+reference, rx = build(None, None)
+forward(reference, rx).backward()
+offload, plain = Policy(offload_inputs=True), Policy()
+result = []
+for block_policy, layer_policy in ((offload, offload), (offload, plain), (plain, offload),
+                                   (Policy(kept_ops=["aten::addmm"], offload_inputs=True), offload)):
+    block, x = build(block_policy, layer_policy)
+    forward(block, x).backward()
+    torch.accelerator.synchronize()
+    result.append(same(gradients(reference, rx), gradients(block, x)))
+report(same=result, pool_in_use=stats()["pool_bytes_in_use"])
+""",
+        engine,
+    )
+    assert values == {"same": [True] * 4, "pool_in_use": 0}
+
+
 # --- the option itself, and where it is a no-op ----------------------------------------------------
 
 
