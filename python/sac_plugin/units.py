@@ -186,8 +186,10 @@ def open_units() -> list[str]:
 # torch_remat offers no hook there (its phase state is None, nothing is traced or named). So
 # sac_plugin replaces `region` on the torch_remat module (and on torch_remat._api, where the
 # package's own code finds it) with a function that asks torch_remat for its wrapper first (the
-# same validation, the compile path unchanged) and, when no torch_remat checkpoint is active, runs
-# the call inside a unit named as torch_remat names the region (with its name_scope prefixes).
+# same validation) and, when no torch_remat checkpoint is active, runs the call inside a unit named
+# as torch_remat names the region (with its name_scope prefixes); under torch.compile, outside
+# torch_remat's compiled checkpoint, the unit is node metadata carrying the flag
+# (_compiled_region_call), decided by the same rule.
 # The unit is a region opening (NOTE: [Region openings carry their flag] in
 # csrc/policy/unit_stack.h): a policy that names it decides, otherwise its recompute= flag does
 # (csrc/policy/policy.h, innermostSelectingUnit). Installed when this module is imported and
