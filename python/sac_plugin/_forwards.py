@@ -171,7 +171,7 @@ def checkpoint_call(
             )
         positions = [i for i, value in enumerate(args) if _offloadable_input(value)]
         if positions:
-            function = _InputsHeldByRegion(function, args, positions)
+            function = _InputsHeldByRegion(function, args, positions, context_fn)
             args = tuple(_placeholder(value) if i in positions else value for i, value in enumerate(args))
     return checkpoint(
         function,
@@ -183,12 +183,19 @@ def checkpoint_call(
     )
 
 
+# Marks an input a region gave back for its recompute (_offloadable_input).
+_HANDED_BACK = "_sac_held_input"
+
+
 def _offloadable_input(value) -> bool:
     # The activation flowing through the stack, on an accelerator (NOTE: [Offloading a layer's inputs]).
+    # An input a region gives back for its recompute is detached, so a leaf; it was an activation
+    # in the forward, and a checkpointed layer inside (nested checkpoints) must hold it in the
+    # recompute as it did in the forward, or torch's checkpoint finds different saved inputs.
     return (
         isinstance(value, torch.Tensor)
         and value.requires_grad
-        and value.grad_fn is not None
+        and (value.grad_fn is not None or getattr(value, _HANDED_BACK, False))
         and not isinstance(value, torch.nn.Parameter)
         and value.device.type not in ("cpu", "meta")
     )
@@ -206,20 +213,56 @@ def _function_name(function) -> str:
     return getattr(function, "__qualname__", type(function).__name__)
 
 
+# The checkpoint sites (their context_fn) that have named an input they could not offload.
+_told_inputs_stay: weakref.WeakSet = weakref.WeakSet()
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    # Non-overlapping and dense: some order of its dimensions is contiguous, whatever its offset.
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _why_not_offloaded(tensor: torch.Tensor) -> str | None:
+    # The region decides which inputs it offloads (offloadable in csrc/dispatch/offload.cpp); this
+    # only says why, for a refusal the region does not name itself. A dense input it did not offload
+    # met the host_memory_limit, which the region names once per site.
+    if not torch._C._has_storage(tensor):
+        return (
+            "it has no storage of its own (a tensor subclass), and the offload copies a tensor's storage; "
+            "it stays on the device, as torch's checkpoint holds it"
+        )
+    if not _dense(tensor):
+        return (
+            "it is not dense (an expanded or overlapping view, or one with gaps between its elements), and the "
+            "offload copies only dense tensors; it stays on the device, as torch's checkpoint holds it: pass "
+            "x.contiguous() to offload it"
+        )
+    return None
+
+
 class _InputsHeldByRegion:
     """The function torch's checkpoint runs when the region holds the inputs (NOTE: [Offloading a
     layer's inputs] in csrc/dispatch/offload.cpp). Its first call is the forward: it runs `function`
-    on the real inputs, then hands them to the region, keeping no reference. Every later call is a
-    recompute: it runs `function` on the copies the region gives back, detached, each requiring
-    grad as its input did."""
+    on the real inputs, then hands them to the region, keeping no reference, and names an input the
+    region could not offload (once per checkpoint site). Every later call is a recompute: it runs
+    `function` on the copies the region gives back, detached, each requiring grad as its input did."""
 
-    __slots__ = ("_function", "_inputs", "_positions", "_requires_grad", "_names")
+    __slots__ = ("_function", "_inputs", "_positions", "_requires_grad", "_names", "_site")
 
-    def __init__(self, function, args: tuple, positions: list[int]):
+    def __init__(self, function, args: tuple, positions: list[int], site=None):
         self._function = function
         self._inputs = [args[i] for i in positions]
         self._positions = positions
         self._requires_grad = [args[i].requires_grad for i in positions]
+        # What says "once per checkpoint site": the context_fn, one per site.
+        self._site = site
         name = _function_name(function)
         # A module's class forward is called with the module first (inner_forward): count from its input.
         first = 1 if args and isinstance(args[0], torch.nn.Module) else 0
@@ -237,15 +280,43 @@ class _InputsHeldByRegion:
                 args[position] = tensor
             out = self._function(*args)
             with torch._C._DisableTorchDispatch():  # the plugin's own calls: no mode sees them
-                _, notice = torch.ops.sac.region_hold_inputs(inputs, self._names)
+                offloaded, notice = torch.ops.sac.region_hold_inputs(inputs, self._names)
             if notice:
                 warnings.warn(notice, UserWarning, stacklevel=2)
+            if not all(offloaded):
+                self._name_inputs_that_stay(inputs, offloaded)
             return out
         with torch._C._DisableTorchDispatch():
             fetched = torch.ops.sac.region_take_inputs()
         for position, tensor, requires_grad in zip(self._positions, fetched, self._requires_grad):
-            args[position] = tensor.detach().requires_grad_(requires_grad)
+            handed_back = tensor.detach().requires_grad_(requires_grad)
+            setattr(handed_back, _HANDED_BACK, True)
+            args[position] = handed_back
         return self._function(*args)
+
+    def _name_inputs_that_stay(self, inputs, offloaded) -> None:
+        site = self._site
+        try:
+            if site is None or site in _told_inputs_stay:
+                return
+        except TypeError:  # a context_fn that cannot be weakly referenced: said at each forward
+            site = None
+        stay = []
+        for name, tensor, done in zip(self._names, inputs, offloaded):
+            why = None if done else _why_not_offloaded(tensor)
+            if why is not None:
+                stay.append(f"{name}, of shape {tuple(tensor.shape)} and strides {tensor.stride()}: {why}")
+        if not stay:
+            return
+        if site is not None:
+            _told_inputs_stay.add(site)
+        warnings.warn(
+            "sac_plugin: Policy(offload_inputs=True) cannot offload "
+            + "; nor ".join(stay)
+            + " (said once per checkpoint site)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class CheckpointedForward(InstanceForward):

@@ -32,7 +32,7 @@ from ._native import (
     ScopeStatus,
 )
 
-__all__ = ["CallDecider", "Decision", "Outcome", "Reason", "decide_call", "op_entry"]
+__all__ = ["CallDecider", "Decision", "Outcome", "Reason", "RegionOpening", "decide_call", "op_entry", "region_opening"]
 
 
 class Decision(NamedTuple):
@@ -94,17 +94,47 @@ def op_entry(op) -> int:
     return entry
 
 
+# The bits of kRegionOpeningBit and kRegionRecomputesBit in csrc/policy/unit_stack.h; the C ABI
+# checks each id it is given, so a mismatch is refused there rather than misread.
+_REGION_OPENING_BIT = 1 << 29
+_REGION_RECOMPUTES_BIT = 1 << 30
+
+
+def region_opening(id_plus_one: int, recompute: bool) -> int:
+    """The id (+ 1, as the C ABI takes it) of an opening of unit `id_plus_one` by a torch_remat
+    region with its recompute= flag (NOTE: [Region openings carry their flag] in
+    csrc/policy/unit_stack.h)."""
+    opening = (id_plus_one - 1) | _REGION_OPENING_BIT | (_REGION_RECOMPUTES_BIT if recompute else 0)
+    return opening + 1
+
+
+class RegionOpening(NamedTuple):
+    """An open unit that a torch_remat region opened, with its flag: what the rule reads to follow
+    the flag when no list names the unit. A plain open unit is its name (a str)."""
+
+    name: str
+    recompute: bool
+
+
+def _open_unit_id(unit) -> int:
+    if type(unit) is RegionOpening:
+        return region_opening(_scopes.unit_id(unit.name), unit.recompute)
+    return _scopes.unit_id(unit)
+
+
 class _UnitStack:
-    # One stack of open unit names as the C ABI takes it (an int64 array of unit ids + 1), and
-    # the decisions already decoded for it: a model opens a few unit stacks over and over, and a
-    # result (outcome, reason, flags, unit) repeats, so each is decoded once.
+    # One stack of open units as the C ABI takes it (an int64 array of unit ids + 1), and the
+    # decisions already decoded for it: a model opens a few unit stacks over and over, and a
+    # result (outcome, reason, flags, unit) repeats, so each is decoded once. The decision names
+    # the unit's own id, a region opening's too.
     __slots__ = ("array", "count", "names", "decoded")
 
-    def __init__(self, names: tuple):
-        ids = [_scopes.unit_id(name) for name in names]
+    def __init__(self, units: tuple):
+        names = [unit.name if type(unit) is RegionOpening else unit for unit in units]
+        ids = [_open_unit_id(unit) for unit in units]
         self.array = (ctypes.c_int64 * len(ids))(*ids)
         self.count = len(ids)
-        self.names = dict(zip(ids, names))
+        self.names = {_scopes.unit_id(name): name for name in names}
         self.decoded: dict[int, Decision] = {}
 
     def decode(self, result: int) -> Decision:
@@ -160,7 +190,8 @@ class CallDecider:
         routes_tokens: bool | None = None,
     ) -> Decision:
         """The decision for one call of `op` (an OpOverload or a name, see op_entry) in the forward
-        (recompute=False) or the recompute, with `unit_names` open (outermost first). `routes_tokens`:
+        (recompute=False) or the recompute, with `unit_names` open (outermost first): names, or
+        RegionOpening for a unit a torch_remat region opened. `routes_tokens`:
         whether the call routes tokens or copies to the host; None lets the op alone say."""
         units = _units(unit_names)
         entry = _entries.get(op) or op_entry(op)

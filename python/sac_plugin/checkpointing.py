@@ -15,7 +15,7 @@ from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
 from ._validation import describe_value
 from .policy import Policy
-from .units import UNIT_ANNOTATION_PREFIX
+from .units import annotated_units
 
 __all__ = ["Region", "apply_selective_checkpointing", "context_fn", "remove_checkpointing", "torch_policy_fn"]
 
@@ -92,17 +92,16 @@ def torch_policy_fn(policy: Policy):
     from torch.utils.checkpoint import CheckpointPolicy
 
     decider = _rule.CallDecider(policy)
-    watches_units = bool(policy.kept_units or policy.recomputed_units or policy.offloaded_units)
+    # A torch_remat region keeps or recomputes by its flag when no list names it; a full-recompute
+    # policy recomputes every call in eager, regions included, so there regions are plain units.
+    regions = not policy.keeps_nothing
+    watches_units = regions or bool(policy.recomputed_units)
     forced = (_rule.Reason.COLLECTIVE, _rule.Reason.INSIDE_RECOMPUTED_UNIT)
 
     def decide(ctx, op, *args, **kwargs):
         units = ()
         if watches_units:
-            units = tuple(
-                key[len(UNIT_ANNOTATION_PREFIX) :]
-                for key in fx_traceback.current_meta.get("custom", {})
-                if key.startswith(UNIT_ANNOTATION_PREFIX)
-            )
+            units = annotated_units(fx_traceback.current_meta.get("custom", {}), regions)
         traits = op_traits(op)
         decision = decider.decide(
             op, ctx.is_recompute, units, draws_random(traits, args, kwargs), casts_a_parameter(op, args)

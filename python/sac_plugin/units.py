@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from . import _observers, _scopes, _unit_checks
+from . import _observers, _rule, _scopes, _unit_checks
 from ._validation import check_unit_name, describe_value
 
 __all__ = [
@@ -38,8 +38,27 @@ _unit_checks.add_vocabulary(unit.value for unit in RecomputeUnit)
 # Under torch.compile a unit is carried as node metadata: torch.fx.traceback.annotate writes
 # node.meta["custom"], and the policy function that tags nodes for the partitioner reads it back
 # from fx_traceback.current_meta while AOTAutograd traces the checkpointed region (see
-# checkpointing.torch_policy_fn). One key per unit, so nested units accumulate.
+# checkpointing.torch_policy_fn, through annotated_units). One key per unit, so nested units
+# accumulate; the value says what opened it: True for recompute_unit, or a torch_remat region's
+# flag, so that the rule follows the flag there as in eager.
 UNIT_ANNOTATION_PREFIX = "sac_unit:"
+_REGION_KEEPS = "torch_remat.region(recompute=False)"
+_REGION_RECOMPUTES = "torch_remat.region(recompute=True)"
+
+
+def annotated_units(custom: dict, regions: bool) -> tuple:
+    """The units open around a traced node, outermost first, as the rule takes them, from its
+    node.meta["custom"]: names, and with `regions`, a RegionOpening for each torch_remat region."""
+    units = []
+    for key, value in custom.items():
+        if not key.startswith(UNIT_ANNOTATION_PREFIX):
+            continue
+        name = key[len(UNIT_ANNOTATION_PREFIX) :]
+        if regions and value in (_REGION_KEEPS, _REGION_RECOMPUTES):
+            units.append(_rule.RegionOpening(name, value == _REGION_RECOMPUTES))
+        else:
+            units.append(name)
+    return tuple(units)
 
 
 class _UnitScope:
@@ -167,8 +186,10 @@ def open_units() -> list[str]:
 # torch_remat offers no hook there (its phase state is None, nothing is traced or named). So
 # sac_plugin replaces `region` on the torch_remat module (and on torch_remat._api, where the
 # package's own code finds it) with a function that asks torch_remat for its wrapper first (the
-# same validation, the compile path unchanged) and, when no torch_remat checkpoint is active, runs
-# the call inside a unit named as torch_remat names the region (with its name_scope prefixes).
+# same validation) and, when no torch_remat checkpoint is active, runs the call inside a unit named
+# as torch_remat names the region (with its name_scope prefixes); under torch.compile, outside
+# torch_remat's compiled checkpoint, the unit is node metadata carrying the flag
+# (_compiled_region_call), decided by the same rule.
 # The unit is a region opening (NOTE: [Region openings carry their flag] in
 # csrc/policy/unit_stack.h): a policy that names it decides, otherwise its recompute= flag does
 # (csrc/policy/policy.h, innermostSelectingUnit). Installed when this module is imported and
@@ -184,17 +205,6 @@ def _remat_modules():
     import torch_remat._api
 
     return (torch_remat, torch_remat._api)
-
-
-# The bits of kRegionOpeningBit and kRegionRecomputesBit in csrc/policy/unit_stack.h; the C ABI
-# checks each id it is given, so a mismatch is refused there rather than misread.
-_REGION_OPENING_BIT = 1 << 29
-_REGION_RECOMPUTES_BIT = 1 << 30
-
-
-def _region_opening(id_plus_one: int, recompute: bool) -> int:
-    opening = (id_plus_one - 1) | _REGION_OPENING_BIT | (_REGION_RECOMPUTES_BIT if recompute else 0)
-    return opening + 1
 
 
 def _region_flags() -> list:
@@ -219,7 +229,7 @@ def _open_region(name: str, recompute: bool, call):
             "honored. Set the inner region to recompute=False, or make the enclosing region recompute=True."
         )
     check_unit_name(qualified, "torch_remat.region: name")
-    opening = _region_opening(_unit_id(qualified), recompute)
+    opening = _rule.region_opening(_unit_id(qualified), recompute)
     flags.append(recompute)
     try:
         with _UnitScope(qualified, opening):
@@ -228,15 +238,35 @@ def _open_region(name: str, recompute: bool, call):
         flags.pop()
 
 
+def _compiled_region_call(function, name, recompute, wrapper, args, kwargs):
+    # Under torch.compile a region outside torch_remat's own compiled checkpoint is a unit carried
+    # as node metadata with its flag, as recompute_unit carries one, so that the checkpointed
+    # layer's policy function decides it as eager does. torch_remat ignores name_scope under
+    # compile, so the unit is the region's own name.
+    from torch_remat._compile import in_compiled_checkpoint
+
+    if in_compiled_checkpoint():
+        return wrapper(*args, **kwargs)  # torch_remat's own compiled checkpoint tags it
+    flag = _REGION_RECOMPUTES if recompute else _REGION_KEEPS
+    with torch.fx.traceback.annotate({UNIT_ANNOTATION_PREFIX + name: flag}):
+        return function(*args, **kwargs)
+
+
 def _sac_region(function, name, *, recompute):
     wrapper = _remat_original(function, name, recompute=recompute)
     if torch.compiler.is_compiling():
-        return wrapper
+
+        def run_compiled(*args, **kwargs):
+            return _compiled_region_call(function, name, recompute, wrapper, args, kwargs)
+
+        return run_compiled
     from torch_remat._region import _state
 
     @functools.wraps(function)
     def run_in_region(*args, **kwargs):
-        if _state.get() is not None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return _compiled_region_call(function, name, recompute, wrapper, args, kwargs)
+        if _state.get() is not None:
             return wrapper(*args, **kwargs)  # torch_remat's own checkpoint handles it
         return _open_region(name, recompute, lambda: function(*args, **kwargs))
 

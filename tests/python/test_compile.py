@@ -280,3 +280,60 @@ def test_compiled_policy_reads_the_fallbacks_classification():
     assert _op_traits(torch.ops.aten.sym_size.int)[1] is True  # metadata query: never counted
     with pytest.raises(ValueError, match=r"op_traits needs one overload such as 'aten::mm.default', got 'aten::mm'"):
         torch.ops.sac.op_traits("aten::mm")
+
+
+class RegionLayer(nn.Module):
+    """A torch_remat region around a Linear and a tanh, then a Linear and a sin outside it; or the
+    same code in a recompute_unit of the same name."""
+
+    def __init__(self, recompute=None, dim=16):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.recompute = recompute
+
+    def core(self, x):
+        return torch.tanh(self.a(x))
+
+    def forward(self, x):
+        if self.recompute is None:
+            with recompute_unit("attn.core"):
+                h = self.core(x)
+        else:
+            import torch_remat
+
+            h = torch_remat.region(self.core, "attn.core", recompute=self.recompute)(x)
+        return torch.sin(self.b(h))
+
+
+@pytest.mark.parametrize(
+    "policy, recompute, kept",
+    [
+        (Policy(kept_units=["attn.core"]), True, True),
+        (Policy(kept_units=["attn.*"]), True, True),
+        (Policy(kept_units=["attn.core"]), None, True),
+        (Policy(kept_ops=["aten::sin"]), False, True),
+        (Policy(kept_ops=["aten::sin"]), True, False),
+        (Policy(kept_ops=["aten::sin"], recomputed_units=["attn.core"]), False, False),
+        (Policy(), False, False),
+    ],
+    ids=["kept_by_name", "kept_by_pattern", "recompute_unit", "flag_keeps", "flag_recomputes", "list_wins", "full"],
+)
+def test_torch_remat_regions_compile_as_eager_keeps_them(policy, recompute, kept):
+    """A region the eager policy keeps (named in kept_units, or recompute=False where no list names
+    it) is MUST_SAVE in the compiled graph, as a recompute_unit of the same name is."""
+    pytest.importorskip("torch_remat")
+    layer = RegionLayer(recompute)
+    x = torch.randn(4, 16)
+    with sac_plugin.audit() as audit:
+        sac_plugin.apply_selective_checkpointing(copy.deepcopy(layer), policy)(x.requires_grad_()).sum().backward()
+    assert (audit.hits("aten::tanh") == 1) == kept  # what eager keeps
+
+    seen = compiled_graphs(lambda: layer, policy)
+    tanh = seen["tags"]["aten.tanh.default"]
+    if kept:
+        assert tanh == {CheckpointPolicy.MUST_SAVE}
+        assert "aten.tanh.default" not in seen["bw"]
+    else:
+        assert CheckpointPolicy.MUST_SAVE not in tanh
+        assert "aten.tanh.default" in seen["bw"]

@@ -4,6 +4,7 @@ measured by its allocator, and come back for the recompute with gradients bitwis
 unmodified model; the region that holds them releases them with its outputs."""
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -262,6 +263,107 @@ report(drop=plain_held - held, same=same(gradients(plain, px), gradients(offload
         # said once per checkpoint site: by the two layers whose inputs did not fit
         "warnings": ["the policy's host_memory_limit of 1048576 bytes is reached"] * 2,
     }
+
+
+@accelerator
+@engines
+def test_an_input_that_is_not_dense_is_named_and_a_row_slice_is_offloaded(engine):
+    # An expanded view cannot be offloaded: it is named once per checkpoint site, and stays on the
+    # device. A slice of rows (a storage offset, dense) is offloaded. Gradients are the model's.
+    values = _on_accelerator(
+        """
+import warnings
+expanded = lambda x: (x[:1] * 2).expand(256, 512)
+rows = lambda x: (x * 2)[128:]
+def run(model, x, make):
+    torch.manual_seed(1)
+    model(make(x)).square().mean().backward()
+    torch.accelerator.synchronize()
+result = {}
+for what, make in (("expanded", expanded), ("rows", rows)):
+    reference, rx = model_and_input(layers=1)
+    run(reference, rx, make)
+    model, x = checkpointed(Policy(offload_inputs=True), layers=1)
+    before = stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model, x, make)
+        same_gradients = same(gradients(reference, rx), gradients(model, x))
+        run(model, x, make)
+    result[what] = dict(
+        same=same_gradients,
+        bytes_to_host=stats()["bytes_to_host"] - before["bytes_to_host"],
+        warnings=[str(w.message) for w in caught if "offload_inputs" in str(w.message)],
+    )
+report(**result)
+""",
+        engine,
+    )
+    assert values == {
+        "expanded": {
+            "same": True,
+            "bytes_to_host": 0,
+            "warnings": [
+                "sac_plugin: Policy(offload_inputs=True) cannot offload positional argument 0 of Layer.forward, of "
+                "shape (256, 512) and strides (0, 1): it is not dense (an expanded or overlapping view, or one with "
+                "gaps between its elements), and the offload copies only dense tensors; it stays on the device, as "
+                "torch's checkpoint holds it: pass x.contiguous() to offload it (said once per checkpoint site)"
+            ],
+        },
+        "rows": {"same": True, "bytes_to_host": 2 * 128 * 512 * 4, "warnings": []},
+    }
+
+
+def test_on_the_cpu_an_input_that_is_not_dense_is_not_named():
+    # On the CPU offload_inputs does nothing, whatever the input: nothing to name.
+    layer = sac_plugin.apply_selective_checkpointing(_Layer(), Policy(offload_inputs=True))
+    x = torch.randn(1, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer((x * 2).expand(8, 16)).sum().backward()
+
+
+@accelerator
+@engines
+def test_nested_checkpoints_offload_their_inputs_with_gradients_bitwise(engine):
+    # A block checkpointed around checkpointed layers, offload_inputs on either or both: the block's
+    # recompute runs the layers' checkpoints again on the inputs the block held, which they hold as
+    # in the forward.
+    values = _on_accelerator(
+        """
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(Layer(), Layer())
+
+    def forward(self, x):
+        return self.inner(x)
+
+def build(block_policy, layer_policy):
+    torch.manual_seed(0)
+    block = Block().to("sac_accel")
+    if layer_policy is not None:
+        for layer in block.inner:
+            sac_plugin.apply_selective_checkpointing(layer, layer_policy)
+    if block_policy is not None:
+        sac_plugin.apply_selective_checkpointing(block, block_policy)
+    return block, torch.randn(256, 512, device="sac_accel", requires_grad=True)
+
+reference, rx = build(None, None)
+forward(reference, rx).backward()
+offload, plain = Policy(offload_inputs=True), Policy()
+result = []
+for block_policy, layer_policy in ((offload, offload), (offload, plain), (plain, offload),
+                                   (Policy(kept_ops=["aten::addmm"], offload_inputs=True), offload)):
+    block, x = build(block_policy, layer_policy)
+    forward(block, x).backward()
+    torch.accelerator.synchronize()
+    result.append(same(gradients(reference, rx), gradients(block, x)))
+report(same=result, pool_in_use=stats()["pool_bytes_in_use"])
+""",
+        engine,
+    )
+    assert values == {"same": [True] * 4, "pool_in_use": 0}
 
 
 # --- the option itself, and where it is a no-op ----------------------------------------------------
