@@ -49,6 +49,8 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
                    torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
                    CallInFlight* call) {
   const Policy& policy = region.policy();
+  // NOTE: [A small constant is named by its value] (data_flow.cpp)
+  if (C10_UNLIKELY(op.traits.is_lift_fresh)) region.flow().nameFreshConstant((*stack)[stack->size() - num_arguments]);
   if (op.traits.is_view && !policy.namesOp(op)) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
   if (in_recompute && !region.servesMore()) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
 

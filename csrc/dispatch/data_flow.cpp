@@ -109,16 +109,16 @@ uint64_t wrappedNumberValue(const at::Tensor& tensor) {
 
 // NOTE: [A small constant is named by its value]
 // A constant the code builds from Python values (`torch.tensor([...])`, the index tensor of
-// `x[:, [0, 2]]`, a routing table) is made outside the dispatcher, in a new storage each pass:
-// named by its address, every call computed from it would differ between the passes and never
-// be served, and a router computed through one would be recomputed instead of pinned. Its storage
-// may even come from an intercepted `empty` whose contents were written outside the dispatcher
-// (Python's list indexing), so that call's name says nothing of the value, and such calls made in
-// one pass only shift it. So a small contiguous CPU tensor that does not require grad is named by
-// its value (dtype and bytes), whatever made it. Equal names then mean equal values, so a call
-// served by that name computes what its twin computed. Parameters and activations that require
-// grad, and large tensors, keep the names above: hashing them on every call would cost more than
-// it finds.
+// `x[:, [0, 2]]`) is made outside the dispatcher, in a new storage each pass: named by its
+// address, every call computed from it would differ between the passes and never be served, and
+// a router computed through one would be recomputed instead of pinned. torch hands every such
+// tensor to `aten::lift_fresh` as it is made, so there a small contiguous CPU one is named by its
+// value (dtype and bytes) for the rest of the pass. Equal names then mean equal values, so a call
+// served by that name computes what its twin computed. Only fresh constants: a buffer or an input
+// made before the pass keeps its address, so that a router whose buffer changed between the
+// forward and the recompute is still served the forward's routing. A constant made on an
+// accelerator, or a large one, keeps its address too (reading it would wait on the device, or
+// cost more than it finds).
 constexpr int64_t kMostElementsNamedByValue = 64;
 
 bool namedByValue(const c10::TensorImpl* impl) {
@@ -163,15 +163,9 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
     return mixed(salt_, reinterpret_cast<uintptr_t>(impl));
   }
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
+  auto found = origins_.find(storage);
   int64_t offset = impl->storage_offset();
-  uint64_t seed;
-  if (C10_UNLIKELY(namedByValue(impl))) {  // NOTE: [A small constant is named by its value]
-    seed = valueOf(tensor);
-    offset = 0;  // the value is what the tensor shows, wherever in its storage it lives
-  } else {
-    auto found = origins_.find(storage);
-    seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
-  }
+  uint64_t seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).
   mix(seed, (static_cast<uint64_t>(offset) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()));
@@ -241,6 +235,13 @@ uint64_t DataFlow::externalOrigin(const c10::StorageImpl* storage, int64_t* offs
     }
   }
   return mixed(kExternalTag, address);
+}
+
+void DataFlow::nameFreshConstant(const c10::IValue& value) {
+  if (!value.isTensor()) return;
+  const at::Tensor& tensor = value.toTensor();
+  if (!tensor.defined() || !tensor.has_storage() || !namedByValue(tensor.unsafeGetTensorImpl())) return;
+  origins_.insert_or_assign(tensor.storage().unsafeGetStorageImpl(), valueOf(tensor));
 }
 
 void DataFlow::nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset) {

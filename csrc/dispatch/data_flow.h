@@ -50,6 +50,11 @@ class DataFlow {
   void recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns,
                   const std::vector<WrittenStorage>& written);
 
+  // For the rest of this pass, a fresh constant handed to aten::lift_fresh (`value`, its
+  // argument) is named by its value where it is small and on the CPU (NOTE: [A small constant is
+  // named by its value] in data_flow.cpp).
+  void nameFreshConstant(const c10::IValue& value);
+
   // For the rest of this pass, `copy` (a tensor the region made anew: an offloaded input brought
   // back for the recompute) is named as the tensor of the forward it copies, which lived at
   // `original_offset` in the storage at `original_storage` (an address, never dereferenced; NOTE:

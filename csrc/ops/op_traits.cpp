@@ -147,6 +147,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.is_uninitialised_allocation = contains(kUninitialisedAllocations, traits.base_name);
   traits.is_copy_cast = traits.base_name == "aten::_to_copy";
   traits.is_routing = isRoutingOp(traits.base_name);
+  traits.is_lift_fresh = traits.base_name == "aten::lift_fresh";
   return traits;
 }
 

@@ -51,6 +51,9 @@ struct OpTraits {
   // One of the ops every call of which routes tokens (isRoutingOp in routing.h), read once here
   // rather than by name on every call.
   bool is_routing = false;
+  // aten::lift_fresh, which torch calls on every constant it builds from Python values (NOTE: [A
+  // small constant is named by its value] in dispatch/data_flow.cpp).
+  bool is_lift_fresh = false;
 };
 
 OpTraits classifyOp(const c10::OperatorHandle& op);

@@ -21,8 +21,9 @@ class ToyMoE(torch.nn.Module):
     the backward, so the recompute's router ranks the experts otherwise, as a GPU router whose
     reductions are not repeatable may."""
 
-    def __init__(self):
+    def __init__(self, through_a_constant=False):
         super().__init__()
+        self.through_a_constant = through_a_constant
         self.q = torch.nn.Linear(DIM, DIM)
         self.router = torch.nn.Linear(DIM, EXPERTS, bias=False)
         self.w = torch.nn.Parameter(torch.randn(EXPERTS, DIM, DIM) / DIM)
@@ -32,6 +33,8 @@ class ToyMoE(torch.nn.Module):
         with recompute_unit("attn"):
             h = torch.tanh(self.q(x))
         logits = self.router(h) + self.jitter
+        if self.through_a_constant:  # a tensor built from Python values in every forward
+            logits = logits * torch.tensor([1.0, 0.5, 2.0, 1.0])
         values, indices = torch.topk(logits, K, dim=-1)
         weights = torch.softmax(values, dim=-1)
         out = torch.zeros_like(h)
@@ -78,6 +81,22 @@ def test_routing_is_served_from_the_forward_bitwise(perturb):
     _run_checkpointed(model, x, Policy(kept_units=["attn"]), perturb)
     for got, want in zip(_grads(model, x), expected):
         assert torch.equal(got, want)
+
+
+def test_routing_through_a_constant_is_pinned():
+    """The constant is made outside the dispatcher in each pass, and named by its value (NOTE: [A
+    small constant is named by its value] in csrc/dispatch/data_flow.cpp), so the routing computed
+    through it is served from the forward even when the recompute's router ranks otherwise."""
+    torch.manual_seed(0)
+    reference = ToyMoE(through_a_constant=True)
+    model = copy.deepcopy(reference)
+    x = torch.randn(TOKENS, DIM)
+    reference(x).square().sum().backward()
+    with sac_plugin.audit() as audit:
+        _run_checkpointed(model, x, Policy(kept_units=["attn"]), perturb=True)
+    assert (audit.hits("aten::topk"), audit.hits("aten::nonzero"), audit.never_served()) == (1, EXPERTS, 0)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad)
 
 
 def test_routing_calls_are_served_and_counted():
