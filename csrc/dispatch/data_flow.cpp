@@ -128,7 +128,8 @@ bool namedByValue(const c10::TensorImpl* impl) {
 
 uint64_t valueOf(const at::Tensor& tensor) {
   const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.dtype().itemsize();
-  uint64_t seed = std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(tensor.const_data_ptr()), bytes));
+  uint64_t seed =
+      std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(tensor.const_data_ptr()), bytes));
   mix(seed, static_cast<uint64_t>(tensor.scalar_type()) + 0x76616c75ULL);  // "valu"
   return seed;
 }
@@ -246,8 +247,8 @@ void DataFlow::nameFreshConstant(const c10::IValue& value) {
 
 void DataFlow::nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset) {
   if (!copy.defined() || !copy.has_storage()) return;
-  copies_.insert_or_assign(copy.storage().unsafeGetStorageImpl(),
-                           CopyOf{reinterpret_cast<uintptr_t>(original_storage), original_offset - copy.storage_offset()});
+  copies_.insert_or_assign(copy.storage().unsafeGetStorageImpl(), CopyOf{reinterpret_cast<uintptr_t>(original_storage),
+                                                                         original_offset - copy.storage_offset()});
 }
 
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {

@@ -278,8 +278,7 @@ std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, cons
         offloaded_input_bytes_ += held.offloaded.bytes();
         any_offloaded_ = true;
         offloaded[i] = true;
-      } else if (notice != nullptr && notice->empty() &&
-                 site_->claimNotice(Site::Notice::kHostLimitReached)) {
+      } else if (notice != nullptr && notice->empty() && site_->claimNotice(Site::Notice::kHostLimitReached)) {
         *notice = c10::str("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
                            " bytes is reached: "
                            "the offload pool cannot hold ",
@@ -722,9 +721,10 @@ void Region::endRecompute(bool keep_entries) {
     std::string unserved_names;
     for (size_t i = 0; i < unserved.size() && i < 8; ++i) unserved_names += (i > 0 ? "; " : "") + unserved[i].second;
     never_served_notice_ = c10::str(
-        "sac: ", site_->label(), " held the outputs of ", unserved_calls, " call", unserved_calls > 1 ? "s" : "",
-        " (", unserved_bytes, " bytes) from its forward to its backward, and its recompute never asked for them: ",
-        unserved_names, unserved_calls > 8 ? "; ..." : "",
+        "sac: ", site_->label(), " held the outputs of ", unserved_calls, " call", unserved_calls > 1 ? "s" : "", " (",
+        unserved_bytes,
+        " bytes) from its forward to its backward, and its recompute never asked for them: ", unserved_names,
+        unserved_calls > 8 ? "; ..." : "",
         ". Those calls ran again. The recompute named them differently from the forward: an argument came from a "
         "tensor the region cannot name, made outside its intercepted calls (a constant built without the "
         "dispatcher, a value a cache kept from the forward, a copy made outside the region). sac_plugin.audit() "

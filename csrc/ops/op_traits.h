@@ -70,8 +70,8 @@ OpTraits classifyOp(const c10::OperatorHandle& op);
 // is listed here with the arguments it writes, or with none where it writes nothing (barriers, a
 // NaN check); a test checks every such op registered in the running torch against this table.
 struct UnannotatedWrite {
-  std::string_view op;                          // base name: every overload
-  std::vector<std::string_view> written;        // argument names; empty: writes nothing
+  std::string_view op;                    // base name: every overload
+  std::vector<std::string_view> written;  // argument names; empty: writes nothing
 };
 const std::vector<UnannotatedWrite>& unannotatedWrites();
 
