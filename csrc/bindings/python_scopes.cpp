@@ -244,23 +244,24 @@ PyObject* adoptForwardScope(PyObject* /*module*/, PyObject* region_address) {
   return newScope(static_cast<RegionHandle*>(handle), ActivationKind::kForward);
 }
 
-// set_recompute_above_modes(function): what a recompute scope calls, with its region's address,
-// when dispatch modes are on as it opens.
-PyObject* setRecomputeAboveModes(PyObject* /*module*/, PyObject* function) {
-  Py_INCREF(function);
-  PyObject* previous = recompute_above_modes;
-  recompute_above_modes = function;
+// Makes `value` the object a global of this file refers to (owned), releasing the previous one.
+PyObject* replaceGlobal(PyObject** global, PyObject* value) {
+  Py_INCREF(value);
+  PyObject* previous = *global;
+  *global = value;
   Py_XDECREF(previous);
   Py_RETURN_NONE;
 }
 
+// set_recompute_above_modes(function): what a recompute scope calls, with its region's address,
+// when dispatch modes are on as it opens.
+PyObject* setRecomputeAboveModes(PyObject* /*module*/, PyObject* function) {
+  return replaceGlobal(&recompute_above_modes, function);
+}
+
 // set_never_served_warning(category): the warning class NOTE: [Served, or named] is issued as.
 PyObject* setNeverServedWarning(PyObject* /*module*/, PyObject* category) {
-  Py_INCREF(category);
-  PyObject* previous = never_served_warning;
-  never_served_warning = category;
-  Py_XDECREF(previous);
-  Py_RETURN_NONE;
+  return replaceGlobal(&never_served_warning, category);
 }
 
 PyMethodDef module_methods[] = {

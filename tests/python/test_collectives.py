@@ -5,11 +5,10 @@ the kept call made, not the reduced one: gradients bitwise on two gloo ranks, in
 engine the suite runs."""
 
 import json
-import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from support.subprocesses import run_ranks
 
 from sac_plugin import _engine
 
@@ -22,19 +21,8 @@ def _run_two_ranks(tmp_path, engine):
     from support import collective_write_worker
 
     result_file = tmp_path / "result.json"
-    context = mp.start_processes(
-        collective_write_worker.main,
-        args=(2, str(tmp_path / "init"), str(result_file), _engine.ENGINE_VARIABLE, engine),
-        nprocs=2,
-        start_method="spawn",
-        join=False,
-    )
-    deadline = time.monotonic() + 120  # a hung collective fails this test instead of stalling CI
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two ranks did not finish within 120 s")
+    arguments = (2, str(tmp_path / "init"), str(result_file), _engine.ENGINE_VARIABLE, engine)
+    run_ranks(collective_write_worker.main, arguments, nprocs=2, seconds=120, what="the two ranks")
     return json.loads(result_file.read_text())
 
 

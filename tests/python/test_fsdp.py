@@ -4,11 +4,10 @@ is the same in both runs (same sharding, same reduce-scatter), so bitwise equali
 across different world sizes it would not be."""
 
 import json
-import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from support.subprocesses import run_ranks
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,15 +23,7 @@ def fsdp_results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fsdp")
     result_file = tmp / "results.json"
-    context = mp.start_processes(
-        fsdp_worker.main, args=(2, str(tmp / "init"), str(result_file)), nprocs=2, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + 300  # a hung collective fails this test instead of stalling CI
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the FSDP2 ranks did not finish within 300 s")
+    run_ranks(fsdp_worker.main, (2, str(tmp / "init"), str(result_file)), nprocs=2, seconds=300, what="the FSDP2 ranks")
     return json.loads(result_file.read_text())
 
 

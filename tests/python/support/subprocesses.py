@@ -50,3 +50,20 @@ def run_program(name, *arguments, env=None, drop=(), timeout=300):
         timeout=timeout,
         env=python_environment(env, drop),
     )
+
+
+def run_ranks(main, args, nprocs, seconds, what):
+    """Spawns `nprocs` processes running main(rank, *args) and waits for them; a rank still running
+    after `seconds` (a hung collective) is killed and fails the calling test instead of stalling CI."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(main, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{what} did not finish within {seconds} s")
