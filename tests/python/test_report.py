@@ -497,7 +497,10 @@ def _report_model_steps(model, tokens, steps):
     return rep
 
 
-@pytest.mark.parametrize("trace", [False, True])
+@pytest.mark.parametrize(
+    "trace",
+    [False, pytest.param(True, marks=pytest.mark.native_engine("the per-op trace needs the native engine"))],
+)
 def test_a_report_left_open_by_a_thread_that_ends_is_closed_with_it(trace):
     from sac_plugin import _report
 
