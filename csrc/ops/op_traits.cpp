@@ -72,6 +72,7 @@ const std::vector<UnannotatedWrite>& unannotatedWrites() {
       {"c10d::allgather_into_tensor_coalesced_", {"outputs"}},
       {"c10d::_allgather_base_", {"output_tensor"}},
       {"c10d::gather_", {"output_tensors"}},
+      {"c10d::gather_into_tensor_", {"output_tensor"}},
       {"c10d::scatter_", {"output_tensors"}},
       {"c10d::reduce_scatter_", {"output_tensors"}},
       {"c10d::reduce_scatter_tensor_coalesced_", {"outputs"}},
