@@ -698,9 +698,9 @@ void Region::beginRecompute() {
 void Region::endRecompute(bool keep_entries) {
   flow_.reset(++passes_, 0);
   if (keep_entries) return;
-  int64_t unserved_calls = 0;
+  // The unserved entries, by forward position: the message names them in the order they ran.
+  std::vector<std::pair<uint64_t, const KeptOutputs*>> unserved;
   int64_t unserved_bytes = 0;
-  std::vector<std::pair<uint64_t, std::string>> unserved;  // by forward position, for the message
   for (auto& [key, kept] : kept_) {
     if (kept.consumed || kept.released || kept.outputs.empty()) continue;
     int64_t bytes = 0;
@@ -711,20 +711,23 @@ void Region::endRecompute(bool keep_entries) {
     }
     for (const auto& [slot, offloaded] : kept.offloaded) bytes += offloaded.bytes();
     kept.op->counters.recordNeverServed(static_cast<uint64_t>(bytes));
-    ++unserved_calls;
+    unserved.emplace_back(kept.position, &kept);
     unserved_bytes += bytes;
-    unserved.emplace_back(kept.position, c10::str(kept.op->traits.qualified_name, ", call ", kept.ordinal,
-                                                  unitSuffix(kept.unit, !kept.offloaded.empty())));
   }
-  if (unserved_calls > 0 && site_->claimNotice(Site::Notice::kHeldNeverServed)) {
+  // The message is worded once per site: later recomputes only count.
+  if (!unserved.empty() && site_->claimNotice(Site::Notice::kHeldNeverServed)) {
     std::sort(unserved.begin(), unserved.end());
     std::string unserved_names;
-    for (size_t i = 0; i < unserved.size() && i < 8; ++i) unserved_names += (i > 0 ? "; " : "") + unserved[i].second;
+    for (size_t i = 0; i < unserved.size() && i < 8; ++i) {
+      const KeptOutputs& kept = *unserved[i].second;
+      unserved_names += c10::str(i > 0 ? "; " : "", kept.op->traits.qualified_name, ", call ", kept.ordinal,
+                                 unitSuffix(kept.unit, !kept.offloaded.empty()));
+    }
     never_served_notice_ = c10::str(
-        "sac: ", site_->label(), " held the outputs of ", unserved_calls, " call", unserved_calls > 1 ? "s" : "", " (",
-        unserved_bytes,
+        "sac: ", site_->label(), " held the outputs of ", unserved.size(), " call", unserved.size() > 1 ? "s" : "",
+        " (", unserved_bytes,
         " bytes) from its forward to its backward, and its recompute never asked for them: ", unserved_names,
-        unserved_calls > 8 ? "; ..." : "",
+        unserved.size() > 8 ? "; ..." : "",
         ". Those calls ran again. The recompute named them differently from the forward: an argument came from a "
         "tensor the region cannot name, made outside its intercepted calls (a constant built without the "
         "dispatcher, a value a cache kept from the forward, a copy made outside the region). sac_plugin.audit() "
