@@ -45,16 +45,13 @@ CallStep traced(const OpEntry& op, CallOutcome outcome, CallStep step) {
 
 }  // namespace
 
-CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
-                   torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
-                   CallInFlight* call) {
-  const Policy& policy = region.policy();
+bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments,
+              std::optional<int64_t> naming_key, CallInFlight* call) {
   // NOTE: [A small constant is named by its value] (data_flow.cpp)
   if (C10_UNLIKELY(op.traits.is_lift_fresh)) region.flow().nameFreshConstant((*stack)[stack->size() - num_arguments]);
-  if (op.traits.is_view && !policy.namesOp(op)) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
-  if (in_recompute && !region.servesMore()) return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
+  if (op.traits.is_view && !region.policy().namesOp(op)) return false;
+  if (in_recompute && !region.servesMore()) return false;
 
-  const c10::FunctionSchema& schema = handle.schema();
   const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
   call->op = &op;
   call->hold = false;
@@ -70,10 +67,52 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
     stack->emplace_back(*naming_key);
     call->identity = flow.identify(op, &(*stack)[stack->size() - num_arguments - 1], num_arguments + 1);
     stack->pop_back();
-    arguments = &(*stack)[stack->size() - num_arguments];  // the push may have moved the stack
   } else {
     call->identity = flow.identify(op, arguments, num_arguments);
   }
+  return true;
+}
+
+// NOTE: [A checkpoint nested in another is named by the outer too]
+// A checkpoint called inside another's function is a region of its own, innermost while it runs:
+// it decides and holds its calls, and the outer region sees none of them. But the outer's calls
+// after it read what it returned, and the outer's recompute runs the nested checkpoint again as
+// a new region whose outputs are new storages (torch recomputes nested checkpoints as it meets
+// them). Named by storage, those outputs would differ between the outer's two passes and no
+// outer kept call reading them would be served. So every region open around the innermost one
+// that holds anything also names each call the nested region runs, in its own data flow, as it
+// names its own calls: its two passes name the nested calls alike, and the outer's kept calls
+// that read them match. The outer decides and holds none of them (rule: a saved tensor belongs
+// to the innermost checkpoint), but a write they make to a storage an outer kept output lives in
+// is seen, and the kept output preserved (NOTE: [Kept outputs written in the forward] in
+// region.cpp).
+void EnclosingCalls::begin(const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments,
+                           std::optional<int64_t> naming_key) {
+  for (const ThreadState::EnclosingPass& pass : ThreadState::current().enclosingPasses()) {
+    calls_.emplace_back();
+    calls_.back().first = pass.region;
+    if (!nameCall(*pass.region, pass.in_recompute, op, stack, num_arguments, naming_key, &calls_.back().second)) {
+      calls_.pop_back();
+    }
+  }
+}
+
+void EnclosingCalls::finish(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns) {
+  for (auto& [region, call] : calls_)
+    region->flow().recordCall(call.identity, schema, stack, num_returns, call.written);
+  calls_.clear();
+}
+
+CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
+                   torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
+                   CallInFlight* call) {
+  if (!nameCall(region, in_recompute, op, stack, num_arguments, naming_key, call)) {
+    return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
+  }
+  const Policy& policy = region.policy();
+  const c10::FunctionSchema& schema = handle.schema();
+  const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
+  DataFlow& flow = region.flow();
 
   if (in_recompute) {
     if (!region.serve(op, call->identity, handle, stack)) {

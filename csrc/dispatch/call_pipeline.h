@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "dispatch/data_flow.h"
@@ -50,6 +51,26 @@ struct CallInFlight {
 CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c10::OperatorHandle& handle,
                    torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
                    CallInFlight* call);
+
+// The first steps of beginCall, which name the call in `region`'s data flow: false for a call
+// the region leaves unrecorded (a view the policy does not name, a recompute past its last kept
+// call), else the call's identity and the storages it writes are in `call`, and in the forward
+// the region's kept outputs in those storages are preserved.
+bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments,
+              std::optional<int64_t> naming_key, CallInFlight* call);
+
+// The calls of a nested checkpoint as the regions open around it name them (NOTE: [A checkpoint
+// nested in another is named by the outer too] in call_pipeline.cpp): begin before the kernel,
+// finish once its outputs are the last `num_returns` values on the stack (run or served).
+class EnclosingCalls {
+ public:
+  void begin(const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key);
+  void finish(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns);
+  bool empty() const { return calls_.empty(); }
+
+ private:
+  std::vector<std::pair<Region*, CallInFlight>> calls_;
+};
 
 // After the kernel ran: holds the outputs of a held call and records the call's outputs (the
 // last `num_returns` values on `stack`) in the data flow.

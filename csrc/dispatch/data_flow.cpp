@@ -137,6 +137,7 @@ uint64_t valueOf(const at::Tensor& tensor) {
 constexpr uint64_t kUndefinedTensor = 0x7e57;
 constexpr uint64_t kWrittenTag = 0x5772697465ULL;  // "Write"
 constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
+constexpr uint64_t kNestedTag = 0x6e657374ULL;     // "nest"
 
 }  // namespace
 
@@ -144,6 +145,10 @@ void DataFlow::reset(uint64_t salt, size_t expected_calls) {
   origins_.clear();
   occurrences_.clear();
   copies_.clear();
+  enclosing_pass_ = nullptr;
+  enclosing_names_ = nullptr;
+  retain_for_nested_ = false;
+  names_for_nested_.clear();
   if (expected_calls > 0) {
     // One allocation per pass instead of a rehash at every doubling; every call produces about
     // one storage.
@@ -226,7 +231,27 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
   return mixed(description, earlier);
 }
 
+// NOTE: [A nested checkpoint names its inputs as the outer does]
+// torch hands a nested checkpoint's recompute the inputs its enclosing checkpoint's recompute
+// made (the inputs of a nested checkpoint are tensors its parent saves, and recomputes), new
+// storages where the forward's inputs were the parent's own intermediates. Named by address, no
+// call reading them would match the forward, and nothing the nested region kept would be served.
+// So a nested region names a storage it did not produce as the region around it names it: in its
+// forward by that region's pass under way; in its recompute by what that region's last recompute
+// named, which it retains, weakly, for the regions nested in it. The enclosing region names the
+// same tensor alike in its two passes (NOTE: [A checkpoint nested in another is named by the
+// outer too] in call_pipeline.cpp), so the nested region's two passes do too. What neither names
+// (a parameter, the enclosing region's own inputs) keeps its address.
 uint64_t DataFlow::externalOrigin(const c10::StorageImpl* storage, int64_t* offset_shift) const {
+  if (C10_UNLIKELY(enclosing_pass_ != nullptr)) {
+    if (uint64_t origin = enclosing_pass_->originOf(storage)) return mixed(kNestedTag, origin);
+  } else if (C10_UNLIKELY(enclosing_names_ != nullptr)) {
+    auto named = enclosing_names_->find(storage);
+    if (named != enclosing_names_->end()) {
+      c10::intrusive_ptr<c10::StorageImpl> alive = named->second.first.lock();
+      if (alive.get() == storage) return mixed(kNestedTag, named->second.second);
+    }
+  }
   uintptr_t address = reinterpret_cast<uintptr_t>(storage);
   if (C10_UNLIKELY(!copies_.empty())) {
     auto copy = copies_.find(storage);
@@ -253,18 +278,22 @@ void DataFlow::nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* origin
 
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  uint64_t named = origin;
   if (!was_written) {
     origins_.insert_or_assign(impl, origin);
-    return;
+  } else {
+    // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
+    // the origin: that address is the same in both passes.
+    auto record = origins_.find(impl);
+    if (record == origins_.end()) {
+      int64_t unused_shift = 0;
+      record = origins_.emplace(impl, externalOrigin(impl, &unused_shift)).first;
+    }
+    record->second = mixed(record->second, origin);
+    named = record->second;
   }
-  // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
-  // the origin: that address is the same in both passes.
-  auto record = origins_.find(impl);
-  if (record == origins_.end()) {
-    int64_t unused_shift = 0;
-    record = origins_.emplace(impl, externalOrigin(impl, &unused_shift)).first;
-  }
-  record->second = mixed(record->second, origin);
+  // NOTE: [A nested checkpoint names its inputs as the outer does]
+  if (C10_UNLIKELY(retain_for_nested_)) names_for_nested_.insert_or_assign(impl, {storage.getWeakStorageImpl(), named});
 }
 
 void DataFlow::recordCall(uint64_t call, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,

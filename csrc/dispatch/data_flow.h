@@ -7,9 +7,11 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 #include <c10/core/Storage.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "ops/hash_containers.h"
@@ -28,6 +30,12 @@ struct WrittenStorage {
   c10::Storage storage;
   uint32_t argument;
 };
+
+// What an enclosing region's recompute named, for the regions nested in it to name their inputs
+// by in their own recompute (NOTE: [A nested checkpoint names its inputs as the outer does] in
+// data_flow.cpp): each storage's origin, held weakly, so that an address is only read back for
+// the storage that had it.
+using NamesForNested = HashMap<const c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, uint64_t>>;
 
 class DataFlow {
  public:
@@ -61,6 +69,19 @@ class DataFlow {
   // [A copy the region makes is named as its original] in data_flow.cpp).
   void nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset);
 
+  // For the rest of this pass, a storage it did not produce is named as the region around it
+  // names it: by `enclosing_pass` (that region's pass under way, in the forward) or by
+  // `enclosing_names` (what that region's last recompute named, in the recompute), where they
+  // name it (NOTE: [A nested checkpoint names its inputs as the outer does]).
+  void nameExternalsAs(const DataFlow* enclosing_pass, const NamesForNested* enclosing_names) {
+    enclosing_pass_ = enclosing_pass;
+    enclosing_names_ = enclosing_names;
+  }
+  // For the rest of this pass, remember what it names weakly, for the regions nested in it;
+  // takeNamesForNested hands it over.
+  void retainNamesForNested() { retain_for_nested_ = true; }
+  NamesForNested takeNamesForNested() { return std::move(names_for_nested_); }
+
   // The origin this pass recorded for `storage`, or 0 when it has none (not produced or written
   // by an intercepted call of this pass).
   uint64_t originOf(const c10::StorageImpl* storage) const {
@@ -92,6 +113,10 @@ class DataFlow {
     int64_t offset_shift;
   };
   HashMap<const c10::StorageImpl*, CopyOf> copies_;
+  const DataFlow* enclosing_pass_ = nullptr;
+  const NamesForNested* enclosing_names_ = nullptr;
+  bool retain_for_nested_ = false;
+  NamesForNested names_for_nested_;
   uint64_t salt_ = 0;
 };
 

@@ -53,17 +53,36 @@ class InterceptedCall {
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
+    // NOTE: [A checkpoint nested in another is named by the outer too] (call_pipeline.cpp)
+    if (C10_UNLIKELY(!state.enclosingPasses().empty()) && !python_handles_it) {
+      EnclosingCalls enclosing;
+      enclosing.begin(entry_, &invocation_.arguments(), op_.schema().arguments().size(), std::nullopt);
+      return runInRegion(state, region, python_handles_it, &enclosing);
+    }
+    runInRegion(state, region, python_handles_it, nullptr);
+  }
+
+ private:
+  // `enclosing` (null unless the region is nested) names the call's outputs once they are on the
+  // stack, before a served call's stack is handed back.
+  void runInRegion(ThreadState& state, Region* region, bool python_handles_it, EnclosingCalls* enclosing) {
+    const c10::FunctionSchema& schema = op_.schema();
+    auto finishEnclosing = [&] {
+      if (C10_UNLIKELY(enclosing != nullptr))
+        enclosing->finish(schema, invocation_.arguments(), schema.returns().size());
+    };
     if (C10_UNLIKELY(region == nullptr || !region->intercepts() || python_handles_it)) {
       traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
-      return countAndRun(state.phase());
+      countAndRun(state.phase());
+      return finishEnclosing();
     }
     if (C10_UNLIKELY(region->profile() != nullptr)) {  // NOTE: [Profiling a region]
-      return region->profile()->profileCall(*region, entry_, op_.schema(), &invocation_.arguments(),
-                                            [&] { countAndRun(state.phase()); });
+      region->profile()->profileCall(*region, entry_, op_.schema(), &invocation_.arguments(),
+                                     [&] { countAndRun(state.phase()); });
+      return finishEnclosing();
     }
 
     // NOTE: [One call pipeline] (call_pipeline.cpp)
-    const c10::FunctionSchema& schema = op_.schema();
     const size_t num_arguments = schema.arguments().size();
     torch::jit::Stack& stack = invocation_.arguments();
     const bool recompute = state.regionInRecompute();
@@ -71,18 +90,19 @@ class InterceptedCall {
     CallInFlight call;
     switch (beginCall(*region, recompute, entry_, op_, &stack, num_arguments, std::nullopt, draws_random, &call)) {
       case CallStep::kRunOnly:
-        return countAndRun(state.phase());
+        countAndRun(state.phase());
+        return finishEnclosing();
       case CallStep::kServed:
         entry_.counters.recordHit();
+        finishEnclosing();
         return invocation_.served(num_arguments, schema.returns().size());
       case CallStep::kRunAndFinish:
         countAndRun(state.phase());
         finishCall(*region, call, schema, invocation_.arguments(), schema.returns().size());
-        return;
+        return finishEnclosing();
     }
   }
 
- private:
   void runKernel() {
     // NOTE: [Ops called from inside a kernel are not intercepted]
     // A kernel may dispatch further ops (addmm's CPU kernel calls copy_, randn calls normal_).

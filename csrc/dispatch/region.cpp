@@ -12,6 +12,7 @@
 
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
+#include "dispatch/thread_state.h"
 #include "ops/hash_containers.h"
 #include "ops/user_warning.h"
 #include "policy/offload_rule.h"
@@ -97,6 +98,9 @@ void Region::releaseHeld() {
   routing_.clear();
   offloaded_before_.reset();
   inputs_owner_.reset();
+  enclosing_.reset();
+  enclosing_in_recompute_.reset();
+  names_for_nested_.clear();
   live_regions.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -344,6 +348,11 @@ c10::intrusive_ptr<Region> Region::inputsOwner() {
     return owner;
   }
   return c10::intrusive_ptr<Region>::reclaim_copy(this);
+}
+
+Region* Region::decidingRegion() {
+  if (inputs_owner_ == nullptr) return this;
+  return inputs_owner_->region.lock().get();  // the dispatch-mode engine's region owns it meanwhile
 }
 
 void Region::delegateInputsTo(const c10::intrusive_ptr<Region>& owner) {
@@ -610,6 +619,14 @@ void Region::rememberParameterCast(const at::Tensor& cast) {
 void Region::beginForward() {
   parameter_casts_.clear();
   flow_.reset(++passes_, site_->callsPerPassHint());
+  // NOTE: [A nested checkpoint names its inputs as the outer does] (data_flow.cpp)
+  enclosing_.reset();
+  if (Region* around = ThreadState::current().decidingRegionAround(this)) {
+    around->has_nested_regions_ = true;
+    enclosing_ = std::make_unique<WeakLink>(
+        WeakLink{c10::weak_intrusive_ptr<Region>(c10::intrusive_ptr<Region>::reclaim_copy(around))});
+    flow_.nameExternalsAs(&around->flow_, nullptr);
+  }
   forward_position_ = 0;
   routing_.clear();
 }
@@ -660,6 +677,10 @@ void Region::endForward() {
 // would have been served still reaches serve() and is told that its output was freed.
 void Region::beginRecompute() {
   flow_.reset(++passes_, calls_per_pass_);
+  // NOTE: [A nested checkpoint names its inputs as the outer does] (data_flow.cpp)
+  if (has_nested_regions_) flow_.retainNamesForNested();
+  enclosing_in_recompute_ = enclosing_ != nullptr ? enclosing_->region.lock() : c10::intrusive_ptr<Region>();
+  if (enclosing_in_recompute_) flow_.nameExternalsAs(nullptr, &enclosing_in_recompute_->names_for_nested_);
   // NOTE: [A cast autocast caches is named by the call that made it] (above)
   for (const auto& [cast, origin] : parameter_casts_) {
     c10::intrusive_ptr<c10::StorageImpl> alive = cast.lock();
@@ -696,7 +717,9 @@ void Region::beginRecompute() {
 // recompute never reaches by design (torch's early stop, NOTE: [Kept outputs the recompute never
 // reaches]) are released before the backward and are not counted.
 void Region::endRecompute(bool keep_entries) {
+  if (has_nested_regions_) names_for_nested_ = flow_.takeNamesForNested();
   flow_.reset(++passes_, 0);
+  enclosing_in_recompute_.reset();
   if (keep_entries) return;
   // The unserved entries, by forward position: the message names them in the order they ran.
   std::vector<std::pair<uint64_t, const KeptOutputs*>> unserved;

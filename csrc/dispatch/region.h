@@ -111,7 +111,9 @@ class Region : public c10::intrusive_ptr_target {
   // recompute after the last kept call]).
   // Routing calls still to check (NOTE: [Unpinned routing must repeat itself] in
   // routing_check.cpp) keep the pass named as well.
-  bool servesMore() const { return left_to_serve_ > 0 || routing_.pending() > 0; }
+  // A region with checkpoints nested in it names every call of its recompute for them (NOTE: [A
+  // nested checkpoint names its inputs as the outer does] in data_flow.cpp).
+  bool servesMore() const { return left_to_serve_ > 0 || routing_.pending() > 0 || has_nested_regions_; }
 
   // What the forward routed, where the policy recomputes the routing (pin_routing off).
   RoutingCheck& routing() { return routing_; }
@@ -177,6 +179,9 @@ class Region : public c10::intrusive_ptr_target {
   // one delegateInputsTo named (a dispatch-mode engine's marker region hands them to the region
   // that holds its kept and offloaded outputs, NOTE: [The dispatch-mode engine's region]).
   c10::intrusive_ptr<Region> inputsOwner();
+  // The region that decides this one's calls: this one, or, for a dispatch-mode engine's marker,
+  // the region it delegates to (null if that is gone).
+  Region* decidingRegion();
   void delegateInputsTo(const c10::intrusive_ptr<Region>& owner);
   // Pinned host bytes the offloaded inputs hold, and how many inputs are offloaded.
   int64_t offloadedInputBytes() const;
@@ -282,6 +287,13 @@ class Region : public c10::intrusive_ptr_target {
   // referenced), with the origin the forward named each by.
   std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, uint64_t>> parameter_casts_;
   bool consume_served_ = true;
+  // NOTE: [A nested checkpoint names its inputs as the outer does] (data_flow.cpp): the region
+  // around this one's forward; whether regions were nested in this one's forward; and what this
+  // one's last recompute named, for them.
+  std::unique_ptr<WeakLink> enclosing_;
+  c10::intrusive_ptr<Region> enclosing_in_recompute_;  // held while this one's recompute reads its names
+  bool has_nested_regions_ = false;
+  NamesForNested names_for_nested_;
 };
 
 }  // namespace sac

@@ -120,12 +120,35 @@ void ThreadState::exit(ActivationKind kind, Region* region, size_t depth) {
 void ThreadState::refreshInnermost() {
   region_ = nullptr;
   any_recompute_ = false;
+  enclosing_.clear();
   for (const Activation& activation : stack_) {
     if (!activation.region) continue;
+    // The region this one replaces as the innermost encloses the rest, if it holds anything.
+    if (region_ != nullptr && region_ != activation.region.get() && region_->intercepts() &&
+        region_->profile() == nullptr) {
+      enclosing_.push_back(EnclosingPass{region_, region_kind_ == ActivationKind::kRecompute});
+    }
     region_ = activation.region.get();
     region_kind_ = activation.kind;
     any_recompute_ = any_recompute_ || activation.kind == ActivationKind::kRecompute;
   }
+}
+
+Region* ThreadState::decidingRegionAround(const Region* self) const {
+  for (auto activation = stack_.rbegin(); activation != stack_.rend(); ++activation) {
+    if (!activation->region) continue;
+    Region* deciding = activation->region->decidingRegion();
+    if (deciding == self) continue;
+    return deciding != nullptr && deciding->intercepts() && deciding->profile() == nullptr ? deciding : nullptr;
+  }
+  return nullptr;
+}
+
+bool ThreadState::encloses(const Region* region) const {
+  for (size_t i = 0; i + 1 < stack_.size(); ++i) {
+    if (stack_[i].region.get() == region && region != region_) return true;
+  }
+  return false;
 }
 
 Phase ThreadState::phase() const {

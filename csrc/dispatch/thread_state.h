@@ -44,6 +44,20 @@ class ThreadState {
   // The innermost region and whether it is in its forward or its recompute.
   Region* region() const { return region_; }
   bool regionInRecompute() const { return region_kind_ == ActivationKind::kRecompute; }
+  // The regions open around the innermost one that keep or offload anything, outermost first,
+  // each with whether it is in its recompute: they name the calls of the checkpoints nested in
+  // them (NOTE: [A checkpoint nested in another is named by the outer too] in call_pipeline.cpp).
+  struct EnclosingPass {
+    Region* region;
+    bool in_recompute;
+  };
+  const std::vector<EnclosingPass>& enclosingPasses() const { return enclosing_; }
+  // Whether `region` is open on this thread around the innermost region.
+  bool encloses(const Region* region) const;
+  // The innermost region open on this thread other than `self` (or `self`'s marker), where it
+  // keeps or offloads anything, else null: the region a checkpoint starting its forward is nested
+  // in (NOTE: [A nested checkpoint names its inputs as the outer does] in data_flow.cpp).
+  Region* decidingRegionAround(const Region* self) const;
   // The pass to count an op in.
   Phase phase() const;
   size_t depth() const { return stack_.size(); }
@@ -62,6 +76,7 @@ class ThreadState {
 
   std::vector<Activation> stack_;
   Region* region_ = nullptr;
+  std::vector<EnclosingPass> enclosing_;
   ActivationKind region_kind_ = ActivationKind::kForward;
   bool any_recompute_ = false;
   size_t intercepting_ = 0;
