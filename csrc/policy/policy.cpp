@@ -199,7 +199,7 @@ Decision recomputed(Reason reason) {
 //      - a call that casts a parameter (NOTE: [Autocast's weight casts] in op_traits.h).
 //   2. Kept, under a policy that selects anything: a call that routes tokens or copies a value
 //      to the host (NOTE: [Routing is served from the forward], below), unless the policy opts
-//      out (pin_routing = false).
+//      out (pin_routing = false); offloaded instead where an offload rule of 4 selects it.
 //   3. Recomputed inside a recomputed unit: any open recomputed unit wins over every selection.
 //   4. Selected, by the first that holds: the op is in the kept-op (offloaded-op) set; the call's
 //      index is a multiple of the op's every-nth n; the call's index is in the op's kept-call
@@ -231,9 +231,11 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   // 2. After the vetoes of 1, which no routing call meets except a cast of a parameter to the CPU
   // (whose input is always at hand), and before the units of 3: a recomputed unit recomputes
   // the experts, never the choice of them.
+  // A routing call an offload rule selects is held on the host: where it is held is the offload
+  // rules' to say, that it is held is routing's.
   if (call.routes_tokens && pin_routing_ && !keepsNothing()) {
     Decision decision;
-    decision.outcome = Outcome::kKeep;
+    decision.outcome = selectedForOffload(op, open_units, call) ? Outcome::kOffload : Outcome::kKeep;
     decision.reason = Reason::kRoutesTokens;
     decision.held = true;
     return decision;
@@ -293,6 +295,13 @@ Decision Policy::decideNamed(const OpEntry& op, const CallFacts& call) {
   Policy naming;
   naming.kept_ops_.insert(&op);
   return naming.decide(op, {}, call);
+}
+
+bool Policy::selectedForOffload(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const {
+  if (offloadsNothing()) return false;
+  if (offloaded_ops_.count(&op) > 0 || offloadedCallIndex(op, call.call_index)) return true;
+  const UnitId unit = innermostSelectingUnit(open_units);
+  return unit != kNoUnit && offloaded_units_.names(unit);
 }
 
 bool Policy::keptCallIndex(const OpEntry& op, uint64_t call_index) const {

@@ -239,6 +239,8 @@ class Policy {
   // Whether the op has a kept-calls rule that lists this index.
   bool keptCallIndex(const OpEntry& op, uint64_t call_index) const;
   bool offloadedCallIndex(const OpEntry& op, uint64_t call_index) const;
+  // Whether an offload rule (op, call index or the innermost selecting unit) selects the call.
+  bool selectedForOffload(const OpEntry& op, const std::vector<UnitId>& open_units, const CallFacts& call) const;
 
   int64_t offloadMinBytes() const { return offload_min_bytes_; }
   int64_t hostMemoryLimit() const { return host_memory_limit_; }  // -1: none

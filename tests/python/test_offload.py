@@ -164,6 +164,44 @@ report(same=all(torch.equal(a, b) for a, b in zip(reference, offloaded)), hits=a
 
 @pytest.mark.slow
 @pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+def test_a_routing_call_an_offload_rule_names_is_offloaded_and_served():
+    # Routing is held whatever the policy (NOTE: [Routing is served from the forward]); an offload
+    # rule that names the call says where: on the host.
+    values = _on_accelerator("""
+class Sorting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(512, 1024)
+
+    def forward(self, x):
+        values, order = torch.sort(self.up(x), dim=-1)
+        return values[:, :512] * 2 + x
+
+def run(policy):
+    torch.manual_seed(0)
+    layer = Sorting().to("sac_accel")
+    x = torch.randn(256, 512, device="sac_accel", requires_grad=True)
+    if policy is not None:
+        sac_plugin.apply_selective_checkpointing(layer, policy)
+    before = stats()
+    with sac_plugin.audit() as audit:
+        step(layer, x)
+    after = stats()
+    return [p.grad.cpu() for p in layer.parameters()] + [x.grad.cpu()], audit.hits("aten::sort"), (
+        after["copies_to_host"] - before["copies_to_host"])
+
+reference, _, _ = run(None)
+by_op, hits_by_op, copies_by_op = run(Policy(offloaded_ops=["aten::sort"]))
+kept, hits_kept, copies_kept = run(Policy(kept_ops=["aten::addmm"]))
+report(bitwise=[all(torch.equal(a, b) for a, b in zip(got, reference)) for got in (by_op, kept)],
+       hits=[hits_by_op, hits_kept], copies=[copies_by_op, copies_kept])
+""")
+    # sort's values (1 MiB) and indices (2 MiB) go to the host; kept by routing alone, they stay.
+    assert values == {"bitwise": [True, True], "hits": [1, 1], "copies": [2, 0]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 def test_the_floor_and_the_host_limit_keep_on_the_device():
     values = _on_accelerator("""
 import warnings
