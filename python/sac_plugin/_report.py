@@ -6,7 +6,8 @@
 
 Broken down by checkpointed module (its qualified name in `model`) and, inside it, by recompute
 unit: calls, ops run in the forward and in the recompute, kept outputs served (hits), calls kept
-and bytes kept. Plus every storage saved for backward, inside regions (the kept outputs) and
+and bytes kept, and kept outputs held but never served (NOTE: [Served, or named] in
+csrc/dispatch/region.cpp). Plus every storage saved for backward, inside regions (the kept outputs) and
 outside them (autograd's saved tensors, by the module that saved them), each once, naming the
 tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report, per layer.
 
@@ -75,12 +76,16 @@ class OpCounts:
     recompute: int = 0
     backward: int = 0
     hits: int = 0
+    never_served: int = 0  # kept outputs held and never served (NOTE: [Served, or named])
+    never_served_bytes: int = 0
 
     def add(self, row: AuditRow) -> None:
         self.forward += row.forward
         self.recompute += row.recompute
         self.backward += row.backward
         self.hits += row.hits
+        self.never_served += row.never_served
+        self.never_served_bytes += row.never_served_bytes
 
 
 @dataclasses.dataclass
@@ -109,6 +114,8 @@ class Breakdown:
             "forward_ops": self.total("forward"),
             "recomputed_ops": self.total("recompute"),
             "hits": self.total("hits"),
+            "never_served": self.total("never_served"),
+            "never_served_bytes": self.total("never_served_bytes"),
             "kept_calls": self.kept_calls,
             "kept_bytes": self.kept_bytes,
             "offloaded_calls": self.offloaded_calls,
@@ -545,7 +552,7 @@ class Report:
         """
         header = (
             f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}"
-            f"{'kept calls':>12}{'kept bytes':>14}"
+            f"{'kept calls':>12}{'kept bytes':>14}{'never served':>14}"
         )
         lines = [header, "-" * len(header)]
         for layer in self.layers.values():
@@ -560,6 +567,7 @@ class Report:
             f"{sum(layer.total('hits') for layer in self.layers.values()):>7}"
             f"{sum(layer.kept_calls for layer in self.layers.values()):>12}"
             f"{_bytes(sum(layer.kept_bytes for layer in self.layers.values())):>14}"
+            f"{sum(layer.total('never_served') for layer in self.layers.values()):>14}"
         )
         steps = f" over {self.steps} steps" if self.steps > 1 else ""
         offloaded = sum(layer.offloaded_calls for layer in self.layers.values())
@@ -606,7 +614,7 @@ def _forget(report_reference: weakref.ref, live_key, storage_reference) -> None:
 def _line(label: str, row: Breakdown) -> str:
     return (
         f"{label[:40]:<40}{row.calls:>7}{row.total('forward'):>9}{row.total('recompute'):>12}"
-        f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}"
+        f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}{row.total('never_served'):>14}"
     )
 
 

@@ -14,6 +14,8 @@ from sac_plugin import RecomputeConfig, apply_recompute_config
 from sac_plugin.models import Llama
 from sac_plugin import Policy
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+from support import toy_models
 
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -78,6 +80,8 @@ def test_layers_and_units_add_up_to_the_audit():
         "calls",
         "kept",
         "bytes",
+        "never",
+        "served",
     ]
     assert "  unit mlp" in table and "saved for backward, by place (each storage once per life):" in table
 
@@ -592,3 +596,22 @@ def test_the_trace_says_what_an_untraced_run_does_for_f_linear_on_a_transposed_i
         assert phases.count(("recompute", "recomputed")) == untraced.count(op, phase="recompute"), op
         assert sum(p == "forward" for p, _ in phases) == untraced.count(op, phase="forward"), op
     assert [e.module for e in traced.trace if e.op == "aten::mm.default"] == ["lin", "lin"]
+
+
+def test_a_layer_whose_kept_outputs_are_never_served_says_so_in_its_row():
+    # Layers checkpointed inside a plain torch checkpoint (docs/limits.md): the second layer's
+    # kept tanh is held and never served.
+    model, _ = toy_models.make_pair(checkpoint=False)
+    for layer in model.layers:
+        sac_plugin.apply_selective_checkpointing(layer, Policy(kept_ops=["aten::tanh"]))
+    x = torch.randn(4, 16)
+    with pytest.warns(sac_plugin.HeldNeverServedWarning), sac_plugin.report(model) as rep:
+        checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+    rows = {layer["name"]: (layer["hits"], layer["never_served"]) for layer in rep.to_dict()["layers"]}
+    assert rows == {"layers.0": (1, 0), "layers.1": (0, 1)}
+    lines = rep.table().splitlines()
+    assert lines[0].endswith("never served")
+    assert {line.split()[0]: line.split()[-1] for line in lines if line.startswith("layers.")} == {
+        "layers.0": "0",
+        "layers.1": "1",
+    }
