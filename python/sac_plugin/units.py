@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import sys
 import threading
 
 import torch
@@ -192,10 +195,10 @@ def open_units() -> list[str]:
 # (_compiled_region_call), decided by the same rule.
 # The unit is a region opening (NOTE: [Region openings carry their flag] in
 # csrc/policy/unit_stack.h): a policy that names it decides, otherwise its recompute= flag does
-# (csrc/policy/policy.h, innermostSelectingUnit). Installed when this module is imported and
-# torch_remat is installed; uninstall_remat_regions() puts torch_remat's function back. Model
-# code that bound `region` itself (`from torch_remat import region`) before sac_plugin was
-# imported keeps torch_remat's function.
+# (csrc/policy/policy.h, innermostSelectingUnit). Installed once both this module and torch_remat
+# are imported (at once if torch_remat already was, else when it is); uninstall_remat_regions()
+# puts torch_remat's function back. Model code that bound `region` itself (`from torch_remat
+# import region`) before sac_plugin was imported keeps torch_remat's function.
 _remat_original = None
 _remat_local = threading.local()
 
@@ -305,4 +308,35 @@ def uninstall_remat_regions() -> None:
     _remat_original = None
 
 
-install_remat_regions()
+# Importing torch_remat costs a second (it imports torch.distributed.tensor and sympy): it is
+# hooked when it is imported, or now where it already was, never imported for the hook.
+class _HookWhenImported(importlib.abc.MetaPathFinder):
+    """Installs the hook once torch_remat has been imported (by the model code, or anyone)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch_remat":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _InstallingLoader(spec.loader)
+        return spec
+
+
+class _InstallingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _HookWhenImported)]
+        install_remat_regions()
+
+
+if "torch_remat" in sys.modules:
+    install_remat_regions()
+elif importlib.util.find_spec("torch_remat") is not None:
+    sys.meta_path.insert(0, _HookWhenImported())

@@ -12,11 +12,14 @@ import importlib
 import inspect
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import sac_plugin
+from support.subprocesses import python_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 API_PAGE = ROOT / "docs" / "api.md"
@@ -248,3 +251,25 @@ def test_the_docstring_check_finds_what_is_missing(doc, expected):
     namespace: dict = {}
     exec(f"def f(a, b) -> int:\n    {doc}\n    return a + b\n", namespace)
     assert _function_problems("f", namespace["f"]) == expected
+
+
+def test_importing_the_package_imports_no_compiler_and_no_torch_remat():
+    # What `import sac_plugin` costs above `import torch` is what it imports: torch._dynamo and
+    # torch_remat (which imports torch.distributed.tensor and sympy) wait until they are used.
+    code = (
+        "import sys, torch; before = set(sys.modules); import sac_plugin; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch_remat', 'sympy', 'torch.distributed.tensor') "
+        "if m in set(sys.modules) - before))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_environment())
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
+
+
+def test_torch_remat_imported_after_the_package_opens_units():
+    pytest.importorskip("torch_remat")
+    code = (
+        "import sac_plugin, torch_remat, torch_remat._api; from torch_remat import region; "
+        "print(region.__name__, torch_remat._api.region.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_environment())
+    assert (done.returncode, done.stdout.strip()) == (0, "_sac_region _sac_region"), done.stderr
