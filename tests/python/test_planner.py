@@ -423,6 +423,10 @@ def _edit(data, **changes):
     return data
 
 
+def _without(data, key):
+    return {k: v for k, v in data.items() if k != key}
+
+
 def test_bad_plan_files_are_refused_by_name(tmp_path):
     block, args = llama_inputs()
     plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
@@ -435,10 +439,10 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
             json.dumps(_edit(good, format="other")),
             "'format' must be 'sac_plugin.plan', got 'other': not a sac_plugin plan",
         ),
-        (json.dumps(_edit(good, version=4)), "version 4 is not supported; this sac_plugin reads versions 1, 2, 3"),
+        (json.dumps(_edit(good, version=5)), "version 5 is not supported; this sac_plugin reads versions 1, 2, 3, 4"),
         (
             json.dumps(_edit(good, version=True)),
-            "version True is not supported; this sac_plugin reads versions 1, 2, 3",
+            "version True is not supported; this sac_plugin reads versions 1, 2, 3, 4",
         ),
         (
             json.dumps(_edit(good, budget=2.0)),
@@ -451,7 +455,7 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
         ),
         (
             json.dumps(_edit(good, extra=1)),
-            "unknown key 'extra'; known keys in version 3: budget, calls, format, "
+            "unknown key 'extra'; known keys in version 4: budget, calls, format, "
             "full_recompute_bytes, kept, no_checkpoint_bytes, offload, offloaded, "
             "rng_state_bytes, runs, torch, version",
         ),
@@ -533,8 +537,8 @@ def _malformed_plan_files(good):
         ),
         (
             json.dumps(_edit(good, calls=[_edit(call, size=1)])),
-            "unknown key 'size' in calls[0]; known keys in version 3: bytes, index, not_keepable, op, recomputed, "
-            "seconds, unit",
+            "unknown key 'size' in calls[0]; known keys in version 4: bytes, index, not_keepable, op, recomputed, "
+            "seconds, unit, units",
         ),
         (json.dumps(_edit(good, calls=[5])), "calls[0] must be an object, got 5"),
         (json.dumps(_edit(good, calls={})), "calls must be a list, got {}"),
@@ -600,9 +604,9 @@ def test_plan_files_of_earlier_versions_load_with_no_rng_state(tmp_path):
     block, args = llama_inputs()
     plan = sac_plugin.plan(block, *args, budget=0.3, runs=1)
     data = plan.to_dict()
-    assert data["version"] == 3 and data["rng_state_bytes"] == plan.profile.rng_state_bytes > 0
+    assert data["version"] == 4 and data["rng_state_bytes"] == plan.profile.rng_state_bytes > 0
     del data["rng_state_bytes"]
-    old = Plan.from_dict(_edit(data, version=2))
+    old = Plan.from_dict(_edit(data, version=2, calls=[_without(c, "units") for c in data["calls"]]))
     assert old.profile.rng_state_bytes == 0
     assert old.kept == plan.kept and old.held_bytes == plan.held_bytes
 
@@ -1038,3 +1042,41 @@ def test_a_plan_that_keeps_anything_counts_the_routing_its_policy_serves():
         plan = sac_plugin.plan(block, x, cos, sin, budget=budget, runs=1)
         assert plan.kept and {("aten::topk", 0), ("aten::sort.stable", 0)} <= plan.kept
         assert plan.held_bytes <= plan.budget_bytes
+
+
+def test_a_budget_without_room_for_the_routing_calls_keeps_nothing():
+    # Keeping anything, even a call that holds no new bytes (it makes the layer's output), holds
+    # the routing calls: a budget above the floor but short of them is full recompute.
+    from sac_plugin.planner import LayerProfile, ProfiledCall
+
+    calls = (
+        ProfiledCall("aten::topk", 0, "", 4096, 1e-3, ""),
+        ProfiledCall("aten::mm", 0, "", 8192, 1e-3, ""),
+        ProfiledCall("aten::relu", 0, "", 0, 1e-3, ""),
+    )
+    profile = LayerProfile(calls, 1000 + 12288, 1000, 1)
+    for budget, kept in ((1000, set()), (1000 + 4095, set()), (1000 + 4096, {("aten::topk", 0), ("aten::relu", 0)})):
+        plan = Plan.from_profile(profile, budget)
+        assert (plan.kept, plan.held_bytes) == (kept, 1000 + 4096 * bool(kept)), budget
+        assert plan.policy.keeps_nothing == (not kept)
+    everything = Plan.from_profile(profile, 1.0)
+    assert everything.kept == {("aten::topk", 0), ("aten::mm", 0), ("aten::relu", 0)}
+    assert everything.policy == Policy(kept_calls={"aten::mm.default": [0], "aten::relu.default": [0]})
+
+
+def test_a_plan_below_the_floor_is_full_recompute_and_plan_refuses_it():
+    """from_profile and with_budget plan a budget below the floor as full recompute, which holds
+    the floor (a keep-flag region's calls recomputed too); plan() refuses it, naming the floor."""
+    pytest.importorskip("torch_remat")
+    from test_remat_regions import DIM, AnnotatedBlock
+
+    torch.manual_seed(0)
+    block, x = AnnotatedBlock(core_recomputes=False), torch.randn(64, DIM)
+    profiled = sac_plugin.plan(block, x, budget=1.0, runs=1)
+    floor = profiled.profile.full_recompute_bytes
+    for below in (profiled.with_budget(0.0), Plan.from_profile(profiled.profile, floor - 1)):
+        assert below.policy.keeps_nothing and below.kept == frozenset() and below.held_bytes == floor
+        assert below.evaluate(Policy())["held_bytes"] == floor
+    with pytest.raises(PlanError) as raised:
+        sac_plugin.plan(block, x, budget=floor - 1, runs=1)
+    assert raised.value.lowest_bytes == floor

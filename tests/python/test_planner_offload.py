@@ -224,7 +224,7 @@ def test_bad_offloads_in_a_plan_file_are_refused_by_name(tmp_path):
         ("aten::mm", 8 * MiB, 1.0), ("aten::mm", 8 * MiB, 10.0), ("aten::mm", MiB // 2, 1.0), floor=MiB
     )
     good = Plan.from_profile(profile, 9 * MiB, offload=OffloadModel(LINK, LINK, host_memory_limit=8 * MiB)).to_dict()
-    assert (good["version"], good["offloaded"]) == (3, [["aten::mm", 0]])
+    assert (good["version"], good["offloaded"]) == (4, [["aten::mm", 0]])
     model = good["offload"]
     cases = [
         (
@@ -253,7 +253,8 @@ def test_a_version_1_file_loads_as_a_two_way_plan(tmp_path):
     plan = Plan.from_profile(profile, 9 * MiB)
     data = plan.to_dict()
     del data["offload"], data["offloaded"], data["rng_state_bytes"]
-    loaded = Plan.from_dict({**data, "version": 1})
+    calls = [{k: v for k, v in call.items() if k != "units"} for call in data["calls"]]
+    loaded = Plan.from_dict({**data, "calls": calls, "version": 1})
     assert (loaded.kept, loaded.offloaded, loaded.offload, loaded.policy) == (plan.kept, frozenset(), None, plan.policy)
 
 
@@ -513,7 +514,7 @@ def test_a_plan_refuses_offloads_it_cannot_price():
     ],
 )
 def test_the_offload_rule_is_the_librarys(nbytes, reserved, floor, limit, placement):
-    from sac_plugin.planner._plan import Placement, offload_placement
+    from sac_plugin.planner._cost import Placement, offload_placement
 
     assert offload_placement(nbytes, reserved, floor, limit) == Placement[placement]
 
@@ -521,19 +522,19 @@ def test_the_offload_rule_is_the_librarys(nbytes, reserved, floor, limit, placem
 def test_a_policys_offloads_are_placed_by_the_librarys_rule(monkeypatch):
     """Plan.calls_offloaded_by asks the library where each offloaded call lives, in forward order
     with the host bytes taken so far: the calls it says stay on the device are kept there."""
-    from sac_plugin.planner import _plan
+    from sac_plugin.planner import _rule_calls
 
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 2 * MiB, 1.0), ("aten::mm", MiB // 2, 1.0), floor=MiB)
     plan = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
     policy = Policy(offloaded_ops=["aten::mm"], host_memory_limit=9 * MiB)
     asked = []
-    rule = _plan.offload_placement
+    rule = _rule_calls.offload_placement
 
     def spy(*arguments):
         asked.append(arguments)
         return rule(*arguments)
 
-    monkeypatch.setattr(_plan, "offload_placement", spy)
+    monkeypatch.setattr(_rule_calls, "offload_placement", spy)
     offloaded, kept = plan.calls_offloaded_by(policy), plan.calls_kept_by(policy)
     assert offloaded == {("aten::mm", 0)} and kept == {("aten::mm", 1), ("aten::mm", 2)}
     assert asked[:3] == [

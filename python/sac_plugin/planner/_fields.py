@@ -55,6 +55,16 @@ CALL_KEY = Kind(
     lambda v: isinstance(v, list) and len(v) == 2 and TEXT.check(v[0]) and COUNT.check(v[1]),
 )
 
+UNITS = Kind(
+    "a list of [name, recompute] pairs (a non-empty string, and null for a unit or true or false for a "
+    "torch_remat region's flag)",
+    lambda v: isinstance(v, list)
+    and all(
+        isinstance(u, list) and len(u) == 2 and isinstance(u[0], str) and u[0] and (u[1] is None or FLAG.check(u[1]))
+        for u in v
+    ),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:

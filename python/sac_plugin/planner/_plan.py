@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from .. import _rule
 from .._validation import bounded_repr, describe_value
 from ..policy import Policy
 from . import _fields
@@ -34,7 +33,6 @@ from . import _plan_file as plan_file
 from ._cost import (
     OFFLOAD_MIN_BYTES,
     OffloadModel,
-    Placement,
     PlanError,
     budget_in_bytes,
     call_key,
@@ -43,35 +41,22 @@ from ._cost import (
     unreachable_budget,
     is_byte_count,
     is_rate,
-    offload_placement,
     step_overhead,
 )
 from ._profile import (
-    WRITTEN_IN_THE_FORWARD,
     LayerProfile,
     ProfiledCall,
     accelerator_device,
     measure_offload_bandwidth,
     profile_layer,
 )
-from ._solve import Solver, routing_calls
+from ._rule_calls import held_by, plan_policy
+from ._solve import Solver
 
 PARETO_BUDGETS = tuple(i / 20 for i in range(21))
 
 log = logging.getLogger("sac_plugin")
 _warned_offload_unavailable: set[str] = set()
-
-
-def _overload(op: str) -> str:
-    """The single overload a profiled op name means: "aten::mm" -> "aten::mm.default"."""
-    return op if "." in op.partition("::")[2] else op + ".default"
-
-
-def _calls_by_op(keys) -> dict[str, list[int]]:
-    calls: dict[str, list[int]] = {}
-    for op, index in sorted(keys):
-        calls.setdefault(_overload(op), []).append(index)
-    return calls
 
 
 class Plan:
@@ -120,15 +105,10 @@ class Plan:
     ):
         self.profile = profile
         self.budget = budget
-        if kept or offloaded:
-            # A policy that selects anything also serves the calls that route tokens (NOTE: [The
-            # keep rule], docs/semantics.md): the plan's policy holds them, so the plan counts them.
-            kept = frozenset(kept) | (routing_calls(profile) - frozenset(offloaded))
-        self.kept = frozenset(kept)
-        self.offloaded = frozenset(offloaded)
         self.offload = offload
         self._solver_cache = solver
         self.copies = solver.copies if solver is not None else copy_costs(profile, offload) if offload else {}
+        self.offloaded = frozenset(offloaded)
         not_offloadable = sorted(self.offloaded - self.copies.keys())
         if not_offloadable:
             raise ValueError(
@@ -139,6 +119,17 @@ class Plan:
                     else "not a profiled call a plan may offload"
                 )
             )
+        # The plan holds what its policy holds, asked of the one rule: a keep-flag region whole,
+        # the routing calls once anything is kept (NOTE: [A plan keeps a keep-flag region whole
+        # or recomputes it whole]). A profile of ops this torch lacks (a plan file from another
+        # torch, made-up ops) makes no policy: its calls are counted as given, and `policy` says why.
+        self.kept, self._policy = frozenset(kept), None
+        try:
+            policy = plan_policy(profile, self.kept, self.offloaded, offload)
+            self.kept, self.offloaded = held_by(policy, profile)
+            self._policy = policy
+        except ValueError:
+            pass
         by_key = {call_key(c): c for c in profile.calls}
         self.kept_bytes = sum(by_key[k].bytes for k in self.kept)
         self.held_bytes = profile.full_recompute_bytes + self.kept_bytes
@@ -146,7 +137,6 @@ class Plan:
         self.recompute_seconds = step_overhead(profile, self.kept | self.offloaded, frozenset(), {})
         self.copy_seconds = sum(self.copies[k].exposed for k in sorted(self.offloaded))
         self.overhead_seconds = step_overhead(profile, self.kept, self.offloaded, self.copies)
-        self._policy = None
 
     @classmethod
     def from_profile(
@@ -181,18 +171,11 @@ class Plan:
 
     @property
     def policy(self) -> Policy:
-        """The plan as a policy: Policy(kept_calls=...), with offloaded_calls, offload_min_bytes
-        and host_memory_limit when the plan has an offload model."""
+        """The plan as a policy: kept_calls, and offloaded_calls, offload_min_bytes and
+        host_memory_limit with an offload model; a torch_remat region opened with recompute=False
+        is named whole in kept_units or recomputed_units (docs/memory-budget.md)."""
         if self._policy is None:
-            if self.offload is None:
-                self._policy = Policy(kept_calls=_calls_by_op(self.kept))
-            else:
-                self._policy = Policy(
-                    kept_calls=_calls_by_op(self.kept),
-                    offloaded_calls=_calls_by_op(self.offloaded),
-                    offload_min_bytes=self.offload.min_bytes,
-                    host_memory_limit=self.offload.host_memory_limit,
-                )
+            self._policy = plan_policy(self.profile, self.kept, self.offloaded, self.offload)
         return self._policy
 
     @property
@@ -436,7 +419,7 @@ class Plan:
             raise TypeError(
                 f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
             )
-        kept, offloaded = _held_by(policy, self.profile)
+        kept, offloaded = held_by(policy, self.profile)
         kept_bytes = sum(c.bytes for c in self.profile.calls if call_key(c) in kept)
         result = {
             "held_bytes": self.profile.full_recompute_bytes + kept_bytes,
@@ -473,7 +456,7 @@ class Plan:
             raise TypeError(
                 f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
             )
-        return _held_by(policy, self.profile, decided=True)[0]
+        return held_by(policy, self.profile, decided=True)[0]
 
     def calls_offloaded_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
         """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them.
@@ -491,7 +474,7 @@ class Plan:
             raise TypeError(
                 f"sac_plugin: Plan.calls_offloaded_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
             )
-        return _held_by(policy, self.profile)[1]
+        return held_by(policy, self.profile)[1]
 
     # --- plot ------------------------------------------------------------------------------------
 
@@ -700,56 +683,22 @@ class Plan:
                 f"it keeps {result.kept_bytes} bytes, so it holds {result.held_bytes}, over its budget of "
                 f"{result.budget_bytes} bytes"
             )
+        # The offloads as the file lists them: the plan would keep on the device what the host cap
+        # leaves out, as the runtime does, but a file over its own cap is not one a plan wrote.
+        offloaded_bytes = sum(c.bytes for c in contents.profile.calls if call_key(c) in contents.offloaded)
         if (
             offload is not None
             and offload.host_memory_limit is not None
-            and result.offloaded_bytes > offload.host_memory_limit
+            and offloaded_bytes > offload.host_memory_limit
         ):
             raise fail(
-                f"it offloads {result.offloaded_bytes} bytes, over its host_memory_limit of "
-                f"{offload.host_memory_limit} bytes"
+                f"it offloads {offloaded_bytes} bytes, over its host_memory_limit of {offload.host_memory_limit} bytes"
             )
         try:
             result.policy
         except ValueError as error:  # an op this torch does not have
             raise fail(f"its calls do not make a policy here: {error}") from None
         return result
-
-
-def _held_by(policy: Policy, profile: LayerProfile, decided: bool = False) -> tuple[frozenset, frozenset]:
-    """The profiled calls `policy` keeps on the device and offloads: the one C++ rule
-    (docs/semantics.md), asked call by call in the order the forward made them, through the call
-    decider that also numbers the calls for every-nth and kept-call rules exactly as the engines do
-    (a call in a recomputed unit takes no number). Each call is asked with the innermost unit it
-    ran in. An offloaded call under offload_min_bytes, or one that would take the host past
-    host_memory_limit, stays on the device, as the runtime keeps it. With `decided`, the calls the
-    forward decides to keep also include those it frees when it writes them later."""
-    decider = _rule.CallDecider(policy)
-    kept, offloaded, host_bytes = set(), set(), 0
-    limit = policy.host_memory_limit
-    for call in profile.calls:
-        units = (call.unit,) if call.unit else ()
-        decision = decider.decide(_overload(call.op), False, units)
-        # A call after the recompute stops is decided as held but not held (NOTE: [Kept outputs
-        # the recompute never reaches]): it holds no bytes and saves no time. A call the forward
-        # writes later, whose output the runtime cannot copy alone, is decided held too, then
-        # freed at the write (NOTE: [Kept outputs written in the forward]): `decided` counts it,
-        # as a trace of the forward shows it.
-        written = call.why_not_keepable == WRITTEN_IN_THE_FORWARD
-        if not (decision.held and (call.keepable or (decided and written))):
-            continue
-        if written:
-            kept.add(call_key(call))
-            continue
-        if (
-            decision.outcome == _rule.Outcome.OFFLOAD
-            and offload_placement(call.bytes, host_bytes, policy.offload_min_bytes, limit) == Placement.HOST
-        ):
-            offloaded.add(call_key(call))
-            host_bytes += call.bytes
-        else:
-            kept.add(call_key(call))
-    return frozenset(kept), frozenset(offloaded)
 
 
 def _path_of(path, method: str) -> Path:

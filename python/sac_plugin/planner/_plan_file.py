@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
+from .. import _rule
 from .._validation import bounded_repr
 from . import _fields
 from ._cost import OffloadModel, PlanError, call_key, check_budget
 from ._profile import LayerProfile, ProfiledCall
 
 FORMAT = "sac_plugin.plan"
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 # The plan file's fields: name, kind, first version.
 _PLAN_FIELDS = (
@@ -50,6 +51,7 @@ _CALL_FIELDS = (
     _fields.Field("seconds", _fields.SECONDS),
     _fields.Field("not_keepable", _fields.TEXT),
     _fields.Field("recomputed", _fields.FLAG),
+    _fields.Field("units", _fields.UNITS, since=4),
 )
 _OFFLOAD_FIELDS = (
     _fields.Field("d2h_bytes_per_s", _fields.RATE),
@@ -98,6 +100,7 @@ def plan_to_dict(
                 "seconds": c.seconds,
                 "not_keepable": c.why_not_keepable,
                 "recomputed": c.recomputed,
+                "units": [_unit_to_list(unit) for unit in c.units],
             }
             for c in p.calls
         ],
@@ -105,6 +108,19 @@ def plan_to_dict(
         "offload": offload,
         "offloaded": [[op, index] for op, index in sorted(offloaded)],
     }
+
+
+def _unit_to_list(unit) -> list:
+    """A call's open unit as the file holds it: [name, null] for a unit, [name, flag] for a
+    torch_remat region's opening with its recompute= flag."""
+    if type(unit) is _rule.RegionOpening:
+        return [unit.name, unit.recompute]
+    return [unit, None]
+
+
+def _unit_from_list(pair):
+    name, recompute = pair
+    return name if recompute is None else _rule.RegionOpening(name, recompute)
 
 
 def plan_contents(data) -> PlanContents:
@@ -129,9 +145,24 @@ def plan_contents(data) -> PlanContents:
     calls = []
     for i, call in enumerate(fields["calls"]):
         c = _fields.check_object(call, _CALL_FIELDS, f"calls[{i}]", version)
+        units = tuple(_unit_from_list(unit) for unit in c["units"]) if "units" in c else None
+        innermost = units[-1] if units else None
+        if units is not None and c["unit"] != (
+            innermost.name if type(innermost) is _rule.RegionOpening else innermost or ""
+        ):
+            raise fail(
+                f"calls[{i}].unit is {c['unit']!r}, but the innermost of its units is {bounded_repr(c['units'])}"
+            )
         calls.append(
             ProfiledCall(
-                c["op"], c["index"], c["unit"], c["bytes"], float(c["seconds"]), c["not_keepable"], c["recomputed"]
+                c["op"],
+                c["index"],
+                c["unit"],
+                c["bytes"],
+                float(c["seconds"]),
+                c["not_keepable"],
+                c["recomputed"],
+                units,
             )
         )
     by_key = {call_key(c): c for c in calls}

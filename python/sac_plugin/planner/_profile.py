@@ -15,7 +15,7 @@ import statistics
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import _scopes
+from .. import _observers, _rule, _scopes, units as _units
 from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
@@ -42,6 +42,9 @@ class ProfiledCall:
         recomputed: Whether a checkpoint's recompute reaches the call: it stops once autograd has
             saved its last tensor again, so calls after that point never run twice (keeping them
             saves nothing).
+        units: The units open around the call, outermost first, as the rule takes them: a name,
+            or a `RegionOpening` (name and recompute= flag) for a unit a torch_remat region
+            opened. Empty for a call in no unit; `(unit,)` where only the innermost is known.
     """
 
     op: str
@@ -51,6 +54,11 @@ class ProfiledCall:
     seconds: float
     why_not_keepable: str
     recomputed: bool = True
+    units: tuple = None
+
+    def __post_init__(self):
+        if self.units is None:
+            object.__setattr__(self, "units", (self.unit,) if self.unit else ())
 
     @property
     def keepable(self) -> bool:
@@ -136,6 +144,57 @@ def checkpoint_rng_state_bytes(args: tuple, device: torch.device) -> int:
     return sum(state.untyped_storage().nbytes() for state in states if state.device.type == device.type)
 
 
+class _UnitsOfCalls(_observers.Observer):
+    """The units open around each call of one profiling run, with torch_remat regions' flags.
+
+    NOTE: [A profile records each call's open units]
+    The rule decides a call by every unit open around it, and a torch_remat region's opening
+    carries its recompute= flag (NOTE: [Region openings carry their flag] in
+    csrc/policy/unit_stack.h), but the C++ profile records only the innermost unit's name. So a
+    profile watches each unit opening as reports do (an Observer) and notes, at each opening and
+    closing, how many calls the run has recorded: the calls from there to the next event ran with
+    that stack open. An opening is a region's when it pushed a flag on the region wrapper's stack
+    (sac_plugin.units), the flag it pushed. Units open before the run are known by name only.
+    """
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._base = tuple(torch.ops.sac.open_units())
+        self._flags = _units._region_flags()
+        self._open: list[tuple[object, int]] = []  # (unit as the rule takes it, flags open at its entry)
+        self._flags_at_start = len(self._flags)
+        self.events: list[tuple[int, tuple]] = [(0, self._base)]
+
+    def _note(self) -> None:
+        self.events.append((self._handle.recorded_in_run(), self._base + tuple(unit for unit, _ in self._open)))
+
+    def unit_entered(self, name: str):
+        outer_flags = self._open[-1][1] if self._open else self._flags_at_start
+        unit = name
+        if len(self._flags) > outer_flags:
+            unit = _rule.RegionOpening(name, bool(self._flags[-1]))
+        self._open.append((unit, len(self._flags)))
+        self._note()
+        return None
+
+    def unit_exited(self, name: str, token) -> None:
+        if self._open:
+            self._open.pop()
+        self._note()
+
+    def of_calls(self, innermost: list[str]) -> list[tuple]:
+        """Each call's open units; a call whose innermost unit is not the one the C++ profile
+        recorded (a unit opened where no observer sees it) keeps the recorded name alone."""
+        stacks, event = [], 0
+        for i, recorded in enumerate(innermost):
+            while event + 1 < len(self.events) and self.events[event + 1][0] <= i:
+                event += 1
+            stack = self.events[event][1]
+            name = stack[-1].name if stack and type(stack[-1]) is _rule.RegionOpening else (stack[-1] if stack else "")
+            stacks.append(stack if name == recorded else ((recorded,) if recorded else ()))
+        return stacks
+
+
 def held_bytes(module, args, kwargs, policy: Policy | None) -> int:
     """Bytes held between forward and backward for one forward (sac_plugin.memory's count)."""
     args = tuple(_fresh(a) for a in args)
@@ -181,12 +240,16 @@ def profile_layer(
                 packed_at.append(handle.recorded_in_run())
                 return tensor
 
+            first_run = handle.runs() == 0
+            watch = _observers.observe(_UnitsOfCalls(handle)) if first_run else contextlib.nullcontext()
             handle.begin_run()
             try:
-                with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                with watch as watched, forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     out = module(*call_args, **call_kwargs)
             finally:
                 handle.end_run()
+            if first_run:
+                units_of_calls = watched
             if handle.runs() == 1:
                 # What the layer returns stays alive after its region whatever a policy keeps.
                 handle.note_layer_outputs(_leaves(out))
@@ -198,6 +261,7 @@ def profile_layer(
             _backward(out)
     ops, indices, units, sizes, why, seconds = handle.rows()
     count = handle.runs()
+    stacks = units_of_calls.of_calls(list(units))
     calls = tuple(
         ProfiledCall(
             op,
@@ -207,6 +271,7 @@ def profile_layer(
             statistics.median(seconds[i * count : (i + 1) * count]),
             reason if reason or i < recomputed_prefix else AFTER_THE_RECOMPUTE_STOPS,
             i < recomputed_prefix,
+            stacks[i],
         )
         for i, (op, index, unit, size, reason) in enumerate(zip(ops, indices, units, sizes, why))
     )

@@ -16,36 +16,10 @@ cheaper copies, so a three-way plan never predicts a slower step than the two-wa
 
 from __future__ import annotations
 
-from .. import _rule
-from ..policy import Policy
 from . import _knapsack as knapsack
 from ._cost import OffloadModel, budget_in_bytes, call_key, copy_costs, step_overhead
 from ._profile import LayerProfile, ProfiledCall
-
-
-_ROUTING_PROBE: list = []  # a policy that selects something: the rule then pins routing calls
-_ROUTING_BY_PROFILE: dict = {}
-
-
-def routing_calls(profile: LayerProfile) -> frozenset[tuple[str, int]]:
-    """The profiled calls the one rule keeps under any selective policy because they route tokens,
-    asked of it call by call (a profile of made-up ops, as property tests build, has none)."""
-    cached = _ROUTING_BY_PROFILE.get(id(profile))
-    if cached is not None and cached[0] is profile:
-        return cached[1]
-    if not _ROUTING_PROBE:
-        _ROUTING_PROBE.append(Policy(kept_ops=["aten::mm"]))
-    found = set()
-    for call in profile.calls:
-        try:
-            decision = _rule.decide_call(_ROUTING_PROBE[0], call.op, (call.unit,) if call.unit else (), 0)
-        except (ValueError, RuntimeError):
-            continue  # not a registered op
-        if decision.reason == _rule.Reason.ROUTES_TOKENS:
-            found.add(call_key(call))
-    _ROUTING_BY_PROFILE.clear()  # one profile at a time is planned; keep only its answer
-    _ROUTING_BY_PROFILE[id(profile)] = (profile, frozenset(found))
-    return frozenset(found)
+from ._rule_calls import kept_regions, routing_calls
 
 
 class Solver:
@@ -55,17 +29,46 @@ class Solver:
     def __init__(self, profile: LayerProfile, offload: OffloadModel | None, two_way: knapsack.Knapsack | None = None):
         self.profile = profile
         self.offload = offload
-        self.items = [c for c in profile.calls if c.keepable and c.bytes > 0]
+        # Offered one by one: the calls outside keep-flag regions that a policy may keep, but not
+        # the routing calls, which every selective policy holds (capacity leaves room for them).
+        # Each keep-flag region is one item after them (NOTE: [A plan keeps a keep-flag region
+        # whole or recomputes it whole]).
+        self.routing = routing_calls(profile)
+        regions = kept_regions(profile)
+        in_regions = frozenset().union(*(r.members for r in regions))
+        offered = [c for c in profile.calls if c.keepable and call_key(c) not in in_regions | self.routing]
+        self.items = [c for c in offered if c.bytes > 0]
+        self.regions = [r for r in regions if r.bytes > 0]
+        self.bytes_of = {call_key(c): c.bytes for c in profile.calls}
+        self.routing_bytes = sum(c.bytes for c in profile.calls if c.keepable and call_key(c) in self.routing)
+        self.free = frozenset(call_key(c) for c in offered if c.bytes == 0 and c.seconds > 0).union(
+            *(r.calls for r in regions if r.bytes == 0 and r.seconds > 0)
+        )
+        weights = [c.bytes for c in self.items] + [r.bytes for r in self.regions]
         capacity = max(0, profile.no_checkpoint_bytes - profile.full_recompute_bytes)
-        self.max_capacity = min(capacity, sum(c.bytes for c in self.items))
-        self.free = frozenset(call_key(c) for c in profile.calls if c.keepable and c.bytes == 0 and c.seconds > 0)
-        weights = [c.bytes for c in self.items]
-        self.two_way = two_way or knapsack.Knapsack(weights, [c.seconds for c in self.items], self.max_capacity)
+        self.max_capacity = min(capacity, sum(weights))
+        region_seconds = [r.seconds for r in self.regions]
+        self.two_way = two_way or knapsack.Knapsack(
+            weights, [c.seconds for c in self.items] + region_seconds, self.max_capacity
+        )
         self.copies = copy_costs(profile, offload) if offload is not None else {}
         if offload is not None:
-            self.three_way = knapsack.Knapsack(weights, [self._dropped_cost(c) for c in self.items], self.max_capacity)
+            # A region is kept or recomputed, never offloaded: not keeping it costs its recompute.
+            self.three_way = knapsack.Knapsack(
+                weights, [self._dropped_cost(c) for c in self.items] + region_seconds, self.max_capacity
+            )
         self._without_offload = None
         self._pair = None
+
+    def _keys(self, indices) -> set[tuple[str, int]]:
+        """The calls of the knapsack's items: a call, or a keep-flag region's calls."""
+        keys = set()
+        for i in indices:
+            if i < len(self.items):
+                keys.add(call_key(self.items[i]))
+            else:
+                keys |= self.regions[i - len(self.items)].calls
+        return keys
 
     def _dropped_cost(self, call: ProfiledCall) -> float:
         """What the call costs when not kept: the cheaper of its recompute and its exposed copies."""
@@ -81,21 +84,23 @@ class Solver:
 
     def capacity(self, budget) -> int:
         """Bytes the kept outputs may take: the budget minus the floor and the calls that route
-        tokens (held whenever anything is kept), at most what there is to keep."""
-        routing = sum(c.bytes for c in self.profile.calls if call_key(c) in routing_calls(self.profile))
+        tokens (held whenever anything is kept), at most what there is to keep; under 0 where the
+        routing calls do not fit."""
         return min(
-            budget_in_bytes(budget, self.profile) - self.profile.full_recompute_bytes - routing, self.max_capacity
+            budget_in_bytes(budget, self.profile) - self.profile.full_recompute_bytes - self.routing_bytes,
+            self.max_capacity,
         )
 
     def _kept(self, table: knapsack.Knapsack, capacity: int) -> frozenset[tuple[str, int]]:
-        """Free calls (keepable, no new bytes) always; the rest by the knapsack within the capacity.
-        A capacity under 0 (a budget under the floor) keeps only free calls."""
-        kept = set(self.free)
-        if capacity > 0:
-            if capacity >= sum(table.weights):
-                return frozenset(kept | {call_key(c) for c in self.items})
-            kept |= {call_key(self.items[i]) for i in table.solve(capacity)}
-        return frozenset(kept)
+        """Free calls (keepable, no new bytes) and the knapsack's choice within the capacity. A
+        capacity under 0 (a budget under the floor, or the floor and the routing calls) keeps only
+        the free calls, and nothing where there are routing calls to hold: keeping even a free call
+        would hold them."""
+        if capacity < 0:
+            return frozenset() if self.routing_bytes else self.free
+        if capacity >= sum(table.weights):
+            return frozenset(self.free | self._keys(range(len(table.weights))))
+        return frozenset(self.free | self._keys(table.solve(capacity)))
 
     def choose(self, budget) -> tuple[frozenset, frozenset]:
         """(kept, offloaded) for the budget: the least predicted step time (the three-way model)."""
@@ -103,14 +108,17 @@ class Solver:
         two_way = self._kept(self.two_way, capacity)
         if self.offload is None:
             return two_way, frozenset()
+        if capacity < 0 and self.routing_bytes:
+            return frozenset(), frozenset()  # an offloaded call, like a kept one, holds the routing calls
+        capacity = max(0, capacity)  # offloading holds no device bytes: below the floor it still saves time
         unbounded_host = self._kept(self.three_way, capacity)
         options = [self._complete(two_way, capacity), self._complete(unbounded_host, capacity)]
         if self._host_binds(unbounded_host):
-            device, _ = self._pair_table().solve(max(0, capacity))
-            options.append(self._complete(self.free | {call_key(self.items[i]) for i in device}, capacity))
+            device, _ = self._pair_table().solve(capacity)
+            options.append(self._complete(self.free | self._keys(device), capacity))
             allowed = options[1][1]
             values = [self._dropped_cost(c) if call_key(c) in allowed else c.seconds for c in self.items]
-            restricted = knapsack.Knapsack([c.bytes for c in self.items], values, max(0, capacity))
+            restricted = knapsack.Knapsack(self.two_way.weights, values + [r.seconds for r in self.regions], capacity)
             options.append(self._complete(self._kept(restricted, capacity), capacity))
         return min(options, key=lambda o: (self.overhead(*o), self.host_bytes(o[1]), len(o[1]), sorted(o[1])))
 
@@ -121,9 +129,9 @@ class Solver:
                 c.seconds - self.copies[call_key(c)].exposed if call_key(c) in self.copies else None for c in self.items
             ]
             self._pair = knapsack.PairKnapsack(
-                [c.bytes for c in self.items],
-                [c.seconds for c in self.items],
-                host_values,
+                self.two_way.weights,
+                [c.seconds for c in self.items] + [r.seconds for r in self.regions],
+                host_values + [None] * len(self.regions),
                 self.max_capacity,
                 self.offload.host_memory_limit,
             )
@@ -161,7 +169,7 @@ class Solver:
             )
             offloaded = [candidates[i] for i in table.solve(limit)]
         kept = set(kept)
-        room = capacity - sum(c.bytes for c in self.items if call_key(c) in kept)
+        room = capacity - sum(self.bytes_of[k] for k in kept)
         position = {call_key(c): i for i, c in enumerate(self.items)}
         for c in sorted(offloaded, key=lambda c: (-self.copies[call_key(c)].exposed, -c.bytes, position[call_key(c)])):
             if c.bytes <= room:

@@ -126,6 +126,8 @@ class LayerChoice:
         p = self.plan.policy
         return Policy(
             kept_calls=p.kept_calls,
+            kept_units=p.kept_units,
+            recomputed_units=p.recomputed_units,
             offloaded_calls=p.offloaded_calls,
             offload_min_bytes=p.offload_min_bytes,
             host_memory_limit=p.host_memory_limit,
