@@ -19,7 +19,7 @@ from __future__ import annotations
 from .. import _rule
 from ..policy import Policy
 from . import _knapsack as knapsack
-from ._cost import OffloadModel, budget_in_bytes, call_key, copy_costs, step_overhead
+from ._cost import OffloadModel, budget_in_bytes, call_key, copy_costs, prune_offloads, step_overhead
 from ._profile import LayerProfile, ProfiledCall
 
 
@@ -112,6 +112,10 @@ class Solver:
             values = [self._dropped_cost(c) if call_key(c) in allowed else c.seconds for c in self.items]
             restricted = knapsack.Knapsack([c.bytes for c in self.items], values, max(0, capacity))
             options.append(self._complete(self._kept(restricted, capacity), capacity))
+        # Priced on the copy queues, where offloads share the copy streams; the two-way plan stays
+        # a candidate, so a plan with offload never predicts a slower step than one without.
+        options = [(kept, prune_offloads(self.profile, kept, offloaded, self.copies)) for kept, offloaded in options]
+        options.append((two_way, frozenset()))
         return min(options, key=lambda o: (self.overhead(*o), self.host_bytes(o[1]), len(o[1]), sorted(o[1])))
 
     def _pair_table(self) -> knapsack.PairKnapsack:
