@@ -1,9 +1,11 @@
 """Memory-budget plans with three outcomes per call: keep, offload or recompute. Built on synthetic
 profiles with given copy bandwidths: a copy that hides is chosen over a recompute, a recompute
-over a copy that cannot hide, the host-memory cap and the size floor bind; at every budget the
-three-way plan predicts a step no slower than the two-way plan, and the fastest step there is;
-plans with offloads survive a file round trip; bad offload arguments are refused by name; on CPU
-without bandwidths the plan is two-way and says why once."""
+over a copy that cannot hide, copies that each hide alone queue on one stream and are recomputed
+where queued they cost more, the host-memory cap and the size floor bind; at every budget the
+three-way plan predicts a step no slower than the two-way plan and no faster than the fastest
+choice; plans with offloads survive a file round trip; bad offload arguments are refused by name;
+on CPU without bandwidths the plan is two-way and says why once; on the simulated device the
+predicted exposed copy time is the measured one."""
 
 import copy
 import itertools
