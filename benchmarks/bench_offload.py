@@ -21,7 +21,8 @@ device's copy bandwidths so that copies take the share of the step they would ta
 --sim-reference size in --sim-reference-dtype: this block's copy time over its compute time at
 the simulated bandwidths is the reference block's at the H200's. It prints the parameters. Per
 mode it then also reports the exposed copy time (how long compute waited for copies back, from
-events) and, for the offloaded rows, the step ratio to the row that keeps the same calls.
+events) beside the one the offload plan's copy model predicts for the mode's policy, and, for the
+offloaded rows, the step ratio to the row that keeps the same calls.
 """
 
 from __future__ import annotations
@@ -135,13 +136,17 @@ def _stack_inputs(block, x, cos, sin, layers: int, device: torch.device) -> dict
 
 
 def _modes(block, inputs, args):
-    """name -> (module to run, context around its forward)."""
+    """(name -> (module to run, context around its forward), name -> the exposed copy seconds per
+    step the offload plan's model predicts for the mode's policy, for the modes it can price)."""
     modes = {"no checkpointing": (block, contextlib.nullcontext)}
+    policies = {"no checkpointing": None}
     for name, (arguments, _) in _policies(args).items():
-        policy = sac_plugin.Policy(**arguments) if arguments else None
-        modes[name] = (_checkpointed(block, policy), contextlib.nullcontext)
+        policies[name] = sac_plugin.Policy(**arguments) if arguments else sac_plugin.Policy()
+        modes[name] = (_checkpointed(block, policies[name] if arguments else None), contextlib.nullcontext)
     plan = sac_plugin.plan(copy.deepcopy(block), *inputs, budget=args.budget)
     modes[f"budget {args.budget} plan"] = (_checkpointed(block, plan.policy), contextlib.nullcontext)
+    policies[f"budget {args.budget} plan"] = plan.policy
+    predicted = {}
     try:
         offload_plan = sac_plugin.plan(
             copy.deepcopy(block), *inputs, budget=args.budget, offload=True, offload_min_bytes=args.min_bytes
@@ -150,6 +155,13 @@ def _modes(block, inputs, args):
             _checkpointed(block, offload_plan.policy),
             contextlib.nullcontext,
         )
+        policies[f"budget {args.budget} plan, offload"] = offload_plan.policy
+        if offload_plan.offload is not None:
+            # The model's exposed copy time: its predicted overhead less its recompute time. The
+            # block's input is the bench's leaf x, which offload_inputs leaves where it is.
+            for name, policy in policies.items():
+                priced = offload_plan.evaluate(policy) if policy is not None else None
+                predicted[name] = priced["overhead_seconds"] - priced["recompute_seconds"] if priced else 0.0
     except TypeError as error:  # a planner without the offload outcome
         print(f"(budget plan with offload skipped: {error})")
     if _accelerator(torch.device(args.device)):
@@ -161,7 +173,7 @@ def _modes(block, inputs, args):
         from torchtune.training import OffloadActivations
 
         modes["torchtune OffloadActivations"] = (block, OffloadActivations)
-    return modes
+    return modes, predicted
 
 
 # The simulated H200: PCIe 5.0 x16 copies each way against dense bf16 matmul.
@@ -304,7 +316,7 @@ def main():
     cos, sin = rotary_tables(args.dim // args.heads, args.seq, device=device)
     x = torch.randn(args.batch, args.seq, args.dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    modes = _modes(block, (x, cos, sin), args)
+    modes, predicted = _modes(block, (x, cos, sin), args)
 
     # A first step per mode measures bytes, the peak and the gradients; the timed steps then run
     # interleaved, round by round in shuffled order (_common.time_interleaved), so that load on
@@ -367,7 +379,11 @@ def main():
         around=exposed_copies,
     )
     for name, samples in times.items():
-        results[name].update(step_s=statistics.median(samples), exposed_copy_s=exposed_us[name] / len(samples) / 1e6)
+        results[name].update(
+            step_s=statistics.median(samples),
+            exposed_copy_s=exposed_us[name] / len(samples) / 1e6,
+            predicted_exposed_copy_s=predicted.get(name),
+        )
     base = results["no checkpointing"]
     against = {name: kept for name, (_, kept) in _policies(args).items() if kept}
     stats = sac_plugin.memory.offload_stats()
@@ -376,19 +392,22 @@ def main():
         f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
         + (f", SIMULATED {args.simulate.upper()}" if simulation else "")
     )
-    # "exposed ms": per step, how long compute waited for copies back (timed events); "vs kept":
-    # the step over the step of the row that keeps the same calls on the device.
+    # "exposed ms": per step, how long compute waited for copies back (timed events); "predicted":
+    # what the offload plan's copy model predicts for the mode's policy ("-" where it cannot
+    # price it); "vs kept": the step over the step of the row that keeps the same calls.
     print(
         f"{'mode':<36}{'held MiB':>10}{'ratio':>7}{'host MiB':>10}{'peak MiB':>10}{'step ms':>9}{'vs none':>9}"
-        f"{'exposed ms':>12}{'vs kept':>9}  bitwise"
+        f"{'exposed ms':>12}{'predicted':>11}{'vs kept':>9}  bitwise"
     )
     for name, r in results.items():
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         kept = f"{r['step_s'] / results[against[name]]['step_s']:.3f}" if name in against else "-"
+        guess = r["predicted_exposed_copy_s"]
+        guess = "-" if guess is None else f"{guess * 1e3:.1f}"
         print(
             f"{name:<36}{r['held_bytes'] / 2**20:>10.2f}{r['held_bytes'] / max(base['held_bytes'], 1):>7.3f}"
             f"{r['host_bytes'] / 2**20:>10.2f}{peak:>10}{r['step_s'] * 1e3:>9.1f}{r['step_s'] / base['step_s']:>9.3f}"
-            f"{r['exposed_copy_s'] * 1e3:>12.1f}{kept:>9}  {r['bitwise']}"
+            f"{r['exposed_copy_s'] * 1e3:>12.1f}{guess:>11}{kept:>9}  {r['bitwise']}"
         )
     keep, offload = results.get("keep attention + matmuls"), results.get("offload attention + matmuls")
     if keep and offload:

@@ -69,8 +69,13 @@ def test_the_simulated_h200_sets_the_bandwidths_it_prints(tmp_path):
     table = next(line for line in lines if line.startswith("llama block:"))
     assert table.endswith(", SIMULATED H200")
     rows = {line[:36].strip(): line[36:].split() for line in lines if line.startswith("offload attention + matmuls")}
-    # held, ratio, host, peak, step, vs none, exposed ms, vs kept, bitwise
-    assert len(rows["offload attention + matmuls"]) == 9 and rows["offload attention + matmuls"][-1] == "True"
+    # held, ratio, host, peak, step, vs none, exposed ms, predicted exposed ms, vs kept, bitwise
+    row = rows["offload attention + matmuls"]
+    assert len(row) == 10 and row[-1] == "True"
+    results = json.loads(out.read_text())["results"]
+    predicted = results["offload attention + matmuls"]["predicted_exposed_copy_s"]
+    assert predicted > 0 and row[7] == f"{predicted * 1e3:.1f}"
+    assert results["no checkpointing"]["predicted_exposed_copy_s"] == 0.0
     assert any(
         line.startswith("exposed copy time (offload minus keep, same calls):") and "step ratio offload / keep" in line
         for line in lines

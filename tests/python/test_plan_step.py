@@ -69,6 +69,22 @@ def test_the_peak_model_adds_what_each_window_holds_beyond_full_recompute():
     assert window_peaks(windows, [second, first]) == [1200, 1250, 2250, 3200, 3200]
 
 
+def test_offloading_inputs_lowers_the_peak_by_the_inputs_on_the_host_there():
+    # Four layers of 1000-byte inputs, full recompute's peak in the last layer's backward (15000).
+    # There the inputs of layers 0 and 1 are on the host (layer 2's is fetched back one layer
+    # ahead), so offload reaches 13000, and no lower: layer 1's backward holds 13000 too.
+    profile = profile_of(("aten::mm", 300, 2.0), ("aten::sum", 0, 0.5, AFTER), floor=100)
+    plan = Plan.from_profile(profile, 1.0, offload=OffloadModel(1e12, 1e12, min_bytes=0))
+    windows = windows_of(forward=[5000, 6000, 7000, 8000], head=6000, backward=[12000, 13000, 14000, 15000])
+    with_offload = [_step._options(plan, f"layers.{j}", 1000, True, []) for j in range(4)]
+    without = [_step._options(plan, f"layers.{j}", 1000, False, []) for j in range(4)]
+    assert lowest_peak(windows, without) == 15000
+    assert lowest_peak(windows, with_offload) == 15000 - 2 * 1000
+    chosen = choose(windows, with_offload, 13000)
+    assert [c.offload_inputs for c in chosen[:2]] == [True, True]  # layer 2's may go too: it comes back
+    assert max(window_peaks(windows, chosen)) == 13000
+
+
 def _random_problem(rng, layers):
     calls = [("aten::mm", rng.randrange(1, 400), rng.uniform(0.1, 3.0)) for _ in range(3)]
     profile = profile_of(*calls, ("aten::sum", 0, 0.5, AFTER), floor=rng.randrange(0, 100))

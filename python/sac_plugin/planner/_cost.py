@@ -5,19 +5,43 @@ The three-way model. With offload=True each call the recompute would run has thr
 outcomes, and the plan takes the least predicted step time within the budget:
   - keep: its output stays on the device (its bytes count against the budget), costs nothing;
   - offload: its output lives in pinned host memory between forward and backward (no device
-    bytes; its bytes count against host_memory_limit), costs the copy time its windows do not
-    hide: max(0, to_host - forward_window) + max(0, to_device - backward_window), where a copy
-    takes bytes / the measured bandwidth of its direction;
+    bytes; its bytes count against host_memory_limit), costs the time compute waits for its copy
+    back (NOTE: [The copy queues]);
   - recompute: no bytes, costs its kernel time.
-The forward window of call i is the kernel time of the calls after it in the forward (its copy to
-the host runs beside them). The backward window is the kernel time of the same calls again: the
-region's backward runs roughly in reverse, so the gradients of the calls after i run before
-call i's output is needed, and their forward kernel times stand in for their gradients' (which
-usually take longer). The model does not see data flow (a recomputed call that reads the output
-needs it sooner) nor the copy stream's queue (copies are costed one by one: several copies in one
-window each count it whole). Where an offloaded call's outputs live (host, or the device under the
-size floor offload_min_bytes or past host_memory_limit) is the runtime's rule, asked of the C++
-library (offload_placement), never restated here.
+A plan's predicted overhead is its recompute kernel time plus the exposed copy time of all its
+offloads together, timed on the two copy queues (exposed_copy_seconds). A call's CopyCost is what
+its copies would expose were it the only call offloaded: a lower bound on what it adds, which the
+solver's knapsack uses to propose offloads, and the queues then price and prune (prune_offloads).
+Where an offloaded call's outputs live (host, or the device under the size floor
+offload_min_bytes or past host_memory_limit) is the runtime's rule, asked of the C++ library
+(offload_placement), never restated here.
+
+NOTE: [The copy queues]
+The runtime (NOTE: [Offloading kept outputs] in csrc/dispatch/offload.cpp) copies an offloaded
+output to the host on one copy-out stream right after its kernel, and back on one copy-in stream
+when the region's recompute begins, all of the region's outputs at once, each after its own copy
+out has finished; the recompute, which runs the forward again, waits for an output's copy back
+where it is served. So a layer's step is timed on three queues, in its profile's kernel times:
+  - the forward runs every call's kernel back to back; call i's copy out starts when the copy-out
+    stream is free and its kernel has ended, and takes bytes / the device-to-host bandwidth;
+  - the recompute begins when the forward ends (the planner plans one layer, whose backward
+    follows its forward); the copies back queue in the forward's order on the copy-in stream,
+    each starting when the stream is free and its copy out has finished, bytes / the
+    host-to-device bandwidth each;
+  - the recompute runs the kernels of the calls it recomputes, in the forward's order; at an
+    offloaded call it waits until that call's copy back has finished. The waits summed are the
+    exposed copy time (what offload_stats()["exposed_copy_us"] measures, from events).
+Several copies in one stretch of compute thus share it, and a copy out still queued when the
+forward ends delays every copy back behind it. The backward's gradients run after the recompute
+and hide nothing of it. In a stack of layers the copies back of a layer also start one layer
+early (with the recompute of the layer after it), which the model, timing one layer, does not
+count: its exposed time is what a single layer, or the first layer the backward reaches, waits.
+The runtime queues a region's copies back in the order it holds the outputs (a hash map by
+data-flow identity), which can differ from the forward's and from step to step: a copy back
+queued behind one the recompute needs later makes it wait longer than the model says (on the test
+accelerator, the first three matmuls of a Llama block at 20 MB/s: 39 ms predicted, 39 or 65 ms
+measured, by step). The forward's order is the model's because it is the order the recompute
+needs them in.
 """
 
 from __future__ import annotations
@@ -178,8 +202,10 @@ class OffloadModel:
 
 @dataclasses.dataclass(frozen=True)
 class CopyCost:
-    """One call's two copies and the compute each can hide behind, in seconds (the three-way
-    model, in this module's docstring)."""
+    """One call's two copies and the compute each can hide behind were it the only call offloaded,
+    in seconds (NOTE: [The copy queues]): the forward's kernel time after it, which its copy to
+    the host runs beside, and the recompute's kernel time before it, which its copy back runs
+    beside (every call before it recomputed: the most that window can be)."""
 
     to_host: float
     to_device: float
@@ -188,41 +214,95 @@ class CopyCost:
 
     @property
     def exposed(self) -> float:
-        """The copy time the windows do not hide: what offloading the call adds to a step."""
-        return max(0.0, self.to_host - self.forward_window) + max(0.0, self.to_device - self.backward_window)
+        """The copy time the windows do not hide: the copy out's overrun past the forward's end
+        delays the copy back, whose overrun past the recompute's window the recompute waits."""
+        return max(0.0, max(0.0, self.to_host - self.forward_window) + self.to_device - self.backward_window)
 
     @property
     def hides(self) -> bool:
         return self.exposed == 0.0
 
 
-def copy_windows(profile: LayerProfile) -> list[float]:
-    """Per call, the kernel time of the calls after it in the forward: the window its copy to the
-    host hides in, and (the backward meeting those calls first) the one its copy back hides in."""
-    windows, after = [0.0] * len(profile.calls), 0.0
+def copy_windows(profile: LayerProfile) -> list[tuple[float, float]]:
+    """Per call, (the forward's kernel time after it, the recompute's kernel time before it with
+    every call before it recomputed): its copies' windows were it the only call offloaded."""
+    windows, after = [(0.0, 0.0)] * len(profile.calls), 0.0
     for i in range(len(profile.calls) - 1, -1, -1):
-        windows[i] = after
+        windows[i] = (after, 0.0)
         after += profile.calls[i].seconds
+    before = 0.0
+    for i, c in enumerate(profile.calls):
+        windows[i] = (windows[i][0], before)
+        before += c.seconds if c.recomputed else 0.0
     return windows
 
 
 def copy_costs(profile: LayerProfile, offload: OffloadModel) -> dict[tuple[str, int], CopyCost]:
     """The copies of every call a plan may offload, by (op, index)."""
-    windows = copy_windows(profile)
     return {
-        call_key(c): CopyCost(c.bytes / offload.d2h_bytes_per_s, c.bytes / offload.h2d_bytes_per_s, window, window)
-        for c, window in zip(profile.calls, windows)
+        call_key(c): CopyCost(c.bytes / offload.d2h_bytes_per_s, c.bytes / offload.h2d_bytes_per_s, *window)
+        for c, window in zip(profile.calls, copy_windows(profile))
         if not offload.why_not_offloadable(c)
     }
 
 
-def step_overhead(profile: LayerProfile, kept, offloaded, copies) -> float:
-    """The time a plan adds to a step: kernel time of the calls it recomputes plus the copy time of
-    the calls it offloads that no window hides. Summed in the forward's order, term by term, so
-    that a plan that replaces recomputes by cheaper copies never sums to more."""
-    total = 0.0
+def exposed_copy_seconds(profile: LayerProfile, kept, offloaded, copies) -> float:
+    """How long the recompute waits for the copies back of the offloaded calls together, timed on
+    the copy queues (NOTE: [The copy queues]); `kept` are the calls the recompute is served, not
+    run, `copies` each offloaded call's CopyCost."""
+    if not offloaded:
+        return 0.0
+    now, out_free, copied_out = 0.0, 0.0, {}
+    for c in profile.calls:
+        now += c.seconds
+        key = call_key(c)
+        if key in offloaded:
+            out_free = max(now, out_free) + copies[key].to_host
+            copied_out[key] = out_free
+    forward_end = in_free = now
+    copied_in = {}
+    for key, out_done in copied_out.items():
+        in_free = max(in_free, out_done) + copies[key].to_device
+        copied_in[key] = in_free
+    now, waited = forward_end, 0.0
     for c in profile.calls:
         key = call_key(c)
-        if c.recomputed and key not in kept:
-            total += copies[key].exposed if key in offloaded else c.seconds
-    return total
+        if key in copied_in:
+            wait = max(0.0, copied_in[key] - now)
+            waited += wait
+            now += wait
+        elif c.recomputed and key not in kept:
+            now += c.seconds
+    return waited
+
+
+def recompute_seconds(profile: LayerProfile, kept) -> float:
+    """The kernel time of the calls the recompute runs: those it reaches and is not served."""
+    return sum(c.seconds for c in profile.calls if c.recomputed and call_key(c) not in kept)
+
+
+def step_overhead(profile: LayerProfile, kept, offloaded, copies) -> float:
+    """The time a plan adds to a step: kernel time of the calls it recomputes plus the time the
+    recompute waits for the copies back of the calls it offloads (NOTE: [The copy queues])."""
+    return recompute_seconds(profile, frozenset(kept) | frozenset(offloaded)) + exposed_copy_seconds(
+        profile, kept, offloaded, copies
+    )
+
+
+def prune_offloads(profile: LayerProfile, kept, offloaded, copies) -> frozenset:
+    """`offloaded` less the calls whose copies, queued with the others', cost more than
+    recomputing them: one at a time, the call whose recompute instead saves the most predicted
+    time, until none does. Every step lowers step_overhead, so the result never predicts a slower
+    step than `offloaded`, nor than recomputing all of them."""
+    offloaded = set(offloaded)
+    best = step_overhead(profile, kept, offloaded, copies)
+    order = {call_key(c): i for i, c in enumerate(profile.calls)}
+    while offloaded:
+        trials = [(step_overhead(profile, kept, offloaded - {key}, copies), order[key], key) for key in offloaded]
+        overhead, _, key = min(trials)
+        if overhead >= best:
+            break
+        offloaded.discard(key)
+        best = overhead
+    # One at a time can stop where dropping several at once would still pay.
+    return frozenset() if step_overhead(profile, kept, (), copies) <= best else frozenset(offloaded)

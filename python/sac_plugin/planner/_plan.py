@@ -41,6 +41,7 @@ from ._cost import (
     unreachable_budget,
     is_byte_count,
     is_rate,
+    exposed_copy_seconds,
     step_overhead,
 )
 from ._profile import (
@@ -135,7 +136,7 @@ class Plan:
         self.held_bytes = profile.full_recompute_bytes + self.kept_bytes
         self.offloaded_bytes = sum(by_key[k].bytes for k in self.offloaded)
         self.recompute_seconds = step_overhead(profile, self.kept | self.offloaded, frozenset(), {})
-        self.copy_seconds = sum(self.copies[k].exposed for k in sorted(self.offloaded))
+        self.copy_seconds = exposed_copy_seconds(profile, self.kept, self.offloaded, self.copies)
         self.overhead_seconds = step_overhead(profile, self.kept, self.offloaded, self.copies)
 
     @classmethod
@@ -304,18 +305,19 @@ class Plan:
         lines += [
             "",
             f"per call (copies: {self.offload.d2h_bytes_per_s / 1e9:.3f} GB/s to the host, "
-            f"{self.offload.h2d_bytes_per_s / 1e9:.3f} GB/s back; each hides behind the kernel time of the "
-            "calls after it)",
+            f"{self.offload.h2d_bytes_per_s / 1e9:.3f} GB/s back; each alone, hidden behind the forward's kernel time "
+            "after it and the recompute's before it)",
             f"{'call':<48}{'unit':<14}{'MiB':>9}{'ms':>9}  {'outcome':<10}{'d2h ms':>9}{'h2d ms':>9}"
-            f"{'window ms':>11}{'exposed ms':>12}  hides",
+            f"{'window ms':>11}{'back win ms':>12}{'exposed ms':>12}  hides",
         ]
         for r in self.call_rows():
             copy = r["copy"]
             if copy is None:
-                copies = f"{'-':>9}{'-':>9}{'-':>11}{'-':>12}  - ({r['not_offloadable']})"
+                copies = f"{'-':>9}{'-':>9}{'-':>11}{'-':>12}{'-':>12}  - ({r['not_offloadable']})"
             else:
                 copies = (
                     f"{copy.to_host * 1e3:>9.3f}{copy.to_device * 1e3:>9.3f}{copy.forward_window * 1e3:>11.3f}"
+                    f"{copy.backward_window * 1e3:>12.3f}"
                     f"{copy.exposed * 1e3:>12.3f}  {'yes' if copy.hides else 'no'}"
                 )
             lines.append(

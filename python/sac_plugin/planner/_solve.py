@@ -1,8 +1,8 @@
 """Choosing a plan: for each budget, the calls to keep (and, with an offload model, to offload)
 for the least predicted step time, from knapsack tables built once per profile.
 
-Without a host cap a call not kept costs min(kernel time, exposed copy time), so the 0/1 knapsack
-over device bytes with that cost as the value of keeping is exact. Where the host cap binds, one
+Without a host cap a call not kept costs min(kernel time, its copies' exposed time alone), the
+value of keeping it in a 0/1 knapsack over device bytes. Where the host cap binds, one
 table over device cells x host cells (knapsack.PairKnapsack) chooses keep, offload or recompute
 together, exact on the grid of the sizes' gcd while the table is small (otherwise on a coarser
 grid, never over either limit). Every answer is completed the same way: given its kept calls, the
@@ -10,14 +10,15 @@ offloads that save the most time within the host cap (a knapsack over host bytes
 offloaded call that still fits the budget is kept instead (no copies, no host bytes). The
 candidates are the two-way plan's kept calls, the unbounded-host answer's and, where the cap binds,
 the pair table's and the kept calls planned with offload open only to the calls the host took;
-the cheapest wins. The two-way plan is a candidate and completing it only replaces recomputes by
-cheaper copies, so a three-way plan never predicts a slower step than the two-way one.
+the cheapest, each priced with its copies queued together and its offloads pruned where recomputing
+them is faster (NOTE: [The copy queues] in _cost.py), wins. The two-way plan itself is a
+candidate, so a three-way plan never predicts a slower step than the two-way one.
 """
 
 from __future__ import annotations
 
 from . import _knapsack as knapsack
-from ._cost import OffloadModel, budget_in_bytes, call_key, copy_costs, step_overhead
+from ._cost import OffloadModel, budget_in_bytes, call_key, copy_costs, prune_offloads, step_overhead
 from ._profile import LayerProfile, ProfiledCall
 from ._rule_calls import kept_regions, routing_calls
 
@@ -120,6 +121,10 @@ class Solver:
             values = [self._dropped_cost(c) if call_key(c) in allowed else c.seconds for c in self.items]
             restricted = knapsack.Knapsack(self.two_way.weights, values + [r.seconds for r in self.regions], capacity)
             options.append(self._complete(self._kept(restricted, capacity), capacity))
+        # Priced on the copy queues, where offloads share the copy streams; the two-way plan stays
+        # a candidate, so a plan with offload never predicts a slower step than one without.
+        options = [(kept, prune_offloads(self.profile, kept, offloaded, self.copies)) for kept, offloaded in options]
+        options.append((two_way, frozenset()))
         return min(options, key=lambda o: (self.overhead(*o), self.host_bytes(o[1]), len(o[1]), sorted(o[1])))
 
     def _pair_table(self) -> knapsack.PairKnapsack:
