@@ -9,10 +9,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "bindings/c_api.h"
 #include "dispatch/region_scopes.h"
 #include "dispatch/site.h"
+#include "ops/user_warning.h"
 
 namespace sac {
 namespace {
@@ -264,6 +266,32 @@ PyObject* setNeverServedWarning(PyObject* /*module*/, PyObject* category) {
   return replaceGlobal(&never_served_warning, category);
 }
 
+PyObject* info_logger = nullptr;  // a callable taking one str: the package logger's info
+
+// NOTE: [What the rule recomputes by design is logged, not warned] (ops/user_warning.h): the sink.
+// Ops may run with the GIL released; the sink takes it. A logger that raises is not the op's
+// failure: its error is printed and cleared.
+void logThroughPython(const std::string& message) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  if (info_logger != nullptr) {
+    PyObject* result =
+        PyObject_CallFunction(info_logger, "s#", message.data(), static_cast<Py_ssize_t>(message.size()));
+    if (result == nullptr) {
+      PyErr_Print();
+    } else {
+      Py_DECREF(result);
+    }
+  }
+  PyGILState_Release(gil);
+}
+
+// set_info_logger(function): what INFO messages of the runtime are handed to.
+PyObject* setInfoLogger(PyObject* /*module*/, PyObject* function) {
+  PyObject* done = replaceGlobal(&info_logger, function);
+  setInfoSink(&logThroughPython);
+  return done;
+}
+
 PyMethodDef module_methods[] = {
     {"new_region_scopes", newRegionScopes, METH_O, "(site_address) -> (forward, recompute) of a new region."},
     {"adopt_forward_scope", adoptForwardScope, METH_O, "(region_address) -> the forward scope, owning the handle."},
@@ -271,6 +299,7 @@ PyMethodDef module_methods[] = {
      "(function) -> None: what a recompute calls when dispatch modes are on."},
     {"set_never_served_warning", setNeverServedWarning, METH_O,
      "(category) -> None: the warning class for kept outputs a recompute never asked for."},
+    {"set_info_logger", setInfoLogger, METH_O, "(function) -> None: what the runtime's INFO messages are handed to."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

@@ -168,15 +168,16 @@ void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& s
   call.hold = false;
 }
 
+// NOTE: [What the rule recomputes by design is logged, not warned] (ops/user_warning.h)
 void warnAboutRecomputedSelection(Site& site, const OpEntry& op, const Decision& decision) {
   if (!site.claimWarning(op)) return;
   if (decision.mutating_in_kept_unit) {
-    SAC_WARN_USER("sac: ", op.traits.qualified_name, " mutates an input inside kept unit '", unitName(decision.unit),
-                  "'; it is recomputed rather than kept (warned once per checkpoint site)");
+    logInfo("sac: ", op.traits.qualified_name, " mutates an input inside kept unit '", unitName(decision.unit),
+            "'; it is recomputed rather than kept (said once per checkpoint site)");
   } else {
-    SAC_WARN_USER("sac: ", op.traits.qualified_name,
-                  " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
-                  "the recompute draws the same numbers (warned once per checkpoint site)");
+    logInfo("sac: ", op.traits.qualified_name,
+            " is called with dropout_p > 0 and draws random numbers; it is recomputed rather than kept, so that "
+            "the recompute draws the same numbers (said once per checkpoint site)");
   }
 }
 

@@ -249,8 +249,18 @@ void Region::fetchOffloaded() {
   for (HeldInput& input : inputs_) {
     if (input.is_offloaded) input.offloaded.fetch();
   }
+  // Then in the order the forward made them, which the recompute reads them in: the copy stream
+  // runs them one after another, so a copy queued early that is needed late delays every one
+  // after it (the planner's copy model assumes this order: NOTE: [The copy queues] in
+  // sac_plugin/planner/_cost.py).
+  std::vector<KeptOutputs*> in_forward_order;
   for (auto& [call, kept] : kept_) {
-    for (auto& [slot, offloaded] : kept.offloaded) offloaded.fetch();
+    if (!kept.offloaded.empty()) in_forward_order.push_back(&kept);
+  }
+  std::sort(in_forward_order.begin(), in_forward_order.end(),
+            [](const KeptOutputs* a, const KeptOutputs* b) { return a->position < b->position; });
+  for (KeptOutputs* kept : in_forward_order) {
+    for (auto& [slot, offloaded] : kept->offloaded) offloaded.fetch();
   }
 }
 

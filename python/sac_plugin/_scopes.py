@@ -6,6 +6,7 @@ csrc/bindings/c_api.h). Both run the same checks and state changes as the torchb
 from __future__ import annotations
 
 from . import _native
+from ._logging import logger
 from ._warnings import HeldNeverServedWarning
 
 _ERRORS = {_native.ScopeStatus.RUNTIME_ERROR: RuntimeError, _native.ScopeStatus.VALUE_ERROR: ValueError}
@@ -73,6 +74,9 @@ new_region_scopes = _native.scope_types.new_region_scopes
 set_recompute_above_modes = _native.scope_types.set_recompute_above_modes
 # What a recompute scope warns with when its region held outputs the recompute never asked for.
 _native.scope_types.set_never_served_warning(HeldNeverServedWarning)
+# Where the runtime's INFO messages go (NOTE: [What the rule recomputes by design is logged, not
+# warned] in csrc/ops/user_warning.h): the package's logger.
+_native.scope_types.set_info_logger(logger.info)
 
 
 def enter_marker(address: int, recompute: int) -> int:
