@@ -398,11 +398,11 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
         "nested checkpoints: the calls the outer region keeps after an inner checkpoint ran (the last projection) "
         "are held and never served: HeldNeverServedWarning, audit never_served > 0, hits short by those calls",
     ),
-    "nested: the outer forward's inner regions hold through the backward": KnownDefect(
+    "nested: the inner region the outer recompute makes holds after the backward": KnownDefect(
         lambda case, engine, device: case.nested and engine == "native" and sum(held_per_region(case)[:2]) > 0,
-        "nested checkpoints: an inner region made in the outer forward is never recomputed (the outer "
-        "recompute runs the inner checkpoint again); its kept outputs stay held after the backward, "
-        "neither served nor counted as never served",
+        "nested checkpoints: the outer recompute runs an inner checkpoint's forward again, and the region that "
+        "forward makes keeps its calls again; the inner recompute is served without it, so it still holds its "
+        "kept outputs after the backward, neither served nor counted as never served",
     ),
     "nested + autocast in a backward context: the first inner region is never served": KnownDefect(
         lambda case, engine, device: case.nested
