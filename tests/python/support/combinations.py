@@ -4,8 +4,9 @@ backward, and run unmodified from the same seed.
 
 What each case must show: gradients bitwise those of the unmodified block; every call the rule
 keeps or offloads served (the audit's hits are the count `expected_calls` reads off the policy for
-this block, and nothing is held and never served); the bytes the regions hold are those calls'
-outputs; and nothing is held once the backward is done.
+this block, and nothing is held and never served); the bytes the regions hold, and those
+`sac_plugin.report` counts, are those calls' outputs; and nothing is held once the backward is
+done.
 
 `KNOWN_DEFECTS` is the one place a case that fails for a defect outside the tests is marked.
 """
@@ -311,58 +312,6 @@ def accelerator_cases() -> list[Case]:
     return cases
 
 
-def drawn_cases():
-    """A hypothesis strategy of cases with drawn policies (the wide run)."""
-    from hypothesis import strategies as st
-
-    keepable = ["aten::addmm", "aten::tanh", "aten::relu", "aten::sin"]
-    unit_names = ["attn", "mlp", "*", "m*"]
-
-    @st.composite
-    def draw(draw):
-        kept_ops = draw(st.lists(st.sampled_from(keepable), unique=True, max_size=2))
-        offloaded_ops = draw(
-            st.lists(st.sampled_from([op for op in keepable if op not in kept_ops]), unique=True, max_size=1)
-        )
-        arguments = {"regions": draw(st.sampled_from(["units", "torch_remat"])), "kept_ops": kept_ops}
-        if offloaded_ops:
-            arguments["offloaded_ops"] = offloaded_ops
-        if "aten::addmm" not in kept_ops + offloaded_ops and draw(st.booleans()):
-            if draw(st.booleans()):
-                arguments["every_nth_op"] = {"aten::addmm": draw(st.integers(1, 3))}
-            else:
-                arguments["kept_calls"] = {
-                    "aten::addmm.default": draw(st.lists(st.integers(0, 3), unique=True, max_size=3))
-                }
-        kept_units = draw(st.lists(st.sampled_from(unit_names), unique=True, max_size=2))
-        arguments["kept_units"] = kept_units
-        arguments["recomputed_units"] = draw(st.lists(st.sampled_from(unit_names), unique=True, max_size=1))
-        if not kept_units:  # one unit list selects a unit: which of two wins is not this test's question
-            arguments["offloaded_units"] = draw(st.lists(st.sampled_from(unit_names), unique=True, max_size=1))
-        if offloaded_ops or arguments.get("offloaded_units"):
-            arguments["offload_min_bytes"] = 0
-        drawn = tuple(sorted((k, _frozen(v)) for k, v in arguments.items()))
-        return Case(
-            "drawn",
-            draw(st.booleans()),
-            draw(st.sampled_from(AUTOCAST)),
-            draw(st.booleans()),
-            draw(st.booleans()),
-            draw(st.booleans()),
-            drawn,
-        )
-
-    return draw()
-
-
-def _frozen(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(value)
-    return value
-
-
 # --- known defects ---------------------------------------------------------------------------------
 
 
@@ -498,7 +447,12 @@ def observe(case: Case, device: str = "cpu") -> dict:
 
     hook = model.register_forward_hook(note_held)
     copied_before = sac_plugin.memory.offload_stats()["bytes_to_host"]
-    with warnings.catch_warnings(record=True) as caught, observed_regions() as regions, sac_plugin.audit() as audit:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        observed_regions() as regions,
+        sac_plugin.audit() as audit,
+        sac_plugin.report(model) as report,
+    ):
         warnings.simplefilter("always")
         first = _step(model, x, case, device)
     hook.remove()
@@ -530,6 +484,19 @@ def observe(case: Case, device: str = "cpu") -> dict:
         ],
         "held_after_forward": held_after_forward,
         "expected_held": [sum(call.elements * itemsize for call, _ in expected)] if native else [],
+        # The report's per-layer count of the calls held and their bytes (the native engine's; a
+        # nested block's inner layers are counted at each of their forwards, the outer recompute's too).
+        "report_held": (
+            [sum(layer.kept_calls for layer in report.layers.values())]
+            + [sum(layer.kept_bytes + layer.offloaded_bytes for layer in report.layers.values())]
+            if native and not case.nested
+            else None
+        ),
+        "expected_report_held": (
+            [len(expected), sum(call.elements * itemsize for call, _ in expected)]
+            if native and not case.nested
+            else None
+        ),
         "held_after_backward": [entry for entry in held_after_backward if entry != (0, 0, 0)],
         "regions_left": torch.ops.sac.live_regions() - live_before,
         # Off the CPU, offloaded outputs and the flat block's input (offload_inputs) go to the host.
@@ -578,6 +545,10 @@ def failures(observed: dict) -> list[str]:
     if observed["held_after_forward"] != observed["expected_held"]:
         found.append(
             f"held {observed['held_after_forward']} bytes after the forward, expected {observed['expected_held']}"
+        )
+    if observed["report_held"] != observed["expected_report_held"]:
+        found.append(
+            f"the report says {observed['report_held']} calls and bytes held, expected {observed['expected_report_held']}"
         )
     if observed["held_after_backward"]:
         found.append(f"held after the backward (calls, bytes, offloaded bytes): {observed['held_after_backward']}")
