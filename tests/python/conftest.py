@@ -19,6 +19,16 @@ if os.environ.get("SAC_TEST_PRELOAD_FOREIGN_OWNER"):
 import sac_plugin  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--combinations",
+        choices=("default", "wide"),
+        default=os.environ.get("SAC_TEST_COMBINATIONS", "default"),
+        help="test_combinations.py: a fixed set of cases (default), or every combination and a hypothesis "
+        "search over drawn policies (wide; also SAC_TEST_COMBINATIONS=wide)",
+    )
+
+
 def pytest_configure(config):
     # Kept outputs a recompute never asked for fail the test that held them (NOTE: [Served, or
     # named] in csrc/dispatch/region.cpp). Added here rather than in pytest.ini, whose filters pytest
