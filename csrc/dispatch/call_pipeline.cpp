@@ -45,6 +45,22 @@ CallStep traced(const OpEntry& op, CallOutcome outcome, CallStep step) {
 
 }  // namespace
 
+// The call's outputs (the last `num_returns` values on `stack`) now originate from it; a
+// parameter cast's output is named by what it casts (NOTE: [A parameter cast is named by what it
+// casts] in data_flow.cpp).
+void recordOutputs(DataFlow& flow, CallInFlight& call, const c10::FunctionSchema& schema,
+                   const torch::jit::Stack& stack, size_t num_returns) {
+  flow.recordCall(call.identity, schema, stack, num_returns, call.written);
+  if (C10_UNLIKELY(call.casts_a_parameter)) {
+    call.casts_a_parameter = false;
+    if (num_returns == 1 && stack.back().isTensor()) {
+      const at::Tensor& cast = stack.back().toTensor();
+      flow.nameParameterCast(cast, DataFlow::parameterCastName(call.cast_source, cast.scalar_type()));
+    }
+    call.cast_source.reset();
+  }
+}
+
 bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments,
               std::optional<int64_t> naming_key, CallInFlight* call) {
   // NOTE: [A small constant is named by its value] (data_flow.cpp)
@@ -55,7 +71,8 @@ bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::
   const c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
   call->op = &op;
   call->hold = false;
-  call->casts_a_parameter = false;
+  call->casts_a_parameter = C10_UNLIKELY(op.traits.is_copy_cast) && castsAParameter(op.traits, arguments);
+  if (C10_UNLIKELY(call->casts_a_parameter)) call->cast_source = arguments[0].toTensor();
   call->routing = CallInFlight::RoutingStep::kNone;
   call->written.clear();
   if (C10_UNLIKELY(op.traits.mutates_inputs || op.traits.writes_out_arguments)) {
@@ -98,8 +115,7 @@ void EnclosingCalls::begin(const OpEntry& op, torch::jit::Stack* stack, size_t n
 }
 
 void EnclosingCalls::finish(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t num_returns) {
-  for (auto& [region, call] : calls_)
-    region->flow().recordCall(call.identity, schema, stack, num_returns, call.written);
+  for (auto& [region, call] : calls_) recordOutputs(region->flow(), call, schema, stack, num_returns);
   calls_.clear();
 }
 
@@ -127,8 +143,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
 
   CallFacts facts;
   facts.draws_random = draws_random;
-  facts.casts_a_parameter = castsAParameter(op.traits, arguments);
-  call->casts_a_parameter = facts.casts_a_parameter;
+  facts.casts_a_parameter = call->casts_a_parameter;
   facts.routes_tokens = routesTokens(op.traits, arguments);
   const std::vector<UnitId>& open_units = UnitStack::current().units();
   if (policy.countsCalls(op, open_units)) facts.call_index = region.nextCallIndex(op);
@@ -142,7 +157,7 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
   region.advancePosition();
   if (call->decision.held) {
     call->kept_ordinal = region.nextKeptOrdinal(op);
-    call->hold = !region.site().neverReached(op, call->kept_ordinal);
+    call->hold = !region.site().neverReached(op, call->kept_ordinal) && !region.replaysOnly();
   }
   const CallOutcome outcome = !call->hold                                   ? CallOutcome::kRecomputed
                               : call->decision.outcome == Outcome::kOffload ? CallOutcome::kOffloaded
@@ -160,11 +175,7 @@ void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& s
     region.routing().check(call.identity, stack, num_returns, region.site().label());
   }
   call.routing = CallInFlight::RoutingStep::kNone;
-  region.flow().recordCall(call.identity, schema, stack, num_returns, call.written);
-  if (C10_UNLIKELY(call.casts_a_parameter)) {
-    call.casts_a_parameter = false;
-    if (num_returns == 1 && stack.back().isTensor()) region.rememberParameterCast(stack.back().toTensor());
-  }
+  recordOutputs(region.flow(), call, schema, stack, num_returns);
   call.hold = false;
 }
 

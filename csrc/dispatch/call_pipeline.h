@@ -33,9 +33,10 @@ struct CallInFlight {
   Decision decision;          // the forward's decision
   uint32_t kept_ordinal = 0;  // a held call's 1-based number among the op's held calls
   bool hold = false;          // keep (or offload) its outputs once the kernel has run
-  // A forward's cast of a parameter (autocast's weight cast): the region remembers what it made
-  // (NOTE: [A cast autocast caches is named by the call that made it] in region.cpp).
+  // A cast of a parameter (autocast's weight cast), and the parameter: its output is named by what
+  // it casts (NOTE: [A parameter cast is named by what it casts] in data_flow.cpp).
   bool casts_a_parameter = false;
+  at::Tensor cast_source;
   // A routing call of a policy that recomputes the routing: the forward notes what it returned,
   // the recompute checks it (NOTE: [Unpinned routing must repeat itself] in routing_check.cpp).
   enum class RoutingStep : uint8_t { kNone, kNote, kCheck } routing = RoutingStep::kNone;

@@ -4,8 +4,11 @@
 #include <ATen/core/function_schema.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
+#include <vector>
 #include <string_view>
 
 #include "dispatch/ivalue_tensors.h"
@@ -57,8 +60,9 @@ namespace sac {
 // address, it would carry an origin nothing in the forward carried, and no call computed from it
 // would ever be served (every kept output of the layer held for nothing). The region knows which
 // tensor of the forward each copy stands for, so the copy is named as that tensor: its storage
-// takes the original storage's address as its origin, and its offset is counted as the
-// original's. The copy holds the very values the original held at the end of the forward (the
+// takes the name the forward gave the original storage (its address, or the name the region
+// around it gave it: NOTE: [A nested checkpoint names its inputs as the outer does]), and its
+// offset is counted as the original's. The copy holds the very values the original held at the end of the forward (the
 // region refuses an input written after it, NOTE: [Offloading a layer's inputs] in offload.cpp),
 // so a call computed from it computes what its twin in the forward computed.
 
@@ -135,9 +139,10 @@ uint64_t valueOf(const at::Tensor& tensor) {
 }
 
 constexpr uint64_t kUndefinedTensor = 0x7e57;
-constexpr uint64_t kWrittenTag = 0x5772697465ULL;  // "Write"
-constexpr uint64_t kExternalTag = 0x6578746eULL;   // "extn"
-constexpr uint64_t kNestedTag = 0x6e657374ULL;     // "nest"
+constexpr uint64_t kWrittenTag = 0x5772697465ULL;      // "Write"
+constexpr uint64_t kExternalTag = 0x6578746eULL;       // "extn"
+constexpr uint64_t kNestedTag = 0x6e657374ULL;         // "nest"
+constexpr uint64_t kParameterCastTag = 0x63617374ULL;  // "cast"
 
 }  // namespace
 
@@ -231,6 +236,77 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
   return mixed(description, earlier);
 }
 
+// NOTE: [A parameter cast is named by what it casts]
+// Autocast caches its cast of a parameter for as long as the outermost autocast context is open,
+// and hands it to whoever casts the same parameter again, with no call. A backward run inside that
+// context (the usual loop: forward, loss and backward under one `with torch.autocast(...)`) lets a
+// recompute reuse the cast its forward made; a second backward reuses the first recompute's; a
+// nested checkpoint's recompute reuses the one the outer recompute's replay of it made. Named by
+// the call that made it, or by its address where no call made it, such a cast would carry a
+// different name in each pass, and no call computed from the weight (every matmul of the layer)
+// would be served. So a cast of a parameter is named by what it casts, the parameter's storage and
+// place in it, and the dtype it casts to, wherever it is made; and a thread remembers the casts it
+// named (weakly: an address is read back only for the storage that had it, and a storage whose
+// last reference went is forgotten), so that a pass that meets one with no call names it alike.
+// Two casts of one parameter to one dtype hold the same values, so naming them alike is sound.
+namespace {
+
+// Set once any thread has named a parameter cast: until then, naming a storage no call of the pass
+// produced costs no thread-local lookup.
+std::atomic<bool> parameter_casts_named{false};
+
+struct RememberedCast {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  uint64_t name;
+};
+
+class ParameterCasts {
+ public:
+  static ParameterCasts& current() {
+    thread_local ParameterCasts casts;
+    return casts;
+  }
+  void remember(const c10::Storage& storage, uint64_t name) {
+    parameter_casts_named.store(true, std::memory_order_relaxed);
+    if (casts_.size() >= prune_at_) prune();
+    casts_.insert_or_assign(storage.unsafeGetStorageImpl(), RememberedCast{storage.getWeakStorageImpl(), name});
+  }
+  uint64_t nameOf(const c10::StorageImpl* storage) const {
+    if (casts_.empty()) return 0;
+    auto found = casts_.find(storage);
+    if (found == casts_.end()) return 0;
+    c10::intrusive_ptr<c10::StorageImpl> alive = found->second.storage.lock();
+    return alive.get() == storage ? found->second.name : 0;
+  }
+
+ private:
+  void prune() {
+    std::vector<const c10::StorageImpl*> forgotten;
+    for (const auto& [storage, cast] : casts_) {
+      if (cast.storage.expired()) forgotten.push_back(storage);
+    }
+    for (const c10::StorageImpl* storage : forgotten) casts_.erase(storage);
+    prune_at_ = std::max<size_t>(64, 2 * casts_.size());
+  }
+  HashMap<const c10::StorageImpl*, RememberedCast> casts_;
+  size_t prune_at_ = 64;
+};
+
+}  // namespace
+
+uint64_t DataFlow::parameterCastName(const at::Tensor& source, c10::ScalarType dtype) {
+  uint64_t name = mixed(kParameterCastTag, reinterpret_cast<uintptr_t>(source.storage().unsafeGetStorageImpl()));
+  mix(name, static_cast<uint64_t>(source.storage_offset()));
+  mix(name, static_cast<uint64_t>(dtype));
+  return name;
+}
+
+void DataFlow::nameParameterCast(const at::Tensor& cast, uint64_t name) {
+  if (!cast.defined() || !cast.has_storage()) return;
+  origins_.insert_or_assign(cast.storage().unsafeGetStorageImpl(), name);
+  ParameterCasts::current().remember(cast.storage(), name);
+}
+
 // NOTE: [A nested checkpoint names its inputs as the outer does]
 // torch hands a nested checkpoint's recompute the inputs its enclosing checkpoint's recompute
 // made (the inputs of a nested checkpoint are tensors its parent saves, and recomputes), new
@@ -243,6 +319,10 @@ uint64_t DataFlow::identify(const OpEntry& op, const c10::IValue* arguments, siz
 // outer too] in call_pipeline.cpp), so the nested region's two passes do too. What neither names
 // (a parameter, the enclosing region's own inputs) keeps its address.
 uint64_t DataFlow::externalOrigin(const c10::StorageImpl* storage, int64_t* offset_shift) const {
+  // NOTE: [A parameter cast is named by what it casts]
+  if (C10_UNLIKELY(parameter_casts_named.load(std::memory_order_relaxed))) {
+    if (uint64_t cast = ParameterCasts::current().nameOf(storage)) return cast;
+  }
   if (C10_UNLIKELY(enclosing_pass_ != nullptr)) {
     if (uint64_t origin = enclosing_pass_->originOf(storage)) return mixed(kNestedTag, origin);
   } else if (C10_UNLIKELY(enclosing_names_ != nullptr)) {
@@ -252,15 +332,19 @@ uint64_t DataFlow::externalOrigin(const c10::StorageImpl* storage, int64_t* offs
       if (alive.get() == storage) return mixed(kNestedTag, named->second.second);
     }
   }
-  uintptr_t address = reinterpret_cast<uintptr_t>(storage);
   if (C10_UNLIKELY(!copies_.empty())) {
     auto copy = copies_.find(storage);
     if (copy != copies_.end()) {
-      address = copy->second.original_storage;
       *offset_shift += copy->second.offset_shift;
+      return copy->second.original_name;
     }
   }
-  return mixed(kExternalTag, address);
+  return mixed(kExternalTag, reinterpret_cast<uintptr_t>(storage));
+}
+
+uint64_t DataFlow::nameOfInput(const c10::StorageImpl* storage) const {
+  int64_t unused_shift = 0;
+  return externalOrigin(storage, &unused_shift);
 }
 
 void DataFlow::nameFreshConstant(const c10::IValue& value) {
@@ -270,10 +354,10 @@ void DataFlow::nameFreshConstant(const c10::IValue& value) {
   origins_.insert_or_assign(tensor.storage().unsafeGetStorageImpl(), valueOf(tensor));
 }
 
-void DataFlow::nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset) {
+void DataFlow::nameCopyAs(const at::Tensor& copy, uint64_t original_name, int64_t original_offset) {
   if (!copy.defined() || !copy.has_storage()) return;
-  copies_.insert_or_assign(copy.storage().unsafeGetStorageImpl(), CopyOf{reinterpret_cast<uintptr_t>(original_storage),
-                                                                         original_offset - copy.storage_offset()});
+  copies_.insert_or_assign(copy.storage().unsafeGetStorageImpl(),
+                           CopyOf{original_name, original_offset - copy.storage_offset()});
 }
 
 void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_written) {

@@ -63,11 +63,14 @@ class DataFlow {
   // named by its value] in data_flow.cpp).
   void nameFreshConstant(const c10::IValue& value);
 
+  // The name this pass gives `storage`, an input of the region (no call of the pass produced it),
+  // before anything writes it: what a copy of it is named as in another pass (nameCopyAs).
+  uint64_t nameOfInput(const c10::StorageImpl* storage) const;
   // For the rest of this pass, `copy` (a tensor the region made anew: an offloaded input brought
   // back for the recompute) is named as the tensor of the forward it copies, which lived at
-  // `original_offset` in the storage at `original_storage` (an address, never dereferenced; NOTE:
-  // [A copy the region makes is named as its original] in data_flow.cpp).
-  void nameCopyAs(const at::Tensor& copy, const c10::StorageImpl* original_storage, int64_t original_offset);
+  // `original_offset` in a storage the forward named `original_name` (nameOfInput; NOTE: [A copy
+  // the region makes is named as its original] in data_flow.cpp).
+  void nameCopyAs(const at::Tensor& copy, uint64_t original_name, int64_t original_offset);
 
   // For the rest of this pass, a storage it did not produce is named as the region around it
   // names it: by `enclosing_pass` (that region's pass under way, in the forward) or by
@@ -88,10 +91,13 @@ class DataFlow {
     auto found = origins_.find(storage);
     return found == origins_.end() ? 0 : found->second;
   }
-  // Names `storage` by `origin` for this pass, as if a call of it had produced it: a storage made
-  // by a call of an earlier pass of the same region and reused in this one without a call (NOTE:
-  // [A cast autocast caches is named by the call that made it] in region.cpp).
-  void nameStorage(const c10::StorageImpl* storage, uint64_t origin) { origins_.insert_or_assign(storage, origin); }
+  // The name of what a cast of the parameter `source` (a leaf that requires grad) to `dtype`
+  // makes, wherever and whenever it is made (NOTE: [A parameter cast is named by what it casts]
+  // in data_flow.cpp).
+  static uint64_t parameterCastName(const at::Tensor& source, c10::ScalarType dtype);
+  // After a parameter cast ran: its output `cast` is named `name` (parameterCastName), in this pass
+  // and in every pass on this thread that meets it again with no call (autocast's cache).
+  void nameParameterCast(const at::Tensor& cast, uint64_t name);
 
  private:
   uint64_t provenanceOf(const at::Tensor& tensor) const;
@@ -106,10 +112,10 @@ class DataFlow {
   // kept calls by data flow]: records hold no reference to their storage).
   HashMap<const c10::StorageImpl*, uint64_t> origins_;
   HashMap<uint64_t, uint32_t> occurrences_;
-  // The region's copies named as their originals (nameCopyAs): the original storage's address
-  // and how far into it the copy's first element lived.
+  // The region's copies named as their originals (nameCopyAs): the original storage's name and
+  // how far into it the copy's first element lived.
   struct CopyOf {
-    uintptr_t original_storage;
+    uint64_t original_name;
     int64_t offset_shift;
   };
   HashMap<const c10::StorageImpl*, CopyOf> copies_;

@@ -273,6 +273,9 @@ std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, cons
               "sac: a region holds its function's inputs once, at the end of "
               "its forward; this region holds them already");
   const Policy& policy = site_->policy();
+  // NOTE: [A checkpoint replayed by the recompute around it holds nothing]: nothing recomputes it.
+  // Its inputs are answered as offloaded, so that none is named as staying on its device.
+  if (replays_only_) return std::vector<bool>(inputs.size(), true);
   std::vector<bool> offloaded(inputs.size(), false);
   std::lock_guard<std::mutex> lock(offload_mutex_);
   inputs_.reserve(inputs.size());
@@ -281,14 +284,16 @@ std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, cons
     HeldInput held;
     held.name = names[i];
     held.saved_version = versionOf(tensor);
+    if (tensor.defined() && tensor.has_storage()) {
+      held.original_name = flow_.nameOfInput(tensor.storage().unsafeGetStorageImpl());
+      held.original_offset = tensor.storage_offset();
+    }
     if (offloadable(tensor)) {
       c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(tensor), policy.hostMemoryLimit());
       if (buffer) {
         held.offloaded = OffloadedTensor::start(tensor, std::move(buffer));
         held.offloaded.setSavedVersion(held.saved_version);
         held.is_offloaded = true;
-        held.original_storage = tensor.storage().unsafeGetStorageImpl();
-        held.original_offset = tensor.storage_offset();
         offloaded_input_bytes_ += held.offloaded.bytes();
         any_offloaded_ = true;
         offloaded[i] = true;
@@ -328,13 +333,11 @@ std::vector<at::Tensor> Region::takeInputs() {
   std::vector<at::Tensor> tensors;
   tensors.reserve(inputs_.size());
   for (HeldInput& input : inputs_) {
-    if (!input.is_offloaded) {
-      tensors.push_back(input.on_device);
-      continue;
-    }
-    tensors.push_back(input.offloaded.take(!consume_served_));
-    // NOTE: [A copy the region makes is named as its original] (data_flow.cpp)
-    flow_.nameCopyAs(tensors.back(), input.original_storage, input.original_offset);
+    tensors.push_back(input.is_offloaded ? input.offloaded.take(!consume_served_) : input.on_device);
+    // NOTE: [A copy the region makes is named as its original] (data_flow.cpp); an input held on
+    // its device is named as the forward named it too (the region around this one may have named
+    // it: NOTE: [A nested checkpoint names its inputs as the outer does]).
+    if (input.original_name != 0) flow_.nameCopyAs(tensors.back(), input.original_name, input.original_offset);
   }
   if (consume_served_) {
     inputs_.clear();
@@ -608,30 +611,20 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
   return true;
 }
 
-// NOTE: [A cast autocast caches is named by the call that made it]
-// Autocast caches its cast of a parameter for as long as the outermost autocast context is open.
-// A backward run inside that context (the usual training loop: forward, loss and backward under
-// one `with torch.autocast(...)`) lets the recompute reuse the cast the forward made in the region,
-// with no call: named by its address, the cast would carry an origin the forward never gave it,
-// and no call computed from the weight (every matmul of the layer) would be served. So the region
-// remembers each parameter cast its forward made, with the origin the data flow gave it, and
-// names the same storage alike when its recompute begins. Where the recompute casts again (the
-// cache was left in between), the new cast is named by its call, as in the forward. The casts are
-// held weakly: a storage freed meanwhile is not named, and its address cannot be taken by another
-// storage while the weak reference lives.
-void Region::rememberParameterCast(const at::Tensor& cast) {
-  if (!cast.defined() || !cast.has_storage()) return;
-  const uint64_t origin = flow_.originOf(cast.storage().unsafeGetStorageImpl());
-  if (origin != 0) parameter_casts_.emplace_back(cast.storage().getWeakStorageImpl(), origin);
-}
-
 // Each pass gets its own salt, so tensors whose origin cannot be named never match across passes.
 void Region::beginForward() {
-  parameter_casts_.clear();
   flow_.reset(++passes_, site_->callsPerPassHint());
   // NOTE: [A nested checkpoint names its inputs as the outer does] (data_flow.cpp)
   enclosing_.reset();
-  if (Region* around = ThreadState::current().decidingRegionAround(this)) {
+  const ThreadState::EnclosingPass enclosing = ThreadState::current().decidingRegionAround(this);
+  // NOTE: [A checkpoint replayed by the recompute around it holds nothing]
+  // torch runs a checkpoint nested in another again when the outer one recomputes, as a new
+  // checkpoint whose forward only rebuilds what the outer needs; autograd never goes through it,
+  // so nothing recomputes it, and what it kept would be held, unserved, until the outer's
+  // recomputed tensors die. It decides as a forward does (the data flow names its calls alike)
+  // but holds nothing.
+  replays_only_ = enclosing.region != nullptr && enclosing.in_recompute;
+  if (Region* around = enclosing.region) {
     around->has_nested_regions_ = true;
     enclosing_ = std::make_unique<WeakLink>(
         WeakLink{c10::weak_intrusive_ptr<Region>(c10::intrusive_ptr<Region>::reclaim_copy(around))});
@@ -691,11 +684,6 @@ void Region::beginRecompute() {
   if (has_nested_regions_) flow_.retainNamesForNested();
   enclosing_in_recompute_ = enclosing_ != nullptr ? enclosing_->region.lock() : c10::intrusive_ptr<Region>();
   if (enclosing_in_recompute_) flow_.nameExternalsAs(nullptr, &enclosing_in_recompute_->names_for_nested_);
-  // NOTE: [A cast autocast caches is named by the call that made it] (above)
-  for (const auto& [cast, origin] : parameter_casts_) {
-    c10::intrusive_ptr<c10::StorageImpl> alive = cast.lock();
-    if (alive) flow_.nameStorage(alive.get(), origin);
-  }
   consume_served_ = !currentBackwardKeepsGraph();
   left_to_serve_ = 0;
   bool any_consumed = false;

@@ -111,6 +111,11 @@ class Region : public c10::intrusive_ptr_target {
   // recompute after the last kept call]).
   // Routing calls still to check (NOTE: [Unpinned routing must repeat itself] in
   // routing_check.cpp) keep the pass named as well.
+  // Forward: whether this forward replays a nested checkpoint inside the recompute of the region
+  // around it, and so holds nothing (NOTE: [A checkpoint replayed by the recompute around it holds
+  // nothing] in region.cpp).
+  bool replaysOnly() const { return replays_only_; }
+
   // A region with checkpoints nested in it names every call of its recompute for them (NOTE: [A
   // nested checkpoint names its inputs as the outer does] in data_flow.cpp).
   bool servesMore() const { return left_to_serve_ > 0 || routing_.pending() > 0 || has_nested_regions_; }
@@ -127,10 +132,6 @@ class Region : public c10::intrusive_ptr_target {
 
   // Forward: the 0-based index of this call among the region's calls of `op`, for every-nth rules.
   uint64_t nextCallIndex(const OpEntry& op) { return forward_nth_calls_[&op]++; }
-
-  // Forward: `cast` is the output of a call that cast a parameter (NOTE: [A cast autocast caches
-  // is named by the call that made it] in region.cpp).
-  void rememberParameterCast(const at::Tensor& cast);
 
   void beginForward();
   // Drops the forward's data-flow records; the kept outputs stay for the recompute.
@@ -240,9 +241,10 @@ class Region : public c10::intrusive_ptr_target {
     OffloadedTensor offloaded;
     int64_t saved_version = -1;  // for the held alias; the offloaded tensor keeps its own
     bool is_offloaded = false;
-    // Where the input lived in the forward, for naming its copy as the input (NOTE: [A copy the
-    // region makes is named as its original] in data_flow.cpp): an address, never dereferenced.
-    const c10::StorageImpl* original_storage = nullptr;
+    // What the forward named the input's storage and where in it the input lived, for naming its
+    // copy as the input (NOTE: [A copy the region makes is named as its original] in
+    // data_flow.cpp).
+    uint64_t original_name = 0;
     int64_t original_offset = 0;
   };
   // Frees the held inputs (their host buffers back to the pool).
@@ -283,9 +285,6 @@ class Region : public c10::intrusive_ptr_target {
   size_t left_to_serve_ = 0;
   size_t calls_per_pass_ = 0;  // calls the forward named: what the recompute's records reserve
   std::string never_served_notice_;
-  // The forward's parameter casts, weakly (an address that cannot be reused while they are
-  // referenced), with the origin the forward named each by.
-  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, uint64_t>> parameter_casts_;
   bool consume_served_ = true;
   // NOTE: [A nested checkpoint names its inputs as the outer does] (data_flow.cpp): the region
   // around this one's forward; whether regions were nested in this one's forward; and what this
@@ -293,6 +292,7 @@ class Region : public c10::intrusive_ptr_target {
   std::unique_ptr<WeakLink> enclosing_;
   c10::intrusive_ptr<Region> enclosing_in_recompute_;  // held while this one's recompute reads its names
   bool has_nested_regions_ = false;
+  bool replays_only_ = false;
   NamesForNested names_for_nested_;
 };
 

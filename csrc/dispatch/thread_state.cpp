@@ -134,14 +134,15 @@ void ThreadState::refreshInnermost() {
   }
 }
 
-Region* ThreadState::decidingRegionAround(const Region* self) const {
+ThreadState::EnclosingPass ThreadState::decidingRegionAround(const Region* self) const {
   for (auto activation = stack_.rbegin(); activation != stack_.rend(); ++activation) {
     if (!activation->region) continue;
     Region* deciding = activation->region->decidingRegion();
     if (deciding == self) continue;
-    return deciding != nullptr && deciding->intercepts() && deciding->profile() == nullptr ? deciding : nullptr;
+    if (deciding == nullptr || !deciding->intercepts() || deciding->profile() != nullptr) break;
+    return EnclosingPass{deciding, activation->kind == ActivationKind::kRecompute};
   }
-  return nullptr;
+  return EnclosingPass{nullptr, false};
 }
 
 bool ThreadState::encloses(const Region* region) const {

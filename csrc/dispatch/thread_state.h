@@ -55,9 +55,10 @@ class ThreadState {
   // Whether `region` is open on this thread around the innermost region.
   bool encloses(const Region* region) const;
   // The innermost region open on this thread other than `self` (or `self`'s marker), where it
-  // keeps or offloads anything, else null: the region a checkpoint starting its forward is nested
-  // in (NOTE: [A nested checkpoint names its inputs as the outer does] in data_flow.cpp).
-  Region* decidingRegionAround(const Region* self) const;
+  // keeps or offloads anything (else a null region), and whether it is in its recompute: the
+  // region a checkpoint starting its forward is nested in (NOTE: [A nested checkpoint names its
+  // inputs as the outer does] in data_flow.cpp).
+  EnclosingPass decidingRegionAround(const Region* self) const;
   // The pass to count an op in.
   Phase phase() const;
   size_t depth() const { return stack_.size(); }

@@ -332,43 +332,7 @@ class KnownDefect:
 
 
 # Delete an entry when its fix lands: the strict xfail then fails every case it covered.
-KNOWN_DEFECTS: dict[str, KnownDefect] = {
-    "nested: the second sublayer's region is never served": KnownDefect(
-        lambda case, engine, device: case.nested
-        and held_per_region(case)[1] > 0
-        # The dispatch-mode engine serves it when its input came back from the host.
-        and not (engine == "dispatch_mode" and device != "cpu" and case.offload_inputs),
-        "nested checkpoints: a sublayer checkpointed after another inside the same outer checkpoint (the MLP, "
-        "after the attention) is never served what its region keeps: HeldNeverServedWarning, audit never_served "
-        "> 0, hits short by those calls",
-    ),
-    "nested: the outer region's calls after an inner checkpoint are never served": KnownDefect(
-        lambda case, engine, device: case.nested and held_per_region(case)[2] > 0,
-        "nested checkpoints: the calls the outer region keeps after an inner checkpoint ran (the last projection) "
-        "are held and never served: HeldNeverServedWarning, audit never_served > 0, hits short by those calls",
-    ),
-    "nested: the inner region the outer recompute makes holds after the backward": KnownDefect(
-        lambda case, engine, device: case.nested and engine == "native" and sum(held_per_region(case)[:2]) > 0,
-        "nested checkpoints: the outer recompute runs an inner checkpoint's forward again, and the region that "
-        "forward makes keeps its calls again; the inner recompute is served without it, so it still holds its "
-        "kept outputs after the backward, neither served nor counted as never served",
-    ),
-    "nested + autocast in a backward context: the first inner region is never served": KnownDefect(
-        lambda case, engine, device: case.nested
-        and case.autocast == "forward_and_backward"
-        and held_per_region(case)[0] > 0,
-        "nested checkpoints with the backward in an autocast context of its own: even the first inner "
-        "region's kept addmm and tanh are never served (only the activation cast is)",
-    ),
-    "autocast around two backwards: the second recompute is never served": KnownDefect(
-        lambda case, engine, device: case.autocast == "forward_and_backward"
-        and case.retain_graph
-        and sum(held_per_region(case)) > 0,
-        "a retained graph's two backwards in one autocast context (the forward in another): the second "
-        "recompute is served nothing that follows a weight cast (the cast cache hands it the casts the first "
-        "recompute made, tensors its region cannot name): HeldNeverServedWarning, hits short by half",
-    ),
-}
+KNOWN_DEFECTS: dict[str, KnownDefect] = {}
 
 
 def known_defect(case: Case, engine: str, device: str = "cpu") -> KnownDefect | None:
