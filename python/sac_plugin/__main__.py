@@ -1,19 +1,31 @@
 """python -m sac_plugin plan --model llama|moe --budget 0.3 [--offload] [--plot plan.png] [--save plan.json]
+python -m sac_plugin plan --hf-config config.json --budget 512MiB [--dim 1024 --layers 2]
+python -m sac_plugin plan --hf-model-type mistral --budget 0.3
+python -m sac_plugin plan --model mypackage.layers:make_layer --budget 64KiB
 python -m sac_plugin plan --model llama|moe --peak 8GiB --device cuda [--layers 4] [--offload] [--save step.json]
 
-With --budget, profiles one reference decoder layer (sac_plugin.models) on CPU or --device, plans
-it within the budget (keep or recompute per call; keep, offload or recompute with --offload) and
-prints the plan's table and its Pareto curve. With --peak, plans a training step of a reference
-decoder of --layers layers on the --device accelerator so that its measured peak stays within
-the bytes given (sac_plugin.plan_step) and prints the step plan's table."""
+With --budget, profiles one layer on CPU or --device, plans it within the budget (keep or
+recompute per call; keep, offload or recompute with --offload) and prints the plan's table and
+its Pareto curve. The layer is a reference decoder layer (--model llama|moe, sac_plugin.models),
+the first decoder layer of a transformers model built with random weights from a config
+(--hf-config, --hf-model-type; nothing is downloaded), or the layer a factory of yours returns
+(--model package.module:function). A budget is a fraction of the layer's no-checkpointing
+activation bytes (0.3, 1.0) or bytes with a unit (512MiB, 8GiB, 1000000B). With --peak, plans a
+training step of a reference decoder of --layers layers on the --device accelerator so that its
+measured peak stays within the bytes given (sac_plugin.plan_step) and prints the step plan's table.
+Progress goes to stderr."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from ._validation import bounded_repr
+
+REFERENCE_MODELS = ("llama", "moe")
+_ONE_LAYER = "(default: none; give one of --model, --hf-config, --hf-model-type)"
 
 
 def _positive_int(text: str) -> int:
@@ -27,12 +39,19 @@ def _positive_int(text: str) -> int:
 
 
 def _budget(text: str):
+    """A fraction ("0.3", "1.0") or bytes with a unit ("512MiB", "1000000B"), checked as
+    sac_plugin.plan checks a budget (a bare "1" reads two ways and is refused there)."""
+    from .planner._cost import check_budget
+
+    budget = text
+    if text.isdigit():
+        budget = int(text)
+    elif text.replace(".", "", 1).isdigit():
+        budget = float(text)
     try:
-        return int(text) if text.isdigit() else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a fraction from 0.0 to 1.0 or a byte count, got {bounded_repr(text)}"
-        ) from None
+        return check_budget(budget, "--budget")
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("sac_plugin: ")) from None
 
 
 def _bytes_per_second(text: str) -> float:
@@ -45,31 +64,14 @@ def _bytes_per_second(text: str) -> float:
     return value
 
 
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
 def _peak_bytes(text: str) -> int:
     """Bytes as an int or a number with a unit: 8GiB, 512MiB, 1.5GB, 4096."""
-    number = text.rstrip("BbKkMmGgTtIi")
-    unit = text[len(number) :].upper() or "B"
-    accepted = "bytes, an int >= 1 or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), such as 8GiB"
+    from .planner._cost import bytes_from_text
+
     try:
-        value = int(number) if unit == "B" else float(number) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{accepted}, got {bounded_repr(text)}") from None
-    if not (value >= 1 and value < 2**63):
-        raise argparse.ArgumentTypeError(f"{accepted}, got {bounded_repr(text)}")
-    return int(value)
+        return bytes_from_text(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"bytes, {error}") from None
 
 
 def _byte_count(text: str) -> int:
@@ -78,38 +80,57 @@ def _byte_count(text: str) -> int:
     return int(text)
 
 
-def reference_layer(model: str, dim: int, heads: int, seq: int, batch: int, device: str):
-    """One reference layer and its inputs: the Llama block or the MoE block of sac_plugin.models.
+def _model(text: str) -> str:
+    if text in REFERENCE_MODELS or (":" in text and all(text.partition(":")[::2])):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"llama, moe or package.module:function (a factory of yours), got {bounded_repr(text)}"
+    )
 
-    Args:
-        model: "llama" (a LlamaBlock) or "moe" (a MoEBlock).
-        dim: The model width.
-        heads: Attention heads.
-        seq: The sequence length of the inputs.
-        batch: The batch size of the inputs.
-        device: Where the layer and its inputs are made.
 
-    Returns:
-        `(block, (x, cos, sin))`: the layer, seeded with 0, and the inputs it is called with.
-    """
-    import torch
-    from .models import LlamaBlock, MoEBlock, rotary_tables
-
-    torch.manual_seed(0)
-    block = (LlamaBlock if model == "llama" else MoEBlock)(dim, heads).to(device)
-    cos, sin = rotary_tables(dim // heads, seq, device=device)
-    x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
-    return block, (x, cos, sin)
+def _imports(name: str) -> bool:
+    """Whether an optional dependency imports (it is imported for the work anyway)."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
     """Everything that can be checked before the (long) profile runs, as argparse errors."""
     import torch
 
-    if args.dim % args.heads:
-        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads} (each head gets dim / heads)")
-    if (args.dim // args.heads) % 2:
-        parser.error(f"--dim / --heads must be even (rotary embeddings rotate pairs), got {args.dim // args.heads}")
+    given = [
+        flag
+        for flag, value in (
+            ("--model", args.model),
+            ("--hf-config", args.hf_config),
+            ("--hf-model-type", args.hf_model_type),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        parser.error(
+            f"give one of --model, --hf-config, --hf-model-type (the layer to plan), got {len(given) or 'none'}"
+            + (f": {', '.join(given)}" if given else "")
+        )
+    if args.model in REFERENCE_MODELS:
+        from ._cli_models import REFERENCE_SIZES
+
+        for name, default in REFERENCE_SIZES.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+        if args.dim % args.heads:
+            parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads} (each head gets dim / heads)")
+        if (args.dim // args.heads) % 2:
+            parser.error(f"--dim / --heads must be even (rotary embeddings rotate pairs), got {args.dim // args.heads}")
+    elif args.peak is not None:
+        parser.error("--peak plans a reference model's training step: pass --model llama or --model moe")
+    elif args.model is not None:
+        sized = [flag for flag in ("--dim", "--heads", "--layers") if getattr(args, flag[2:]) is not None]
+        if sized:
+            parser.error(f"{', '.join(sized)}: a factory's layer comes sized (--model {args.model}); drop them")
     try:
         device = torch.device(args.device)
     except (RuntimeError, ValueError):
@@ -135,6 +156,107 @@ def _check_arguments(parser: argparse.ArgumentParser, args) -> None:
                 parser.error(f"{flag} {bounded_repr(path)}: the folder {folder} does not exist")
             if not os.access(folder, os.W_OK):
                 parser.error(f"{flag} {bounded_repr(path)}: the folder {folder} is not writable")
+    if args.plot is not None and not _imports("matplotlib"):
+        parser.error("--plot needs matplotlib, which is not installed: pip install sac_plugin[plot]")
+    if (args.hf_config or args.hf_model_type) and not _imports("transformers"):
+        parser.error(
+            "--hf-config and --hf-model-type need transformers, which is not installed: pip install sac_plugin[huggingface]"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every option with its help and default."""
+    from ._cli_models import FACTORY_CONTRACT
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sac_plugin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan_parser = commands.add_parser(
+        "plan",
+        help="plan a layer within a memory budget",
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+    )
+    add = plan_parser.add_argument
+    add(
+        "--model",
+        type=_model,
+        help=f"the layer to plan: llama or moe (a reference layer of sac_plugin.models), or {FACTORY_CONTRACT} "
+        f"{_ONE_LAYER}",
+    )
+    add(
+        "--hf-config",
+        metavar="PATH",
+        help="plan the first decoder layer of a transformers model built with "
+        "random weights from this config.json (or a folder holding one) " + _ONE_LAYER,
+    )
+    add(
+        "--hf-model-type",
+        metavar="TYPE",
+        help="plan the first decoder layer of a transformers model of this "
+        "model_type (llama, mistral, qwen2, gpt2, ...), built from its default config with small sizes: --dim "
+        "256, --heads 4, --layers 2 and a 512-token vocabulary unless given " + _ONE_LAYER,
+    )
+    add(
+        "--budget",
+        type=_budget,
+        help="what the layer may hold: a fraction of its no-checkpointing activation "
+        "bytes (a float from 0.0 to 1.0: 0.3) or bytes with a unit (512MiB, 8GiB, 1000000B); a bare 0 or 1 reads "
+        "two ways and is refused (default: 0.3)",
+    )
+    add(
+        "--peak",
+        type=_peak_bytes,
+        metavar="BYTES",
+        help="plan a training step whose device peak stays within "
+        "these bytes (8GiB, 512MiB, or an int), on an accelerator --device; --model llama or moe only "
+        "(default: none, plan one layer with --budget)",
+    )
+    add(
+        "--layers",
+        type=_positive_int,
+        help="decoder layers of the model (default: 4 for --model llama|moe; the "
+        "config's for --hf-config; 2 for --hf-model-type)",
+    )
+    add("--dim", type=_positive_int, help="model width (default: 256; the config's hidden_size for --hf-config)")
+    add("--heads", type=_positive_int, help="attention heads (default: 4; the config's for --hf-config)")
+    add("--seq", type=_positive_int, default=256, help="sequence length of the example inputs")
+    add("--batch", type=_positive_int, default=2, help="batch size of the example inputs")
+    add("--runs", type=_positive_int, default=5, help="timed forwards the profile takes the median of")
+    add("--device", default="cpu", help="where the layer and its inputs are made and profiled")
+    add(
+        "--plot",
+        metavar="PNG",
+        help="write the Pareto curve as a PNG here (needs matplotlib: pip install sac_plugin[plot]) (default: no plot)",
+    )
+    add("--save", metavar="JSON", help="write the plan as JSON here, which Plan.load reads (default: not saved)")
+    add("--offload", action="store_true", help="choose keep, offload or recompute per call (docs/offload.md)")
+    add(
+        "--offload-bandwidth",
+        nargs=2,
+        type=_bytes_per_second,
+        metavar=("D2H", "H2D"),
+        help="copy bandwidths in bytes/s (default: timed on the accelerator)",
+    )
+    add(
+        "--host-memory-limit",
+        type=_byte_count,
+        metavar="BYTES",
+        help="pinned host bytes the offloaded calls may hold (default: no cap)",
+    )
+    return parser
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and "(default: ...)" after every option that has a default and
+    does not say it already."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if "(default" in help_text or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
 
 
 def main(argv=None) -> int:
@@ -149,48 +271,7 @@ def main(argv=None) -> int:
     Raises:
         SystemExit: The arguments are refused (status 2, with argparse's message).
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m sac_plugin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    plan_parser = commands.add_parser("plan", help="plan a reference layer within a memory budget")
-    plan_parser.add_argument("--model", choices=["llama", "moe"], required=True)
-    plan_parser.add_argument(
-        "--budget",
-        type=_budget,
-        help="fraction of the layer's no-checkpointing activation bytes, or bytes (default 0.3)",
-    )
-    plan_parser.add_argument(
-        "--peak",
-        type=_peak_bytes,
-        metavar="BYTES",
-        help="plan a training step whose device peak stays within these bytes (8GiB, 512MiB, "
-        "or an int), on an accelerator --device",
-    )
-    plan_parser.add_argument(
-        "--layers", type=_positive_int, default=4, help="decoder layers of the reference model --peak plans (default 4)"
-    )
-    plan_parser.add_argument("--dim", type=_positive_int, default=256)
-    plan_parser.add_argument("--heads", type=_positive_int, default=4)
-    plan_parser.add_argument("--seq", type=_positive_int, default=256)
-    plan_parser.add_argument("--batch", type=_positive_int, default=2)
-    plan_parser.add_argument("--runs", type=_positive_int, default=5, help="timed forwards (medians)")
-    plan_parser.add_argument("--device", default="cpu")
-    plan_parser.add_argument("--plot", help="write the Pareto curve as a PNG here (needs matplotlib)")
-    plan_parser.add_argument("--save", help="write the plan as JSON here (Plan.load reads it)")
-    plan_parser.add_argument(
-        "--offload", action="store_true", help="choose keep, offload or recompute per call (docs/offload.md)"
-    )
-    plan_parser.add_argument(
-        "--offload-bandwidth",
-        nargs=2,
-        type=_bytes_per_second,
-        metavar=("D2H", "H2D"),
-        help="copy bandwidths in bytes/s (default: timed on the accelerator)",
-    )
-    plan_parser.add_argument(
-        "--host-memory-limit", type=_byte_count, metavar="BYTES", help="pinned host bytes the offloaded calls may hold"
-    )
+    parser = build_parser()
     args = parser.parse_args(argv)
     _check_arguments(parser, args)
     if args.peak is not None:
@@ -204,15 +285,41 @@ def main(argv=None) -> int:
         if args.offload_bandwidth is not None:
             offload["offload_bandwidth"] = tuple(args.offload_bandwidth)
 
+    from . import _cli_models as models
     from . import plan as make_plan
 
-    block, inputs = reference_layer(args.model, args.dim, args.heads, args.seq, args.batch, args.device)
     try:
-        plan = make_plan(block, *inputs, budget=args.budget, runs=args.runs, **offload)
+        if args.model in REFERENCE_MODELS:
+            layer, inputs = models.reference_layer(args.model, args.dim, args.heads, args.seq, args.batch, args.device)
+            kwargs, name = {}, f"{args.model} layer"
+            described = f"{name}: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.device}"
+        elif args.model is not None:
+            models.progress(f"building the layer {args.model} returns...")
+            layer, inputs, kwargs, name = models.factory_layer(args.model)
+            described = name
+        else:
+            models.progress("building the transformers model from its config (random weights)...")
+            config = models.hf_config(args.hf_config, args.hf_model_type, args.dim, args.heads, args.layers)
+            layer, inputs, kwargs, name = models.hf_layer(config, args.seq, args.batch, args.device)
+            described = f"{name}: seq {args.seq}, batch {args.batch}, {args.device}"
+    except models.ModelError as error:
+        parser.error(str(error))
+    taken = sorted(set(kwargs) & models.PLAN_PARAMETERS)
+    if taken:
+        parser.error(f"{name}: keyword inputs named {', '.join(taken)} are sac_plugin.plan's own arguments")
+    clock = models.ForwardClock(layer, name, args.runs)
+    try:
+        plan = make_plan(layer, *inputs, budget=args.budget, runs=args.runs, **offload, **kwargs)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    print(f"{args.model} layer: dim {args.dim}, heads {args.heads}, seq {args.seq}, batch {args.batch}, {args.device}")
-    print(plan.table())
+    finally:
+        clock.close()
+    print(described)
+    print(models.plan_table(plan))
+    noisy = models.noise_line(plan, clock.relative_spread())
+    if noisy:
+        print()
+        print(noisy)
     print()
     print("Pareto curve (budget: fraction of no-checkpointing bytes):")
     print(plan.curve())
@@ -221,7 +328,7 @@ def main(argv=None) -> int:
     if args.save:
         print("saved", plan.save(args.save))
     if args.plot:
-        print("plotted", plan.plot(args.plot, title=f"{args.model} layer, dim {args.dim}, seq {args.seq}"))
+        print("plotted", plan.plot(args.plot, title=f"{name}, within {args.budget}"))
     return 0
 
 

@@ -82,6 +82,17 @@ _HAND_SELECTION_FIELDS = (
 )
 
 
+def _import_yaml(where: str):
+    """pyyaml, an optional dependency: missing, the error names the extra that installs it."""
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError(
+            f"sac_plugin: RecomputeConfig.{where} needs pyyaml, which is not installed: pip install sac_plugin[yaml]"
+        ) from None
+    return yaml
+
+
 @dataclasses.dataclass(frozen=True)
 class RecomputeConfig:
     """What a training config file says about checkpointing; every field is checked on construction.
@@ -102,7 +113,8 @@ class RecomputeConfig:
         force_recompute_modules: Paths of submodules (in a layer) that are always recomputed.
         preserve_rng_state: torch.utils.checkpoint's: whether the recompute replays random numbers.
         budget: What the checkpointed layers may keep: a fraction of their activation bytes
-            without checkpointing, or bytes. The layers are profiled and keep what saves the most
+            without checkpointing (a float from 0.0 to 1.0), or bytes (an int >= 2, or a string
+            with a unit such as "512MiB", held as its int). The layers are profiled and keep what saves the most
             recompute time within it (`sac_plugin.plan`).
         peak_bytes: Plan the whole training step for this peak of allocated device bytes
             (`sac_plugin.plan_step`); applying the config then needs the step.
@@ -235,7 +247,8 @@ class RecomputeConfig:
             from .planner._cost import check_budget
 
             try:
-                check_budget(self.budget)
+                # A budget with a unit ("512MiB") is held as its bytes, as the planner reads it.
+                object.__setattr__(self, "budget", check_budget(self.budget))
             except (TypeError, ValueError) as error:
                 raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
             chosen = self._hand_selection()
@@ -379,8 +392,7 @@ class RecomputeConfig:
         Returns:
             `to_dict()` as block-style YAML, in field order.
         """
-        import yaml
-
+        yaml = _import_yaml("to_yaml")
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
     @classmethod
@@ -397,8 +409,7 @@ class RecomputeConfig:
             TypeError: `text` is not a str.
             ConfigError: The text is not valid YAML, gives a key twice, or its config is invalid.
         """
-        import yaml
-
+        yaml = _import_yaml("from_yaml")
         _check_text(text, "from_yaml")
         try:
             data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)

@@ -359,31 +359,38 @@ def test_save_and_load_give_the_same_plan(tmp_path):
         (
             -0.1,
             PlanError,
-            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got -0.1; pass an int for a byte count",
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got -0.1; pass an int or a string with a unit ('512MiB') for bytes",
         ),
         (
             1.5,
             PlanError,
-            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count",
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int or a string with a unit ('512MiB') for bytes",
         ),
         (
             float("nan"),
             PlanError,
-            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int for a byte count",
+            "sac_plugin: budget as a fraction must be from 0.0 to 1.0, got nan; pass an int or a string with a unit ('512MiB') for bytes",
         ),
-        (-5, PlanError, "sac_plugin: budget as a byte count must be an int from 0 to 2**63 - 1, got -5"),
-        (2**63, PlanError, f"sac_plugin: budget as a byte count must be an int from 0 to 2**63 - 1, got {2**63}"),
+        (-5, PlanError, "sac_plugin: budget as bytes must be an int from 2 to 2**63 - 1, got -5"),
+        (2**63, PlanError, f"sac_plugin: budget as bytes must be an int from 2 to 2**63 - 1, got {2**63}"),
         (
             "0.3",
+            PlanError,
+            "sac_plugin: budget as a string must be bytes with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+            "such as '512MiB' or '1B', got '0.3'; pass a fraction as a float",
+        ),
+        (
+            None,
             TypeError,
             "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
-            "from 0.0 to 1.0) or a byte count (an int >= 0), got '0.3' (str)",
+            "from 0.0 to 1.0) or bytes (an int >= 2, or a string with a unit such as '512MiB'), got None (NoneType)",
         ),
         (
             True,
-            TypeError,
-            "sac_plugin: budget must be a fraction of the layer's no-checkpointing activation bytes (a float "
-            "from 0.0 to 1.0) or a byte count (an int >= 0), got True (bool)",
+            PlanError,
+            "sac_plugin: budget=True reads two ways: 1 byte, or the fraction 1.0 of the layer's no-checkpointing "
+            "activation bytes; pass a fraction as a float from 0.0 to 1.0 (such as 1.0), or bytes as an int >= 2 "
+            "or a string with a unit (such as '1B' or '512MiB')",
         ),
     ],
 )
@@ -446,7 +453,7 @@ def test_bad_plan_files_are_refused_by_name(tmp_path):
         ),
         (
             json.dumps(_edit(good, budget=2.0)),
-            "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int for a byte count",
+            "budget as a fraction must be from 0.0 to 1.0, got 2.0; pass an int or a string with a unit ('512MiB') for bytes",
         ),
         (json.dumps(_edit(good, kept=[["aten::mm", 999]])), "kept[0] = ['aten::mm', 999] is not a profiled call"),
         (
@@ -558,7 +565,7 @@ def _malformed_plan_files(good):
         ),
         (
             json.dumps(_edit(good, budget=1e300)).replace("1e+300", "1e400"),
-            "budget as a fraction must be from 0.0 to 1.0, got inf; pass an int for a byte count",
+            "budget as a fraction must be from 0.0 to 1.0, got inf; pass an int or a string with a unit ('512MiB') for bytes",
         ),
         (
             json.dumps(_edit(good, kept=[[1, 2]])),
@@ -737,12 +744,18 @@ def test_split_saves_at_least_what_an_even_split_saves():
     [
         (
             {"budget": 1.5},
-            "recompute config: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int for a byte count",
+            "recompute config: budget as a fraction must be from 0.0 to 1.0, got 1.5; pass an int or a string with a unit ('512MiB') for bytes",
         ),
         (
             {"budget": "lots"},
-            "recompute config: budget must be a fraction of the layer's no-checkpointing activation bytes "
-            "(a float from 0.0 to 1.0) or a byte count (an int >= 0), got 'lots' (str)",
+            "recompute config: budget as a string must be bytes with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, "
+            "TiB), such as '512MiB' or '1B', got 'lots'; pass a fraction as a float",
+        ),
+        (
+            {"budget": 1},
+            "recompute config: budget=1 reads two ways: 1 byte, or the fraction 1.0 of the layer's "
+            "no-checkpointing activation bytes; pass a fraction as a float from 0.0 to 1.0 (such as 1.0), or bytes "
+            "as an int >= 2 or a string with a unit (such as '1B' or '512MiB')",
         ),
         (
             {"budget": 0.3, "units": ["attn"], "every_nth_op": {"aten::mm": 2}},

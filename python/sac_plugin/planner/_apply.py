@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from .. import _compat
 from .._forwards import InstanceForward
 from ..checkpointing import apply_selective_checkpointing
+from ._cost import byte_budget
 from ._plan import Plan, profile_and_plan
 from ._split import split, total_budget_bytes
 
@@ -106,7 +107,7 @@ def apply_budget(model, sites, budget, example_inputs, *, preserve_rng_state: bo
         preserve_rng_state: apply_selective_checkpointing's.
     """
     if example_inputs is None:
-        share = budget if isinstance(budget, float) else budget // max(1, len(sites))
+        share = budget if isinstance(budget, float) else byte_budget(budget // max(1, len(sites)))
         cache: dict = {}
         for site in sites:
             _PlanOnFirstCall.install(site)

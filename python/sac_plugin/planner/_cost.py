@@ -103,28 +103,112 @@ def unreachable_budget(where: str, asked: str, lowest_is: str, lowest: int, how:
     )
 
 
-def check_budget(budget, where: str = "budget"):
-    """A fraction in [0, 1] (float) or a byte count from 0 to 2**63 - 1 (int)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+def check_budget(budget, where: str = "budget", *, int_is_bytes: bool = False):
+    """The budget as the planner uses it: a float fraction from 0.0 to 1.0, or bytes (an int from 2
+    to 2**63 - 1, or a string with a unit, which comes back as the int).
+
+    NOTE: [A budget has one reading]
+    A float is a fraction of the layer's no-checkpointing activation bytes and an int is bytes, so
+    1.0 keeps everything and 1 would keep one byte: the ints 0 and 1 (and the bools) read either
+    way, and are refused with both readings named rather than taken as bytes. Bytes under 2 are
+    still spelled with a unit ("0B", "1B"); a unit string ("512MiB", "8GiB") is read by
+    `bytes_from_text`, the parser `python -m sac_plugin plan --budget/--peak` uses too. A plan
+    file's int is bytes whatever its value (`int_is_bytes`): JSON writes 1 and 1.0 apart, and a
+    plan saved with 0 bytes (a step plan's full recompute) reads back as it was written.
+    """
+    if isinstance(budget, str):
+        return _budget_from_text(budget, where)
+    reads_two_ways = isinstance(budget, bool) or (isinstance(budget, int) and budget in (0, 1) and not int_is_bytes)
+    if reads_two_ways:
+        n = int(budget)
+        raise PlanError(
+            f"sac_plugin: {where}={budget!r} reads two ways: {n} {'byte' if n == 1 else 'bytes'}, or the fraction "
+            f"{float(n)} of the layer's no-checkpointing activation bytes; pass a fraction as a float from 0.0 to "
+            f"1.0 (such as {float(n)}), or bytes as an int >= 2 or a string with a unit (such as '{n}B' or '512MiB')"
+        )
+    if not isinstance(budget, (int, float)):
         raise TypeError(
             f"sac_plugin: {where} must be a fraction of the layer's no-checkpointing activation bytes "
-            f"(a float from 0.0 to 1.0) or a byte count (an int >= 0), got {describe_value(budget)}"
+            f"(a float from 0.0 to 1.0) or bytes (an int >= 2, or a string with a unit such as '512MiB'), "
+            f"got {describe_value(budget)}"
         )
     if isinstance(budget, float) and not (math.isfinite(budget) and 0.0 <= budget <= 1.0):
         raise PlanError(
-            f"sac_plugin: {where} as a fraction must be from 0.0 to 1.0, got {budget!r}; pass an int for a byte count"
+            f"sac_plugin: {where} as a fraction must be from 0.0 to 1.0, got {budget!r}; pass an int or a string "
+            "with a unit ('512MiB') for bytes"
         )
     if isinstance(budget, int) and not is_byte_count(budget):
+        least = 0 if int_is_bytes else 2
         raise PlanError(
-            f"sac_plugin: {where} as a byte count must be an int from 0 to 2**63 - 1, got {bounded_repr(budget)}"
+            f"sac_plugin: {where} as bytes must be an int from {least} to 2**63 - 1, got {bounded_repr(budget)}"
         )
     return budget
+
+
+def _budget_from_text(text: str, where: str) -> int:
+    """A budget string: bytes with a unit, never a bare number (a bare "1" would read two ways)."""
+    try:
+        if not text.strip()[-1:].isalpha():
+            raise ValueError("no unit")
+        return bytes_from_text(text, least=0)
+    except ValueError:
+        raise PlanError(
+            f"sac_plugin: {where} as a string must be bytes with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+            f"such as '512MiB' or '1B', got {bounded_repr(text)}; pass a fraction as a float"
+        ) from None
+
+
+def byte_budget(nbytes: int):
+    """A budget of `nbytes` computed bytes, as check_budget takes it: 0 and 1 would read two ways
+    (NOTE: [A budget has one reading]), so under 2 bytes it is the fraction 0.0 (0 bytes); one
+    byte keeps no more than none unless a call's whole output is one byte."""
+    return nbytes if nbytes >= 2 else 0.0
+
+
+# Byte units as `bytes_from_text` reads them, upper-cased: decimal (KB) and binary (KiB).
+BYTE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def bytes_from_text(text: str, least: int = 1) -> int:
+    """Bytes written as an int ("4096") or a number with a unit ("8GiB", "512MiB", "1.5GB", "1B").
+
+    Args:
+        text: The text.
+        least: The fewest bytes accepted.
+
+    Returns:
+        The bytes, an int from `least` to 2**63 - 1.
+
+    Raises:
+        ValueError: Text that is not bytes, or out of range; the message lists the spellings.
+    """
+    number = text.strip().rstrip("BbKkMmGgTtIi")
+    unit = text.strip()[len(number) :].upper() or "B"
+    accepted = f"an int >= {least} or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), such as 8GiB"
+    try:
+        value = int(number) if unit == "B" else float(number) * BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"{accepted}, got {bounded_repr(text)}") from None
+    if not (value >= least and value < 2**63):
+        raise ValueError(f"{accepted}, got {bounded_repr(text)}")
+    return int(value)
 
 
 def budget_in_bytes(budget, profile: LayerProfile) -> int:
     if isinstance(budget, float):
         return int(budget * profile.no_checkpoint_bytes)
-    return int(budget)
+    # A budget given with a unit ("512MiB") is bytes: the same the plan's check read.
+    return bytes_from_text(budget, least=0) if isinstance(budget, str) else int(budget)
 
 
 def call_key(call: ProfiledCall) -> tuple[str, int]:

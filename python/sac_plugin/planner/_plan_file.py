@@ -139,7 +139,7 @@ def plan_contents(data) -> PlanContents:
         )
     fields = _fields.check_object(data, _PLAN_FIELDS, "", version)
     try:
-        budget = check_budget(fields["budget"], "budget")
+        budget = check_budget(fields["budget"], "budget", int_is_bytes=True)
     except (TypeError, ValueError) as error:
         raise fail(str(error).removeprefix("sac_plugin: ")) from None
     calls = []

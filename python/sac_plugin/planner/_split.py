@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._cost import budget_in_bytes
+from ._cost import budget_in_bytes, byte_budget
 from ._plan import Plan
 
 CANDIDATE_FRACTIONS = tuple(i / 40 for i in range(41))
@@ -17,7 +17,7 @@ MAX_CELLS = 1 << 14
 def candidates(plan: Plan, extra_budgets=()) -> list[Plan]:
     """Plans of one layer at budgets across its curve, without repeats of the same choice."""
     seen, points = set(), []
-    for budget in list(CANDIDATE_FRACTIONS) + list(extra_budgets):
+    for budget in list(CANDIDATE_FRACTIONS) + [byte_budget(b) for b in extra_budgets]:
         candidate = plan.with_budget(budget)
         choice = (candidate.kept, candidate.offloaded)
         if choice not in seen:
