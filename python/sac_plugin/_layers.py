@@ -11,7 +11,7 @@ from torch import nn
 
 from ._forwards import run_in_unit
 from ._logging import describe_layers, logger
-from .checkpointing import apply_selective_checkpointing, check_checkpointable, check_not_nested
+from .checkpointing import apply_selective_checkpointing, check_checkpointable, check_not_nested, mark_descendants
 from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
 from ._validation import describe_value
 from .policy import Policy
@@ -126,6 +126,9 @@ def prepare_layers(
 
     names = {id(module): name for name, module in model.named_modules()}
     for index, site, in_units in plan:
+        # The Hugging Face integration checkpoints its layers through transformers' hook, not
+        # apply_selective_checkpointing: marked here, a module inside one is refused too.
+        mark_descendants(site)
         for owner, name, unit in in_units:
             run_in_unit(owner, name, unit)
             logger.debug(

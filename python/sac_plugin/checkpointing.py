@@ -377,9 +377,7 @@ def apply_selective_checkpointing(
     )
     module._sac_policy = policy
     module._sac_context_fn = context
-    for path, submodule in module.named_modules():
-        if submodule is not module:
-            submodule.__dict__[_INSIDE] = _InsideCheckpointed(module, path)
+    mark_descendants(module)
     module._sac_preserve_rng_state = preserve_rng_state
     if not early_stop:
         module._sac_early_stop = False
@@ -448,6 +446,15 @@ class _InsideCheckpointed:
         # copied alone keeps the original, which does not hold the copy, so it refuses nothing.
         ancestor = None if self._ancestor is None else self._ancestor()
         return _InsideCheckpointed(memo.get(id(ancestor), ancestor) if ancestor is not None else None, self.path)
+
+
+def mark_descendants(module: torch.nn.Module) -> None:
+    """Marks each descendant of `module` as inside it (NOTE: [A module is checkpointed once]). The
+    marks count once `module` is checkpointed (has `_sac_policy`), so an integration that
+    checkpoints a layer its own way marks it first."""
+    for path, submodule in module.named_modules():
+        if submodule is not module:
+            submodule.__dict__[_INSIDE] = _InsideCheckpointed(module, path)
 
 
 def _is_torch_checkpoint_wrapper(module: torch.nn.Module) -> bool:
