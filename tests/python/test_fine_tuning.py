@@ -22,10 +22,6 @@ from sac_plugin import RecomputeConfig
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
 from support.transformers_models import enable_transformers_checkpointing  # noqa: E402
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 
 LAYERS = 2
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -381,15 +377,21 @@ def test_accelerate_on_the_cpu_prepares_a_configured_model_and_steps_bitwise():
         assert torch.equal(p.grad, q.grad) and torch.equal(p, q), name
 
 
+def _torchs_wrappers():
+    return pytest.importorskip(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", reason="this torch has no torch.distributed"
+    )
+
+
 def _one_context_fn_per_layer(policy):
     def wrap(layer):
-        return checkpoint_wrapper(layer, context_fn=sac_plugin.context_fn(policy))
+        return _torchs_wrappers().checkpoint_wrapper(layer, context_fn=sac_plugin.context_fn(policy))
 
     return wrap
 
 
 def _one_context_fn_for_all(policy):
-    return functools.partial(checkpoint_wrapper, context_fn=sac_plugin.context_fn(policy))
+    return functools.partial(_torchs_wrappers().checkpoint_wrapper, context_fn=sac_plugin.context_fn(policy))
 
 
 @pytest.mark.parametrize(
@@ -401,7 +403,7 @@ def test_torchs_checkpoint_wrapper_recipe_keeps_the_policys_ops_bitwise(wrapper_
     model = build()
     model.config.use_cache = False  # a cache written in the forward would be written again by the recompute
     reference = copy.deepcopy(model)
-    apply_activation_checkpointing(
+    _torchs_wrappers().apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=wrapper_fn(sac_plugin.Policy(kept_ops=sorted(ATTENTION_OPS.resolve()))),
         check_fn=lambda module: isinstance(module, transformers.models.llama.modeling_llama.LlamaDecoderLayer),
