@@ -62,6 +62,9 @@ def apply_recompute_config(
         TypeError: An argument has the wrong type.
         ConfigError: The config cannot be applied to the model (a unit it does not declare, a
             layer already checkpointed, example_inputs without a budget, step without peak_bytes).
+        ValueError: A selected wrap site would be checkpointed twice: it holds a checkpointed
+            module or another selected site, or lies inside a checkpointed module (the message
+            names both).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -11,13 +11,13 @@ from torch import nn
 
 from ._forwards import run_in_unit
 from ._logging import describe_layers, logger
-from .checkpointing import apply_selective_checkpointing, check_checkpointable
+from .checkpointing import apply_selective_checkpointing, check_checkpointable, check_not_nested, mark_descendants
 from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
 from ._validation import describe_value
 from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_map
 
-__all__ = ["apply_to_layers", "describe_application", "prepare_layers", "wrap_sites"]
+__all__ = ["apply_to_layers", "check_sites_checkpointable", "describe_application", "prepare_layers", "wrap_sites"]
 
 
 def apply_to_layers(
@@ -62,8 +62,7 @@ def apply_to_layers(
 
         sites = wrap_sites(model, wrap_sites_given)
         selected = [sites[i] for i in config.selected_layers(len(sites))]
-        for index, site in zip(config.selected_layers(len(sites)), selected):
-            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        check_sites_checkpointable(model, sites, config.selected_layers(len(sites)))
         apply_budget(model, selected, config.budget, example_inputs, preserve_rng_state=config.preserve_rng_state)
         return model
     target_map = default_target_map(model) if target_map is None else target_map
@@ -99,6 +98,8 @@ def prepare_layers(
     apply_selective_checkpointing, so they are checked for that too."""
     # Each unit must mean something in at least one selected layer (a MoE unit in the MoE layers
     # of a stack that also has dense ones); where a layer lacks it, nothing is installed there.
+    if checkpointed:
+        check_sites_checkpointable(model, sites, selected)
     check_target_map(target_map, [sites[index] for index in selected])
     policy = policy_for(config, target_map)
 
@@ -106,8 +107,6 @@ def prepare_layers(
     plan = []
     for index in selected:
         site = sites[index]
-        if checkpointed:
-            check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
         in_units = []
         for i, unit in enumerate(config.selected_units):
             target = target_map[unit]
@@ -127,6 +126,9 @@ def prepare_layers(
 
     names = {id(module): name for name, module in model.named_modules()}
     for index, site, in_units in plan:
+        # The Hugging Face integration checkpoints its layers through transformers' hook, not
+        # apply_selective_checkpointing: marked here, a module inside one is refused too.
+        mark_descendants(site)
         for owner, name, unit in in_units:
             run_in_unit(owner, name, unit)
             logger.debug(
@@ -138,6 +140,27 @@ def prepare_layers(
                 unit,
             )
     return policy
+
+
+def check_sites_checkpointable(model: nn.Module, sites, selected) -> None:
+    """Raises unless apply_selective_checkpointing can checkpoint each selected site, and no
+    selected site holds another (NOTE: [A module is checkpointed once] in checkpointing.py); the
+    messages name modules by their qualified names in `model`. Changes nothing."""
+    names = {id(module): name for name, module in model.named_modules()}
+    chosen = {id(sites[index]): index for index in selected}
+    for index in selected:
+        site = sites[index]
+        check_checkpointable(site, f"apply_recompute_config: wrap site {index}")
+        check_not_nested(site, names)
+        for path, submodule in site.named_modules():
+            if submodule is not site and id(submodule) in chosen:
+                inner = names.get(id(submodule)) or path
+                raise ValueError(
+                    f"sac_plugin: apply_recompute_config: wrap site {index} ({type(site).__name__} "
+                    f"'{names.get(id(site), '')}') holds wrap site {chosen[id(submodule)]} "
+                    f"({type(submodule).__name__} '{inner}'), so that one would be checkpointed twice; list "
+                    "either the outer module or the layers inside it in wrap_sites, not both"
+                )
 
 
 def check_forward_runs(target_map: RecomputeTargetMap, unit, owner, name: str, field: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -350,11 +351,14 @@ def apply_selective_checkpointing(
 
     Raises:
         TypeError: `module` is not an eager `torch.nn.Module`, or an argument has the wrong type.
-        ValueError: `module` is already selectively checkpointed.
+        ValueError: `module` is already selectively checkpointed, or checkpointing it would
+            checkpoint a module twice: it holds a checkpointed module (sac_plugin's, or torch's
+            CheckpointWrapper), is a CheckpointWrapper, or is inside a module sac_plugin checkpoints.
     """
     # Everything is checked before the module is touched: a refused call leaves it as it was,
     # so a corrected retry works.
     check_checkpointable(module, "apply_selective_checkpointing: module")
+    check_not_nested(module)
     if policy is not None and not isinstance(policy, Policy):
         hint = f"; for a unit write Policy(kept_units=[{policy!r}])" if isinstance(policy, str) and policy else ""
         raise TypeError(
@@ -373,6 +377,7 @@ def apply_selective_checkpointing(
     )
     module._sac_policy = policy
     module._sac_context_fn = context
+    mark_descendants(module)
     module._sac_preserve_rng_state = preserve_rng_state
     if not early_stop:
         module._sac_early_stop = False
@@ -393,6 +398,113 @@ def check_checkpointable(module, where: str) -> None:
         raise ValueError(
             f"sac_plugin: {type(module).__name__} is already selectively checkpointed with {module._sac_policy}; "
             "apply_selective_checkpointing once per module"
+        )
+
+
+# NOTE: [A module is checkpointed once]
+# A module inside a checkpointed module (or around one) would be checkpointed twice: the outer
+# recompute runs the inner checkpoint's forward again, and the inner region holds what it keeps
+# for a backward the outer's recompute serves anew, so its bytes are held with no hits. So
+# sac_plugin refuses to checkpoint a module that has a checkpointed descendant (sac_plugin's, or
+# torch's CheckpointWrapper), that is a CheckpointWrapper itself, or that lies inside a module
+# sac_plugin checkpointed. A module cannot name its parents, so checkpointing one marks each
+# descendant with a weak reference to it (`_sac_inside_checkpointed`); a marker counts only while
+# that ancestor is still checkpointed and still holds the module at the marked path, so a marker
+# left by a removed or replaced ancestor, or copied with a lone submodule, refuses nothing.
+# torch's checkpoint (or checkpoint_wrapper) called around a checkpointed module at run time is
+# nesting torch supports, and sac_plugin serves both regions there (docs/semantics.md).
+_INSIDE = "_sac_inside_checkpointed"
+
+
+class _InsideCheckpointed:
+    """The marker on a descendant of a checkpointed module: that module (weakly, as the forwards
+    refer to theirs) and the descendant's path in it."""
+
+    __slots__ = ("_ancestor", "path")
+
+    def __init__(self, ancestor: torch.nn.Module | None = None, path: str = ""):
+        self._ancestor = None if ancestor is None else weakref.ref(ancestor)
+        self.path = path
+
+    def ancestor_of(self, module: torch.nn.Module) -> torch.nn.Module | None:
+        """The checkpointed ancestor, if it still is one and still holds `module` at the path."""
+        ancestor = None if self._ancestor is None else self._ancestor()
+        if ancestor is None or "_sac_policy" not in ancestor.__dict__:
+            return None
+        try:
+            found = ancestor.get_submodule(self.path)
+        except AttributeError:
+            return None
+        return ancestor if found is module else None
+
+    def __reduce__(self):
+        ancestor = None if self._ancestor is None else self._ancestor()
+        return (_InsideCheckpointed, (ancestor, self.path))
+
+    def __deepcopy__(self, memo):
+        # The copy refers to the ancestor's copy when the ancestor is copied too; a submodule
+        # copied alone keeps the original, which does not hold the copy, so it refuses nothing.
+        ancestor = None if self._ancestor is None else self._ancestor()
+        return _InsideCheckpointed(memo.get(id(ancestor), ancestor) if ancestor is not None else None, self.path)
+
+
+def mark_descendants(module: torch.nn.Module) -> None:
+    """Marks each descendant of `module` as inside it (NOTE: [A module is checkpointed once]). The
+    marks count once `module` is checkpointed (has `_sac_policy`), so an integration that
+    checkpoints a layer its own way marks it first."""
+    for path, submodule in module.named_modules():
+        if submodule is not module:
+            submodule.__dict__[_INSIDE] = _InsideCheckpointed(module, path)
+
+
+def _is_torch_checkpoint_wrapper(module: torch.nn.Module) -> bool:
+    # By name, not isinstance: importing torch.distributed to check is not worth its time, and
+    # torch's OffloadWrapper (the same base class) offloads without checkpointing.
+    return type(module).__name__ == "CheckpointWrapper" and "_checkpoint_wrapped_module" in module._modules
+
+
+def _named(module: torch.nn.Module, name: str | None) -> str:
+    return f"{type(module).__name__} '{name}'" if name else type(module).__name__
+
+
+def check_not_nested(module: torch.nn.Module, names: dict | None = None) -> None:
+    """Raises a ValueError unless checkpointing `module` checkpoints nothing twice (NOTE: [A module
+    is checkpointed once]); changes nothing. `names`: id(module) -> its qualified name in the model,
+    where a model is known (for the message)."""
+    names = names or {}
+    what = _named(module, names.get(id(module)))
+    fix = "checkpoint either the outer module or the layers inside it, not both"
+    if _is_torch_checkpoint_wrapper(module):
+        raise ValueError(
+            f"sac_plugin: {what} is torch's CheckpointWrapper, which already checkpoints "
+            f"{type(module._checkpoint_wrapped_module).__name__}; to checkpoint it with sac_plugin, pass "
+            "context_fn=sac_plugin.context_fn(policy) to checkpoint_wrapper instead, or apply sac_plugin to the "
+            "unwrapped module"
+        )
+    for path, submodule in module.named_modules():
+        if submodule is module:
+            continue
+        inner = _named(submodule, names.get(id(submodule)) or path)
+        if "_sac_policy" in submodule.__dict__:
+            raise ValueError(
+                f"sac_plugin: cannot checkpoint {what}: its submodule {inner} is already checkpointed by sac_plugin "
+                f"(with {submodule._sac_policy}); {fix} (sac_plugin.remove_checkpointing(submodule) first to move "
+                "the checkpoint out)"
+            )
+        if _is_torch_checkpoint_wrapper(submodule):
+            raise ValueError(
+                f"sac_plugin: cannot checkpoint {what}: its submodule {inner} is torch's CheckpointWrapper, which "
+                f"already checkpoints {type(submodule._checkpoint_wrapped_module).__name__}; {fix} (to use "
+                "sac_plugin's policy there, pass context_fn=sac_plugin.context_fn(policy) to checkpoint_wrapper)"
+            )
+    marker = module.__dict__.get(_INSIDE)
+    ancestor = marker.ancestor_of(module) if isinstance(marker, _InsideCheckpointed) else None
+    if ancestor is not None:
+        outer = _named(ancestor, names.get(id(ancestor)))
+        raise ValueError(
+            f"sac_plugin: cannot checkpoint {what}: it is '{marker.path}' inside {outer}, which sac_plugin already "
+            f"checkpoints (with {ancestor._sac_policy}); {fix} (sac_plugin.remove_checkpointing(outer module) "
+            "first to checkpoint the inner one)"
         )
 
 
@@ -424,5 +536,10 @@ def remove_checkpointing(module: torch.nn.Module) -> torch.nn.Module:
             "submodules; there is nothing to remove"
         )
     changed = remove_installed(module)
+    # Markers of an ancestor no longer checkpointed go too; those of one still checkpointed stay.
+    for submodule in module.modules():
+        marker = submodule.__dict__.get(_INSIDE)
+        if isinstance(marker, _InsideCheckpointed) and marker.ancestor_of(submodule) is None:
+            del submodule.__dict__[_INSIDE]
     logger.debug("removed sac_plugin from %d modules of %s", changed, type(module).__name__)
     return module

@@ -5,6 +5,7 @@ thread, and restores the key set when dropped; torch_policy_fn, the policy funct
 SAC (and so torch.compile), makes the fallback's decisions."""
 
 import copy
+import dataclasses
 import gc
 import io
 import pickle
@@ -337,3 +338,100 @@ def test_a_recompute_exited_before_it_was_entered_is_refused_and_changes_nothing
     with region.recompute:
         assert sac_key_included()
     assert not sac_key_included()
+
+
+# --- a module is checkpointed once -----------------------------------------------------------------
+
+
+def _unchecked_toy():
+    model, _ = make_pair(checkpoint=False)
+    return model
+
+
+def test_checkpointing_a_parent_of_a_checkpointed_layer_is_refused_naming_both():
+    model = _unchecked_toy()
+    apply_selective_checkpointing(model.layers[1], Policy(kept_ops=["aten::addmm"]))
+    with pytest.raises(ValueError) as error:
+        apply_selective_checkpointing(model, Policy())
+    assert str(error.value) == (
+        "sac_plugin: cannot checkpoint ToyModel: its submodule AttnLayer 'layers.1' is already checkpointed by "
+        "sac_plugin (with Policy(kept_ops=['aten::addmm'], kept_units=[])); checkpoint either the outer module or the layers "
+        "inside it, not both (sac_plugin.remove_checkpointing(submodule) first to move the checkpoint out)"
+    )
+    assert "_sac_policy" not in vars(model) and "forward" not in vars(model)
+    assert not any("_sac_inside_checkpointed" in vars(module) for module in model.layers[0].modules())
+
+
+def test_checkpointing_a_layer_inside_a_checkpointed_parent_is_refused_naming_both():
+    model = _unchecked_toy()
+    apply_selective_checkpointing(model, Policy(kept_ops=["aten::tanh"]))
+    with pytest.raises(ValueError) as error:
+        apply_selective_checkpointing(model.layers[0].q)
+    assert str(error.value) == (
+        "sac_plugin: cannot checkpoint Linear: it is 'layers.0.q' inside ToyModel, which sac_plugin already "
+        "checkpoints (with Policy(kept_ops=['aten::tanh'], kept_units=[])); checkpoint either the outer module or the layers "
+        "inside it, not both (sac_plugin.remove_checkpointing(outer module) first to checkpoint the inner one)"
+    )
+    assert "_sac_policy" not in vars(model.layers[0].q)
+    # Once the parent's checkpoint is removed, its layers are checkpointed as usual.
+    sac_plugin.remove_checkpointing(model)
+    reference = copy.deepcopy(model)
+    for layer in model.layers:
+        apply_selective_checkpointing(layer, Policy(kept_ops=["aten::tanh"]))
+    x = torch.randn(4, 16)
+    with audit() as a:
+        run_step(model, x)
+    run_step(reference, x)
+    assert_same_gradients(model, reference)
+    assert a.hits("aten::tanh") == 2
+
+
+def test_a_copy_of_a_checkpointed_parent_refuses_its_own_layers_and_a_lone_copied_layer_is_free():
+    model = _unchecked_toy()
+    apply_selective_checkpointing(model, Policy())
+    for _, copied in _round_trips(model):
+        with pytest.raises(ValueError, match=r"it is 'layers.1' inside ToyModel, which sac_plugin already"):
+            apply_selective_checkpointing(copied.layers[1])
+    lone = copy.deepcopy(model.layers[1])
+    apply_selective_checkpointing(lone, Policy(kept_ops=["aten::tanh"]))
+    with audit() as a:
+        lone(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert a.hits("aten::tanh") == 1
+
+
+def test_a_config_over_nested_wrap_sites_is_refused_and_changes_nothing():
+    model = Llama(layers=2)
+    config = sac_plugin.RecomputeConfig(units=["mlp"])
+    with pytest.raises(ValueError) as error:
+        sac_plugin.apply_recompute_config(model, config, wrap_sites=[model.layers[0], model.layers[0].feed_forward])
+    assert str(error.value) == (
+        "sac_plugin: apply_recompute_config: wrap site 0 (LlamaBlock 'layers.0') holds wrap site 1 (SwiGLU "
+        "'layers.0.feed_forward'), so that one would be checkpointed twice; list either the outer module or the "
+        "layers inside it in wrap_sites, not both"
+    )
+    assert not any({"_sac_policy", "forward"} & set(vars(module)) for module in model.modules())
+    # every_nth_layer's selection, then the same config on the other layers: disjoint, accepted.
+    sac_plugin.apply_recompute_config(model, dataclasses.replace(config, every_nth_layer=2))
+    sac_plugin.apply_recompute_config(model, config, wrap_sites=[model.layers[1]])
+    with pytest.raises(ValueError) as error:
+        sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(), wrap_sites=[model.layers[0].attention])
+    assert str(error.value).startswith(
+        "sac_plugin: cannot checkpoint LlamaAttention 'layers.0.attention': it is 'attention' inside LlamaBlock "
+        "'layers.0', which sac_plugin already checkpoints"
+    )
+
+
+def test_torchs_checkpoint_wrapper_and_the_plugin_on_one_layer_are_refused():
+    wrappers = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    model = _unchecked_toy()
+    model.layers[0] = wrappers.checkpoint_wrapper(model.layers[0])
+    with pytest.raises(ValueError) as error:
+        apply_selective_checkpointing(model.layers[0])
+    assert str(error.value) == (
+        "sac_plugin: CheckpointWrapper is torch's CheckpointWrapper, which already checkpoints AttnLayer; to "
+        "checkpoint it with sac_plugin, pass context_fn=sac_plugin.context_fn(policy) to checkpoint_wrapper "
+        "instead, or apply sac_plugin to the unwrapped module"
+    )
+    with pytest.raises(ValueError, match=r"its submodule CheckpointWrapper 'layers.0' is torch's CheckpointWrapper"):
+        apply_selective_checkpointing(model)
+    assert not any("_sac_policy" in vars(module) for module in model.modules())

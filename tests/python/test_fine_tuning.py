@@ -2,9 +2,12 @@
 point, with gradients bitwise equal to the same PEFT model unchecked; transformers' Trainer keeps
 the plugin's policy when it enables checkpointing itself, and saves checkpoints with the plugin's
 kwargs in its TrainingArguments; a configured model pickles whole; `import sac_plugin` leaves
-torch._dynamo unimported."""
+torch._dynamo unimported. The recipes of docs/fine-tuning.md (TRL's SFTTrainer, Lightning's
+configure_model, accelerate on the CPU, torch's checkpoint_wrapper) keep the plugin's policy and
+train bitwise as the model does unchecked."""
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -242,3 +245,198 @@ def test_importing_sac_plugin_leaves_torch_dynamo_unimported():
     code = "import sac_plugin; print(sac_plugin.plan.__module__, sac_plugin.Plan.__name__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert result.stdout.strip() == "sac_plugin.planner._plan Plan", result.stderr
+
+
+# --- recipes: TRL's SFTTrainer, Lightning, accelerate, torch's checkpoint_wrapper -----------------
+
+ATTENTION = RecomputeConfig(units=["attn"])
+STEPS = 2
+
+
+def _assert_steps_bitwise_equal(losses, gradients, reference_losses, reference_gradients):
+    assert len(losses) == len(reference_losses) == len(gradients) == len(reference_gradients) == STEPS
+    for loss, expected in zip(losses, reference_losses):
+        assert torch.equal(torch.as_tensor(loss), torch.as_tensor(expected))
+    for step_gradients, expected in zip(gradients, reference_gradients):
+        assert step_gradients.keys() == expected.keys() and step_gradients
+        for name, gradient in step_gradients.items():
+            assert torch.equal(gradient, expected[name]), name
+
+
+def _sft(model, tmp_path, **checkpointing):
+    trl = pytest.importorskip("trl", reason="trl is not installed (the test extra installs it)")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (trl requires it)")
+    from support.fine_tuning import GradientRecorder, tiny_tokenizer
+
+    tokens = torch.randint(64, (2 * STEPS, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradient_checkpointing is transformers' deprecated alias
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            max_steps=STEPS,
+            logging_steps=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            learning_rate=1e-3,
+            disable_tqdm=True,
+            **checkpointing,
+        )
+    recorder = GradientRecorder()
+    datasets.disable_progress_bars()
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"input_ids": tokens.tolist()}),
+        processing_class=tiny_tokenizer(),
+        callbacks=[recorder],
+    )
+    with sac_plugin.audit() as audit, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return audit, losses, recorder.gradients
+
+
+def _sft_with_the_plugins_kwargs(model):
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": huggingface.gradient_checkpointing_kwargs(model, ATTENTION),
+    }
+
+
+def _sft_after_the_config(model):
+    sac_plugin.apply_recompute_config(model, ATTENTION)
+    return {"gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize("how", [_sft_with_the_plugins_kwargs, _sft_after_the_config], ids=["kwargs", "applied"])
+def test_trl_sft_trainer_trains_with_the_plugins_policy_bitwise(how, tmp_path):
+    # The reference is the same model trained without checkpointing: the plugin's selection never
+    # changes a value, so losses and every step's gradients are the unchecked run's, bitwise.
+    _, reference_losses, reference_gradients = _sft(build(), tmp_path / "reference")
+    model = build()
+    audit, losses, gradients = _sft(model, tmp_path / "checkpointed", **how(model))
+    assert audit.hits(SDPA_CPU) == STEPS * LAYERS
+    assert audit.hits("aten::mm") == 4 * STEPS * LAYERS  # the attention's four projections, kept
+    _assert_steps_bitwise_equal(losses, gradients, reference_losses, reference_gradients)
+
+
+def _fit_with_lightning(config):
+    lightning = pytest.importorskip("lightning", reason="lightning is not installed (the test extra installs it)")
+    from support.fine_tuning import lightning_module
+
+    module = lightning_module(lightning, build(), config)
+    tokens = torch.randint(64, (2 * STEPS, 8), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in tokens], batch_size=2)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with sac_plugin.audit() as audit, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notes on workers and the CPU
+        trainer.fit(module, loader)
+    return audit, module
+
+
+def test_lightning_applies_the_config_in_configure_model_and_trains_bitwise():
+    _, reference = _fit_with_lightning(None)
+    audit, module = _fit_with_lightning(ATTENTION)
+    layers = huggingface.decoder_layers(module.model)
+    assert all(layer._sac_policy.kept_units == frozenset({"attn"}) for layer in layers)
+    assert audit.hits(SDPA_CPU) == STEPS * LAYERS
+    _assert_steps_bitwise_equal(module.losses, module.gradients, reference.losses, reference.gradients)
+
+
+def _accelerate_step(model):
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (the test extra installs it)")
+    accelerator = accelerate.Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with sac_plugin.audit() as audit, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = model(**batch()).loss
+        accelerator.backward(loss)
+    optimizer.step()
+    return audit, loss, model
+
+
+def test_accelerate_on_the_cpu_prepares_a_configured_model_and_steps_bitwise():
+    model = sac_plugin.apply_recompute_config(build(), ATTENTION)
+    audit, loss, model = _accelerate_step(model)
+    _, reference_loss, reference = _accelerate_step(build())
+    assert audit.hits(SDPA_CPU) == LAYERS
+    assert torch.equal(loss, reference_loss)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p, q), name
+
+
+def _torchs_wrappers():
+    return pytest.importorskip(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", reason="this torch has no torch.distributed"
+    )
+
+
+def _one_context_fn_per_layer(policy):
+    def wrap(layer):
+        return _torchs_wrappers().checkpoint_wrapper(layer, context_fn=sac_plugin.context_fn(policy))
+
+    return wrap
+
+
+def _one_context_fn_for_all(policy):
+    return functools.partial(_torchs_wrappers().checkpoint_wrapper, context_fn=sac_plugin.context_fn(policy))
+
+
+@pytest.mark.parametrize(
+    "wrapper_fn", [_one_context_fn_per_layer, _one_context_fn_for_all], ids=["per-layer", "partial"]
+)
+def test_torchs_checkpoint_wrapper_recipe_keeps_the_policys_ops_bitwise(wrapper_fn):
+    from sac_plugin.targets import ATTENTION_OPS
+
+    model = build()
+    model.config.use_cache = False  # a cache written in the forward would be written again by the recompute
+    reference = copy.deepcopy(model)
+    _torchs_wrappers().apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=wrapper_fn(sac_plugin.Policy(kept_ops=sorted(ATTENTION_OPS.resolve()))),
+        check_fn=lambda module: isinstance(module, transformers.models.llama.modeling_llama.LlamaDecoderLayer),
+    )
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in model.model.layers)
+    audit = assert_trainable_gradients_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == LAYERS
+    # A layer torch's wrapper checkpoints is not checkpointed by sac_plugin too.
+    with pytest.raises(ValueError) as error:
+        sac_plugin.apply_selective_checkpointing(model.model)
+    assert str(error.value).startswith(
+        "sac_plugin: cannot checkpoint LlamaModel: its submodule CheckpointWrapper 'layers.0' is torch's "
+        "CheckpointWrapper, which already checkpoints LlamaDecoderLayer;"
+    )
+
+
+def test_a_module_inside_a_configured_layer_is_not_checkpointed_again():
+    model = build()
+    huggingface.apply_recompute_config(model, ATTENTION)
+    attention = model.model.layers[0].self_attn
+    with pytest.raises(ValueError) as error:
+        sac_plugin.apply_selective_checkpointing(attention)
+    assert str(error.value) == (
+        "sac_plugin: cannot checkpoint LlamaAttention: it is 'self_attn' inside LlamaDecoderLayer, which sac_plugin "
+        "already checkpoints (with Policy(kept_ops=[], kept_units=['attn'])); checkpoint either the outer module or "
+        "the layers inside it, not both (sac_plugin.remove_checkpointing(outer module) first to checkpoint the inner "
+        "one)"
+    )
+    # Once the config is removed, the attention is free to checkpoint (without the cache, which
+    # transformers turns off only under checkpointing of its own).
+    sac_plugin.remove_checkpointing(model)
+    model.config.use_cache = False
+    reference = copy.deepcopy(model)
+    sac_plugin.apply_selective_checkpointing(attention, sac_plugin.Policy(kept_ops=[SDPA_CPU]))
+    audit = assert_trainable_gradients_bitwise_equal(model, reference)
+    assert audit.hits(SDPA_CPU) == 1
