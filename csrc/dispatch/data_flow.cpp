@@ -8,8 +8,8 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
-#include <vector>
 #include <string_view>
+#include <vector>
 
 #include "dispatch/ivalue_tensors.h"
 

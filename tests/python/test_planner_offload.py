@@ -17,7 +17,7 @@ import sac_plugin
 import torch
 from sac_plugin import Plan, PlanError, Policy
 from sac_plugin.planner import OffloadModel
-from sac_plugin.planner._cost import CopyCost
+from sac_plugin.planner._cost import CopyCost, byte_budget
 from sac_plugin.planner._profile import LayerProfile, ProfiledCall
 from sac_plugin.planner import _knapsack as knapsack, _plan
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
@@ -88,7 +88,7 @@ def test_offloads_whose_copies_queue_past_their_recompute_are_recomputed():
     # Each alone hides behind the 0.25 ms before it, but queued, the second and third copies back
     # arrive 0.24 and 0.49 ms after the recompute reaches them, more than their 0.1 ms recomputes.
     calls = [("aten::gelu", 0, 0.25, COMPUTE)] + [("aten::mm", 4 * MiB, 0.1)] * 3 + [("aten::sum", 0, 20.0, AFTER)]
-    plan = Plan.from_profile(profile_of(*calls), 0, offload=OffloadModel(LINK, LINK))
+    plan = Plan.from_profile(profile_of(*calls), 0.0, offload=OffloadModel(LINK, LINK))
     assert all(plan.copies[("aten::mm", i)].hides for i in range(3))
     assert len(plan.offloaded) == 1  # any one of them: the others then run beside its copy back
     assert (plan.copy_seconds, plan.overhead_seconds) == (0.0, pytest.approx(0.45e-3, rel=1e-12))
@@ -100,7 +100,7 @@ def test_a_recompute_is_chosen_over_copies_that_cannot_hide():
     profile = profile_of(
         ("aten::gelu", 0, 0.2, COMPUTE), ("aten::mul.Tensor", 8 * MiB, 0.1), ("aten::sum", 0, 0.2, AFTER)
     )
-    plan = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
+    plan = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK))
     copy = plan.copies[("aten::mul.Tensor", 0)]
     assert copy == CopyCost(2**-11, 2**-11, 0.2e-3, 0.2e-3)
     # The copy out's overrun past the forward delays the copy back.
@@ -109,13 +109,13 @@ def test_a_recompute_is_chosen_over_copies_that_cannot_hide():
     assert plan.overhead_seconds == pytest.approx(0.3e-3, rel=1e-12)
     assert [r["outcome"] for r in plan.call_rows()] == ["recompute"]
     # Over a link four times as fast the same copies hide behind the 0.2 ms each side.
-    fast = Plan.from_profile(profile, 0, offload=OffloadModel(4 * LINK, 4 * LINK))
+    fast = Plan.from_profile(profile, 0.0, offload=OffloadModel(4 * LINK, 4 * LINK))
     assert (fast.offloaded, fast.copy_seconds, fast.overhead_seconds) == ({("aten::mul.Tensor", 0)}, 0.0, 0.2e-3)
 
 
 def test_the_directions_are_priced_with_their_own_bandwidths():
     profile = profile_of(("aten::gelu", 0, 0.5, COMPUTE), ("aten::mm", 8 * MiB, 1.0), ("aten::sum", 0, 0.5, AFTER))
-    copy = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK / 4)).copies[("aten::mm", 0)]
+    copy = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK / 4)).copies[("aten::mm", 0)]
     assert (copy.to_host, copy.to_device) == (2**-11, 2**-9)
     assert copy.exposed == pytest.approx(2**-9 - 0.5e-3, rel=1e-12)  # the copy to the host hides
 
@@ -128,9 +128,9 @@ def test_the_host_memory_limit_binds():
         ("aten::mm", 4 * MiB, 1.0),
         ("aten::sum", 0, 20.0, AFTER),
     )
-    unlimited = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
+    unlimited = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK))
     assert (len(unlimited.offloaded), unlimited.copy_seconds, unlimited.overhead_seconds) == (3, 0.0, 1e-3)
-    capped = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK, host_memory_limit=8 * MiB))
+    capped = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK, host_memory_limit=8 * MiB))
     assert capped.offloaded == {("aten::mm", 0), ("aten::mm", 1)}  # the two recomputes that cost the most
     assert (capped.offloaded_bytes, capped.overhead_seconds) == (8 * MiB, 2e-3)
     # Room for one call on the device: one is kept, which leaves the host room for both others.
@@ -141,7 +141,7 @@ def test_the_host_memory_limit_binds():
         {("aten::mm", 0), ("aten::mm", 1), ("aten::mm", 2)},
     )
     assert (roomier.held_bytes, roomier.offloaded_bytes, roomier.overhead_seconds) == (4 * MiB, 8 * MiB, 1e-3)
-    none_on_the_host = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK, host_memory_limit=0))
+    none_on_the_host = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK, host_memory_limit=0))
     assert (none_on_the_host.offloaded, none_on_the_host.overhead_seconds) == (frozenset(), 7e-3)
 
 
@@ -152,12 +152,12 @@ def test_calls_under_the_size_floor_are_never_offloaded():
         ("aten::mm", MiB, 1.0),
         ("aten::sum", 0, 10.0, AFTER),
     )
-    plan = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
+    plan = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK))
     assert plan.offloaded == {("aten::mm", 1)}  # 1 MiB is not under the 1 MiB floor
     assert ("aten::mm", 0) not in plan.copies and plan.overhead_seconds == 2e-3
     row = next(line for line in plan.table().splitlines() if line.startswith("aten::mm #0 "))
     assert row.endswith("recompute         -        -          -           -           -  - (under 1048576 bytes)")
-    lower = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK, min_bytes=MiB // 4))
+    lower = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK, min_bytes=MiB // 4))
     assert (lower.offloaded, lower.overhead_seconds) == ({("aten::mm", 0), ("aten::mm", 1)}, 1e-3)
 
 
@@ -339,7 +339,10 @@ def offload_problems(draw, max_calls=8):
 
 
 def _budgets(profile):
-    return list(_plan.PARETO_BUDGETS) + [profile.full_recompute_bytes + k * GRAIN for k in (0, 1, 3, 7, 20)]
+    # Byte counts under 2 are spelled as the fraction 0.0 (NOTE: [A budget has one reading]).
+    return list(_plan.PARETO_BUDGETS) + [
+        byte_budget(profile.full_recompute_bytes + k * GRAIN) for k in (0, 1, 3, 7, 20)
+    ]
 
 
 @examples(150)
@@ -649,7 +652,7 @@ def test_a_policys_offloads_are_placed_by_the_librarys_rule(monkeypatch):
     from sac_plugin.planner import _rule_calls
 
     profile = profile_of(("aten::mm", 8 * MiB, 1.0), ("aten::mm", 2 * MiB, 1.0), ("aten::mm", MiB // 2, 1.0), floor=MiB)
-    plan = Plan.from_profile(profile, 0, offload=OffloadModel(LINK, LINK))
+    plan = Plan.from_profile(profile, 0.0, offload=OffloadModel(LINK, LINK))
     policy = Policy(offloaded_ops=["aten::mm"], host_memory_limit=9 * MiB)
     asked = []
     rule = _rule_calls.offload_placement

@@ -150,8 +150,8 @@ class Plan:
 
         Args:
             profile: The layer's measured calls (`profile_layer`, or made up).
-            budget: A fraction of the layer's no-checkpointing bytes (float from 0.0 to 1.0) or
-                bytes (int >= 0).
+            budget: A fraction of the layer's no-checkpointing bytes (float from 0.0 to 1.0), or
+                bytes: an int >= 2 or a string with a unit ("512MiB").
             offload: The offload model, or None for keep or recompute only.
 
         Returns:
@@ -166,7 +166,8 @@ class Plan:
                 f"sac_plugin: Plan.from_profile: offload must be None or an OffloadModel, got {describe_value(offload)}"
             )
         solver = Solver(profile, offload)
-        return cls(profile, check_budget(budget), *solver.choose(budget), offload=offload, solver=solver)
+        budget = check_budget(budget)
+        return cls(profile, budget, *solver.choose(budget), offload=offload, solver=solver)
 
     # --- what it is -------------------------------------------------------------------------------
 
@@ -289,16 +290,22 @@ class Plan:
             row per call with its copies and whether they hide, one line each.
         """
         mib = 2**20
+        rows, call_rows = self.rows(), self.call_rows() if self.offload is not None else []
+        # Columns as wide as their longest name, so that no name runs into the next column.
+        op_width = max(
+            [48, *(len(r["op"]) + 2 for r in rows), *(len(f"{r['op']} #{r['index']}") + 2 for r in call_rows)]
+        )
+        unit_width = max([14, *(len(r["unit"] or "-") + 2 for r in [*rows, *call_rows])])
         lines = [
             repr(self),
-            f"{'op':<48}{'unit':<14}{'calls':>6}{'kept':>6}{'MiB':>9}{'kept MiB':>10}"
+            f"{'op':<{op_width}}{'unit':<{unit_width}}{'calls':>6}{'kept':>6}{'MiB':>9}{'kept MiB':>10}"
             f"{'ms':>9}{'saved ms':>10}  not keepable",
         ]
-        for r in self.rows():
+        for r in rows:
             lines.append(
-                f"{r['op']:<48}{r['unit'] or '-':<14}{r['calls']:>6}{r['kept']:>6}{r['bytes'] / mib:>9.3f}"
-                f"{r['kept_bytes'] / mib:>10.3f}{r['seconds'] * 1e3:>9.3f}{r['saved_seconds'] * 1e3:>10.3f}"
-                f"  {r['not_keepable']}"
+                f"{r['op']:<{op_width}}{r['unit'] or '-':<{unit_width}}{r['calls']:>6}{r['kept']:>6}"
+                f"{r['bytes'] / mib:>9.3f}{r['kept_bytes'] / mib:>10.3f}{r['seconds'] * 1e3:>9.3f}"
+                f"{r['saved_seconds'] * 1e3:>10.3f}  {r['not_keepable']}"
             )
         if self.offload is None:
             return "\n".join(lines)
@@ -307,10 +314,10 @@ class Plan:
             f"per call (copies: {self.offload.d2h_bytes_per_s / 1e9:.3f} GB/s to the host, "
             f"{self.offload.h2d_bytes_per_s / 1e9:.3f} GB/s back; each alone, hidden behind the forward's kernel time "
             "after it and the recompute's before it)",
-            f"{'call':<48}{'unit':<14}{'MiB':>9}{'ms':>9}  {'outcome':<10}{'d2h ms':>9}{'h2d ms':>9}"
+            f"{'call':<{op_width}}{'unit':<{unit_width}}{'MiB':>9}{'ms':>9}  {'outcome':<10}{'d2h ms':>9}{'h2d ms':>9}"
             f"{'window ms':>11}{'back win ms':>12}{'exposed ms':>12}  hides",
         ]
-        for r in self.call_rows():
+        for r in call_rows:
             copy = r["copy"]
             if copy is None:
                 copies = f"{'-':>9}{'-':>9}{'-':>11}{'-':>12}{'-':>12}  - ({r['not_offloadable']})"
@@ -321,7 +328,7 @@ class Plan:
                     f"{copy.exposed * 1e3:>12.3f}  {'yes' if copy.hides else 'no'}"
                 )
             lines.append(
-                f"{r['op'] + ' #' + str(r['index']):<47} {r['unit'] or '-':<14}{r['bytes'] / mib:>9.3f}"
+                f"{r['op'] + ' #' + str(r['index']):<{op_width}}{r['unit'] or '-':<{unit_width}}{r['bytes'] / mib:>9.3f}"
                 f"{r['seconds'] * 1e3:>9.3f}  {r['outcome']:<10}{copies}"
             )
         return "\n".join(lines)
@@ -374,7 +381,8 @@ class Plan:
         """The same profile (and offload model) planned for another budget, with no new measurement.
 
         Args:
-            budget: A fraction (float from 0.0 to 1.0) or bytes (int >= 0).
+            budget: A fraction (float from 0.0 to 1.0), or bytes: an int >= 2 or a string with a
+                unit ("512MiB"); 0 and 1 are refused (NOTE: [A budget has one reading]).
 
         Returns:
             The plan for `budget`.
@@ -383,7 +391,7 @@ class Plan:
             TypeError: A budget that is not a number.
             PlanError: A budget out of range.
         """
-        check_budget(budget)
+        budget = check_budget(budget)
         solver = self._solver()
         return Plan(self.profile, budget, *solver.choose(budget), offload=self.offload, solver=solver)
 
@@ -798,7 +806,8 @@ def plan(
         module: The layer to plan (not yet checkpointed).
         *example_args: Its positional inputs for the profile.
         budget: A fraction of the bytes the module holds between forward and backward without
-            checkpointing (float, 0.0 to 1.0), or bytes (int).
+            checkpointing (float, 0.0 to 1.0), or bytes: an int >= 2 or a string with a unit
+            ("512MiB"); 0 and 1 are refused (NOTE: [A budget has one reading]).
         runs: Timed forwards and backwards.
         warmup: Untimed forwards and backwards first.
         offload: Plan offload to pinned host memory too.
@@ -862,7 +871,7 @@ def profile_and_plan(
     it again (budget 1.0, then with_budget), whatever its floor."""
     from ..checkpointing import check_checkpointable
 
-    check_budget(budget)
+    budget = check_budget(budget)
     _check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offload_min_bytes)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sac_plugin: plan: module must be a torch.nn.Module, got {describe_value(module)}")
