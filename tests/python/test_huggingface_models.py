@@ -524,3 +524,40 @@ def test_albert_is_refused_in_transformers_words():
             "its layers, AlbertLayerGroup, have no checkpointing hook); call sac_plugin.apply_selective_checkpointing "
             "on the layers to checkpoint them anyway"
         )
+
+
+# Zamba2: a hybrid of Mamba layers and Mamba layers with a shared attention block beside them.
+ZAMBA2 = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_head_dim=8,
+    mamba_d_state=8,
+    mamba_headdim=8,
+    n_mamba_heads=8,
+    intermediate_size=64,
+    max_position_embeddings=32,
+    layers_block_type=["mamba", "hybrid"],
+    hybrid_layer_ids=[1],
+    use_mem_eff_path=False,
+    pad_token_id=0,
+    attention_dropout=0.0,
+)
+
+
+@pytest.mark.parametrize("model_type", ["jetmoe", "t5", "zamba2"])
+def test_hybrid_mixture_of_attention_and_encoder_decoder_models_take_a_config_in_one_call(model_type):
+    # One call, as for any decoder: no kwargs refused on a layer type, no "does not support
+    # activation checkpointing"; the attention served, bitwise.
+    if model_type == "zamba2":
+        config = transformers.AutoConfig.for_model("zamba2", **ZAMBA2)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
+    else:
+        model = build_derived(model_type)
+    reference = reference_for(model_type, model)
+    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    audit = assert_bitwise_equal(model, reference)
+    assert sum(row.hits for row in audit.rows()) > 0 and audit.never_served() == 0
