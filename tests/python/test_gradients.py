@@ -305,19 +305,29 @@ class _AutocastLayer(torch.nn.Module):
         return self.down(h).sin()
 
 
-@pytest.mark.parametrize("backward_inside_autocast", [False, True], ids=["backward outside", "backward inside"])
-def test_a_backward_inside_autocast_serves_what_a_backward_outside_serves(backward_inside_autocast):
-    """Autocast caches the casts the forward made of the weights until its context closes: a
-    backward inside it reuses them in the recompute with no call (NOTE: [A parameter cast is named
-    by what it casts] in csrc/dispatch/data_flow.cpp)."""
+def _audited_autocast_step(step):
+    """Two autocast layers, checkpointed and not, each stepped by `step(net, x)`: the checkpointed
+    model's audit, its gradients checked bitwise against the other's."""
     torch.manual_seed(0)
     reference = torch.nn.Sequential(_AutocastLayer(), _AutocastLayer())
     model = copy.deepcopy(reference)
     for layer in model:
         sac_plugin.apply_selective_checkpointing(layer, Policy(kept_units=["attn"], kept_ops=["aten::addmm"]))
     x = torch.randn(8, 16)
+    step(reference, x)
+    with sac_plugin.audit() as audit:
+        step(model, x)
+    assert_same_gradients(model, reference)
+    return audit
 
-    def step(net):
+
+@pytest.mark.parametrize("backward_inside_autocast", [False, True], ids=["backward outside", "backward inside"])
+def test_a_backward_inside_autocast_serves_what_a_backward_outside_serves(backward_inside_autocast):
+    """Autocast caches the casts the forward made of the weights until its context closes: a
+    backward inside it reuses them in the recompute with no call (NOTE: [A parameter cast is named
+    by what it casts] in csrc/dispatch/data_flow.cpp)."""
+
+    def step(net, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = net(x).float().square().mean()
             if backward_inside_autocast:
@@ -325,10 +335,7 @@ def test_a_backward_inside_autocast_serves_what_a_backward_outside_serves(backwa
         if not backward_inside_autocast:
             loss.backward()
 
-    step(reference)
-    with sac_plugin.audit() as audit:
-        step(model)
-    assert_same_gradients(model, reference)
+    audit = _audited_autocast_step(step)
     # Both linears of both layers (addmm under autocast) and the tanh in the kept unit.
     assert (audit.hits("aten::addmm"), audit.hits("aten::tanh")) == (4, 2)
     assert audit.never_served() == 0
@@ -337,22 +344,12 @@ def test_a_backward_inside_autocast_serves_what_a_backward_outside_serves(backwa
 def test_a_second_backward_in_the_backwards_own_autocast_context_is_served():
     # The first recompute casts the weights anew in the backward's autocast context, which caches
     # them; the second recompute is handed those casts with no call.
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(_AutocastLayer(), _AutocastLayer())
-    model = copy.deepcopy(reference)
-    for layer in model:
-        sac_plugin.apply_selective_checkpointing(layer, Policy(kept_units=["attn"], kept_ops=["aten::addmm"]))
-    x = torch.randn(8, 16)
-
-    def step(net):
+    def step(net, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = net(x).float().square().mean()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss.backward(retain_graph=True)
             loss.backward()
 
-    step(reference)
-    with sac_plugin.audit() as audit:
-        step(model)
-    assert_same_gradients(model, reference)
+    audit = _audited_autocast_step(step)
     assert (audit.hits("aten::addmm"), audit.hits("aten::tanh"), audit.never_served()) == (8, 4, 0)
