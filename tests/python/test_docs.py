@@ -190,3 +190,18 @@ def test_mkdocs_build_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pages_read_as_plain_markdown():
+    # The site's cross-references ([`Policy`][sac_plugin.Policy]) and directives (`::: name`)
+    # render as literal text outside mkdocs: pages link with relative links, and only the
+    # generated reference (api.md) holds directives.
+    pages = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    cross_references = re.compile(r"\]\[[\w.]+\]")
+    found = [
+        f"{page.relative_to(ROOT)}:{number}"
+        for page in pages
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if cross_references.search(line) or (line.startswith("::: ") and page.name != "api.md")
+    ]
+    assert found == []
