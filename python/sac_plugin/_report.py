@@ -193,12 +193,18 @@ class _PassScope:
 
     def __exit__(self, *exc_info):
         report = self._report
-        elapsed = _clock() - self._started
+        seconds = 0.0
         try:
-            return self._inner.__exit__(*exc_info)
+            seconds = _clock() - self._started
         finally:
-            self._unwind()
-            report._pass_done(self, self._audit, elapsed)
+            # The inner context closes and the pass unwinds even where the clock's synchronize
+            # raised (an accelerator's error surfaces there): the report's stack stays balanced.
+            try:
+                suppress = self._inner.__exit__(*exc_info)
+            finally:
+                self._unwind()
+                report._pass_done(self, self._audit, seconds)
+        return suppress
 
 
 # NOTE: [Pass times]

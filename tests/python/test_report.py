@@ -760,3 +760,25 @@ report(
         "recompute": True,
         "kept": ["    kept: addmm x2, tanh", "    kept: addmm x2, tanh"],
     }
+
+
+def test_a_clock_that_raises_as_a_pass_ends_leaves_the_report_balanced(monkeypatch):
+    from sac_plugin import _report
+
+    clock = _report._clock
+
+    def failing_at_pass_end():
+        if sys._getframe(1).f_code.co_name == "__exit__":
+            raise RuntimeError("the accelerator failed")
+        return clock()
+
+    model, _ = toy_models.make_pair(policy=Policy(kept_ops=["aten::tanh"]))
+    x = torch.randn(4, 16)
+    with sac_plugin.report(model) as rep:
+        monkeypatch.setattr(_report, "_clock", failing_at_pass_end)
+        with pytest.raises(RuntimeError, match="the accelerator failed"):
+            model(x)
+        monkeypatch.setattr(_report, "_clock", clock)
+        assert _report._stack(rep) == []
+        toy_models.run_step(model, x)
+    assert [(layer.calls, layer.total("hits")) for layer in rep.layers.values()] == [(2, 1), (1, 1)]
