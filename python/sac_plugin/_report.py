@@ -33,11 +33,13 @@ import dataclasses
 import functools
 import json
 import threading
+import time
 import weakref
 
 import torch
 
 from . import _observers, memory
+from . import _report_render
 from ._audit import Audit, AuditRow, PHASES
 from ._trace import CallTrace, TraceEntry, check_trace_supported, trace_table
 from ._validation import describe_value
@@ -98,6 +100,8 @@ class Breakdown:
     kept_bytes: int = 0  # held on the device
     offloaded_calls: int = 0
     offloaded_bytes: int = 0  # held in pinned host memory
+    forward_seconds: float = 0.0  # wall time in the forward passes (NOTE: [Pass times])
+    recompute_seconds: float = 0.0  # wall time in the recompute passes
     ops: dict[str, OpCounts] = dataclasses.field(default_factory=dict)
 
     def add_rows(self, rows) -> None:
@@ -120,6 +124,8 @@ class Breakdown:
             "kept_bytes": self.kept_bytes,
             "offloaded_calls": self.offloaded_calls,
             "offloaded_bytes": self.offloaded_bytes,
+            "forward_seconds": self.forward_seconds,
+            "recompute_seconds": self.recompute_seconds,
             "ops": {op: dataclasses.asdict(c) for op, c in sorted(self.ops.items())},
         }
 
@@ -147,7 +153,7 @@ class SavedStorage:
 class _PassScope:
     """A region's forward or recompute context, wrapped to count what runs in it."""
 
-    __slots__ = ("_report", "_layer", "_phase", "_inner", "_kept_calls", "_region", "_audit", "_scope")
+    __slots__ = ("_report", "_layer", "_phase", "_inner", "_kept_calls", "_region", "_audit", "_scope", "_started")
 
     def __init__(self, report, layer, phase, inner, kept_calls, region):
         self._report, self._layer, self._phase = report, layer, phase
@@ -174,6 +180,7 @@ class _PassScope:
         except BaseException:
             self._unwind()
             raise
+        self._started = _clock()
         return self
 
     def _unwind(self) -> None:
@@ -186,11 +193,32 @@ class _PassScope:
 
     def __exit__(self, *exc_info):
         report = self._report
+        seconds = 0.0
         try:
-            return self._inner.__exit__(*exc_info)
+            seconds = _clock() - self._started
         finally:
-            self._unwind()
-            report._pass_done(self, self._audit)
+            # The inner context closes and the pass unwinds even where the clock's synchronize
+            # raised (an accelerator's error surfaces there): the report's stack stays balanced.
+            try:
+                suppress = self._inner.__exit__(*exc_info)
+            finally:
+                self._unwind()
+                report._pass_done(self, self._audit, seconds)
+        return suppress
+
+
+# NOTE: [Pass times]
+# A layer's forward and recompute times are the wall time between entering and leaving each of
+# its passes (time.perf_counter), summed over its calls; a unit's, between its opening and
+# closing, so a unit's time is part of its layer's. With an accelerator, the clock first waits for
+# the work queued on it (torch.accelerator.synchronize), so a pass is billed what it ran, not what
+# it queued: the report then slows the steps it measures by those waits, its cost while it runs.
+# A layer nested in another's pass counts in both.
+def _clock() -> float:
+    """Now, in seconds, once the accelerator's queued work is done (NOTE: [Pass times])."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+    return time.perf_counter()
 
 
 def _stack(report) -> list:
@@ -363,9 +391,10 @@ class Report:
             _PassScope(self, layer, "recompute", recompute, kept_calls, region),
         )
 
-    def _pass_done(self, scope, audit) -> None:
+    def _pass_done(self, scope, audit, seconds: float) -> None:
         layer = self.layers.setdefault(scope._layer, Breakdown(scope._layer))
         layer.add_rows(AuditRow(*values) for values in zip(*audit.rows()))
+        _add_seconds(layer, scope._phase, seconds)
         if scope._phase == "forward":
             layer.calls += 1
             layer.kept_calls += scope._kept_calls()
@@ -395,7 +424,7 @@ class Report:
         scope = torch.autograd.profiler.record_function(f"sac_plugin.{phase}: {layer} unit {unit}")
         scope.__enter__()
         audit = torch.classes.sac.Counts()  # no scope: see _PassScope.__enter__
-        return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope
+        return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope, _clock()
 
     def unit_exited(self, unit: str, token) -> None:
         """Adds what ran in `unit` since `unit_entered` gave `token` to the unit's breakdown.
@@ -404,10 +433,12 @@ class Report:
             unit: The recompute unit's name, as given to `unit_entered`.
             token: What `unit_entered` returned for it (not None).
         """
-        layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope = token
+        layer, phase, kept_calls, region, kept_before, bytes_before, audit, scope, started = token
+        seconds = _clock() - started
         scope.__exit__(None, None, None)
         breakdown = self.units.setdefault((layer, unit), Breakdown(unit))
         breakdown.add_rows(AuditRow(*values) for values in zip(*audit.rows()))
+        _add_seconds(breakdown, phase, seconds)
         if phase == "forward":
             breakdown.calls += 1
             breakdown.kept_calls += kept_calls() - kept_before
@@ -541,8 +572,10 @@ class Report:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def table(self, storages: int = 10) -> str:
-        """The report as text: a row per checkpointed module and unit, offload copies, bytes saved
-        for backward by place, and the largest storages.
+        """The report as text: a row per checkpointed module and unit (with its forward and
+        recompute milliseconds), under each layer the ops whose kept outputs its recompute was
+        served ("kept: addmm x2, tanh"), offload copies, bytes saved for backward by place, and the
+        largest storages.
 
         Args:
             storages: How many of the largest saved storages to list.
@@ -550,56 +583,34 @@ class Report:
         Returns:
             The table.
         """
-        header = (
-            f"{'checkpointed module / unit':<40}{'calls':>7}{'fwd ops':>9}{'recomputed':>12}{'hits':>7}"
-            f"{'kept calls':>12}{'kept bytes':>14}{'never served':>14}"
-        )
-        lines = [header, "-" * len(header)]
-        for layer in self.layers.values():
-            lines.append(_line(layer.name, layer))
-            for (name, _), unit in sorted(self.units.items()):
-                if name == layer.name:
-                    lines.append(_line(f"  unit {unit.name}", unit))
-        lines.append(
-            f"{'all layers':<40}{sum(layer.calls for layer in self.layers.values()):>7}"
-            f"{sum(layer.total('forward') for layer in self.layers.values()):>9}"
-            f"{sum(layer.total('recompute') for layer in self.layers.values()):>12}"
-            f"{sum(layer.total('hits') for layer in self.layers.values()):>7}"
-            f"{sum(layer.kept_calls for layer in self.layers.values()):>12}"
-            f"{_bytes(sum(layer.kept_bytes for layer in self.layers.values())):>14}"
-            f"{sum(layer.total('never_served') for layer in self.layers.values()):>14}"
-        )
-        steps = f" over {self.steps} steps" if self.steps > 1 else ""
-        offloaded = sum(layer.offloaded_calls for layer in self.layers.values())
-        if offloaded or self.offload_copies["copies_to_host"]:
-            copies = self.offload_copies
-            lines += [
-                "",
-                f"offloaded{steps}: {offloaded} calls holding "
-                f"{_bytes(sum(layer.offloaded_bytes for layer in self.layers.values()))} of pinned host memory "
-                f"(not in kept bytes); {copies['copies_to_host']} copies to the host "
-                f"({_bytes(copies['bytes_to_host'])}), {copies['copies_to_device']} back "
-                f"({_bytes(copies['bytes_to_device'])}); compute waited {copies['exposed_copy_us'] / 1e3:.1f} ms "
-                "for copies back",
-            ]
-        lines += ["", f"saved for backward{steps}, by place (each storage once per life):"]
-        for place, nbytes in self.saved_bytes_by_place().items():
-            lines.append(f"  {place:<58}{_bytes(nbytes):>14}")
-        lines.append(f"  {'total':<58}{_bytes(sum(s.nbytes * s.count for s in self._saved.values())):>14}")
-        biggest = self.saved_tensors()[:storages]
-        if biggest:
-            lines += ["", f"largest storages saved for backward (of {sum(s.count for s in self._saved.values())}):"]
-            for storage in biggest:
-                views = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in storage.tensors[:3])
-                more = f" +{len(storage.tensors) - 3}" if len(storage.tensors) > 3 else ""
-                count = f" x{storage.count}" if storage.count > 1 else ""
-                lines.append(
-                    f"  {_bytes(storage.nbytes):>12}{count:<6} {storage.device:<6} {storage.where:<40} {views}{more}"
-                )
-        return "\n".join(lines)
+        return _report_render.table(self, storages)
+
+    def plot(self, path=None):
+        """A chart of the layers: bytes held for backward per layer (kept on the device, with the
+        offloaded bytes stacked on them), and recompute milliseconds per layer. Needs matplotlib
+        (the `plot` extra).
+
+        Args:
+            path: Where to save the figure (str or os.PathLike; the format from its suffix), or
+                None not to save it.
+
+        Returns:
+            The matplotlib Figure, two panels of one bar per layer.
+
+        Raises:
+            ModuleNotFoundError: matplotlib is not installed.
+        """
+        return _report_render.plot(self, path)
 
 
 _OFFLOAD_COUNTERS = ("copies_to_host", "bytes_to_host", "copies_to_device", "bytes_to_device", "exposed_copy_us")
+
+
+def _add_seconds(breakdown: Breakdown, phase: str, seconds: float) -> None:
+    if phase == "forward":
+        breakdown.forward_seconds += seconds
+    else:
+        breakdown.recompute_seconds += seconds
 
 
 def _forget(report_reference: weakref.ref, live_key, storage_reference) -> None:
@@ -609,17 +620,6 @@ def _forget(report_reference: weakref.ref, live_key, storage_reference) -> None:
     live = report._live.get(live_key) if report is not None else None
     if live is not None and live[0] is storage_reference:
         del report._live[live_key]
-
-
-def _line(label: str, row: Breakdown) -> str:
-    return (
-        f"{label[:40]:<40}{row.calls:>7}{row.total('forward'):>9}{row.total('recompute'):>12}"
-        f"{row.total('hits'):>7}{row.kept_calls:>12}{_bytes(row.kept_bytes):>14}{row.total('never_served'):>14}"
-    )
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
 
 
 def report(model: torch.nn.Module | None = None, *, trace: bool = False) -> Report:

@@ -3,6 +3,7 @@ the audit and the regions see them; saved-for-backward storages by place; table 
 
 import gc
 import json
+import sys
 import threading
 import weakref
 
@@ -16,6 +17,7 @@ from sac_plugin import Policy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from support import toy_models
+from support.accelerator import SKIP_REASON, runner_with_models
 
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -80,6 +82,10 @@ def test_layers_and_units_add_up_to_the_audit():
         "calls",
         "kept",
         "bytes",
+        "fwd",
+        "ms",
+        "recompute",
+        "ms",
         "never",
         "served",
     ]
@@ -615,3 +621,164 @@ def test_a_layer_whose_kept_outputs_are_never_served_says_so_in_its_row():
         "layers.0": "0",
         "layers.1": "1",
     }
+
+
+def _toy_report(policy, *, backward=True):
+    model, _ = toy_models.make_pair(policy=policy)
+    x = torch.randn(4, 16)
+    with sac_plugin.report(model) as rep:
+        if backward:
+            toy_models.run_step(model, x)
+        else:
+            model(x)
+    return rep
+
+
+def test_each_layer_times_its_forward_and_its_recompute():
+    rep = _toy_report(Policy(kept_ops=["aten::tanh"]))
+    for layer in rep.layers.values():
+        assert layer.total("recompute") == 4 and layer.forward_seconds > 0 and layer.recompute_seconds > 0
+        unit = rep.units[(layer.name, "attn")]
+        # A unit opens and closes inside its layer's pass: its time is part of the layer's.
+        assert 0 < unit.forward_seconds <= layer.forward_seconds
+        assert 0 < unit.recompute_seconds <= layer.recompute_seconds
+    data = rep.to_dict()["layers"]
+    assert [(d["forward_seconds"], d["recompute_seconds"]) for d in data] == [
+        (layer.forward_seconds, layer.recompute_seconds) for layer in rep.layers.values()
+    ]
+    rows = {line.split()[0]: line.split()[-3:-1] for line in rep.table().splitlines() if line.startswith("layers.")}
+    assert rows == {
+        layer.name: [f"{layer.forward_seconds * 1e3:.2f}", f"{layer.recompute_seconds * 1e3:.2f}"]
+        for layer in rep.layers.values()
+    }
+
+
+def test_a_recompute_that_reruns_nothing_still_takes_the_time_of_serving_the_kept_outputs():
+    # Every op the recompute reaches is kept: it reruns none, and its pass is still entered to
+    # serve the kept outputs, so it is timed.
+    rep = _toy_report(Policy(kept_ops=["aten::tanh", "aten::addmm", "aten::t"]))
+    assert [(layer.total("recompute"), layer.total("hits")) for layer in rep.layers.values()] == [(0, 5), (0, 5)]
+    assert all(layer.recompute_seconds > 0 for layer in rep.layers.values())
+
+
+def test_a_layer_run_forward_only_has_no_recompute_time():
+    rep = _toy_report(Policy(kept_ops=["aten::tanh"]), backward=False)
+    assert [(layer.calls, layer.forward_seconds > 0, layer.recompute_seconds) for layer in rep.layers.values()] == [
+        (1, True, 0.0),
+        (1, True, 0.0),
+    ]
+    assert all(unit.recompute_seconds == 0.0 for unit in rep.units.values())
+
+
+def test_the_table_says_under_each_layer_which_ops_it_served_from_the_forward():
+    lines = _toy_report(Policy(kept_ops=["aten::tanh"])).table().splitlines()
+    assert [lines[i + 1] for i, line in enumerate(lines) if line.startswith("layers.")] == ["    kept: tanh"] * 2
+    lines = _toy_report(Policy(kept_ops=["aten::tanh", "aten::addmm", "aten::t"])).table().splitlines()
+    assert [lines[i + 1] for i, line in enumerate(lines) if line.startswith("layers.")] == [
+        "    kept: addmm x2, t x2, tanh"
+    ] * 2
+    # A layer that served nothing has no such line.
+    lines = _toy_report(Policy()).table().splitlines()
+    assert [lines[i + 1].startswith("  unit") for i, line in enumerate(lines) if line.startswith("layers.")] == [
+        True,
+        True,
+    ]
+
+
+def test_the_kept_line_ends_in_dots_past_forty_characters():
+    from sac_plugin._report import Breakdown, OpCounts
+    from sac_plugin._report_render import kept_summary
+
+    layer = Breakdown("l")
+    layer.ops = {f"aten::op_number_{i}.default": OpCounts(hits=10 - i) for i in range(4)}
+    assert kept_summary(layer) == "op_number_0 x10, op_number_1 x9, ..."
+    layer.ops = {"aten::a_very_long_operator_name_of_fifty_characters_": OpCounts(hits=1)}
+    assert kept_summary(layer) == "..."
+    layer.ops = {"aten::mm": OpCounts(hits=2), "aten::mm.out": OpCounts(hits=1), "aten::cat": OpCounts(hits=0)}
+    assert kept_summary(layer) == "mm x3"
+
+
+def test_plot_draws_the_held_bytes_and_the_recompute_time_of_each_layer(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    rep = _toy_report(Policy(kept_ops=["aten::tanh", "aten::addmm"]))
+    path = tmp_path / "report.png"
+    figure = rep.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    held, recompute = figure.axes
+    layers = list(rep.layers.values())
+    assert [tick.get_text() for tick in recompute.get_xticklabels()] == ["layers.0", "layers.1"]
+    assert [bar.get_height() for bar in held.patches] == [layer.kept_bytes / 2**20 for layer in layers] + [
+        layer.offloaded_bytes / 2**20 for layer in layers
+    ]
+    # The offloaded bars stand on the kept ones.
+    assert [bar.get_y() for bar in held.patches[len(layers) :]] == [layer.kept_bytes / 2**20 for layer in layers]
+    assert [bar.get_height() for bar in recompute.patches] == [layer.recompute_seconds * 1e3 for layer in layers]
+    assert rep.plot() is not figure
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    rep = _toy_report(Policy(kept_ops=["aten::tanh"]))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ModuleNotFoundError) as raised:
+        rep.plot()
+    assert str(raised.value) == (
+        "sac_plugin: Report.plot draws with matplotlib, which is not installed: pip install sac_plugin[plot]"
+    )
+
+
+@pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+def test_on_an_accelerator_the_plot_stacks_offloaded_bytes_on_kept_ones_and_passes_are_timed():
+    values = runner_with_models("offloaded_outputs")("""
+import matplotlib
+matplotlib.use("Agg")
+model, x = checkpointed(Policy(kept_ops=["aten::tanh"], offloaded_ops=["aten::addmm"]))
+step(model, x)
+with sac_plugin.report(model) as layer_report:
+    step(model, x)
+held, recompute = layer_report.plot().axes
+layers = list(layer_report.layers.values())
+lines = layer_report.table().splitlines()
+report(
+    accelerator=torch.accelerator.is_available(),
+    held=[float(bar.get_height()) for bar in held.patches],
+    bottoms=[float(bar.get_y()) for bar in held.patches],
+    expected=[l.kept_bytes / 2**20 for l in layers] + [l.offloaded_bytes / 2**20 for l in layers],
+    timed=[(l.forward_seconds > 0, l.recompute_seconds > 0) for l in layers],
+    recompute=[bar.get_height() for bar in recompute.patches] == [l.recompute_seconds * 1e3 for l in layers],
+    kept=[lines[i + 1] for i, line in enumerate(lines) if line.startswith(("0 ", "1 "))],
+)
+""")
+    # Per layer: tanh (1 MiB) and the down projection (512 KiB, under the offload floor) kept on
+    # the device, the up projection (1 MiB) offloaded.
+    assert values == {
+        "accelerator": True,
+        "held": [1.5, 1.5, 1.0, 1.0],
+        "bottoms": [0.0, 0.0, 1.5, 1.5],
+        "expected": [1.5, 1.5, 1.0, 1.0],
+        "timed": [[True, True], [True, True]],
+        "recompute": True,
+        "kept": ["    kept: addmm x2, tanh", "    kept: addmm x2, tanh"],
+    }
+
+
+def test_a_clock_that_raises_as_a_pass_ends_leaves_the_report_balanced(monkeypatch):
+    from sac_plugin import _report
+
+    clock = _report._clock
+
+    def failing_at_pass_end():
+        if sys._getframe(1).f_code.co_name == "__exit__":
+            raise RuntimeError("the accelerator failed")
+        return clock()
+
+    model, _ = toy_models.make_pair(policy=Policy(kept_ops=["aten::tanh"]))
+    x = torch.randn(4, 16)
+    with sac_plugin.report(model) as rep:
+        monkeypatch.setattr(_report, "_clock", failing_at_pass_end)
+        with pytest.raises(RuntimeError, match="the accelerator failed"):
+            model(x)
+        monkeypatch.setattr(_report, "_clock", clock)
+        assert _report._stack(rep) == []
+        toy_models.run_step(model, x)
+    assert [(layer.calls, layer.total("hits")) for layer in rep.layers.values()] == [(2, 1), (1, 1)]
