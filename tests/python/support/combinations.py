@@ -27,6 +27,7 @@ from torch import nn
 import sac_plugin
 import sac_plugin.memory
 from sac_plugin import Policy
+from sac_plugin._forwards import checkpoint_call
 from support.toy_models import observed_regions
 
 DIM, BATCH = 16, 4
@@ -343,10 +344,19 @@ def known_defect(case: Case, engine: str, device: str = "cpu") -> KnownDefect | 
 
 
 def _checkpointed(block: Block, policy: Policy, nested: bool) -> Block:
-    if nested:
-        for part in (block.attn, block.mlp):
-            sac_plugin.apply_selective_checkpointing(part, policy)
-    return sac_plugin.apply_selective_checkpointing(block, policy)
+    if not nested:
+        return sac_plugin.apply_selective_checkpointing(block, policy)
+    for part in (block.attn, block.mlp):
+        sac_plugin.apply_selective_checkpointing(part, policy)
+    # The block around its checkpointed parts is checkpointed as torch's checkpoint nests them
+    # (the plugin's apply refuses a module around checkpointed ones: NOTE: [A module is
+    # checkpointed once]), with the same policy, its inputs held by its region where it says so.
+    context_fn = sac_plugin.context_fn(policy)
+    forward = type(block).forward.__get__(block)
+    block.forward = lambda x: checkpoint_call(
+        forward, (x,), {}, context_fn=context_fn, offload_inputs=policy.offload_inputs
+    )
+    return block
 
 
 def _autocast(case: Case, device: str, phase: str):
