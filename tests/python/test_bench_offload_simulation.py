@@ -74,7 +74,9 @@ def test_the_simulated_h200_sets_the_bandwidths_it_prints(tmp_path):
     assert len(row) == 10 and row[-1] == "True"
     results = json.loads(out.read_text())["results"]
     predicted = results["offload attention + matmuls"]["predicted_exposed_copy_s"]
-    assert predicted > 0 and row[7] == f"{predicted * 1e3:.1f}"
+    # How much of the copies the model predicts to hide depends on the timings measured: the
+    # printed column is the JSON's figure, whatever it is.
+    assert predicted >= 0 and row[7] == f"{predicted * 1e3:.1f}"
     assert results["no checkpointing"]["predicted_exposed_copy_s"] == 0.0
     assert any(
         line.startswith("exposed copy time (offload minus keep, same calls):") and "step ratio offload / keep" in line
