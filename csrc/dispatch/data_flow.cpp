@@ -62,9 +62,10 @@ namespace sac {
 // tensor of the forward each copy stands for, so the copy is named as that tensor: its storage
 // takes the name the forward gave the original storage (its address, or the name the region
 // around it gave it: NOTE: [A nested checkpoint names its inputs as the outer does]), and its
-// offset is counted as the original's. The copy holds the very values the original held at the end of the forward (the
-// region refuses an input written after it, NOTE: [Offloading a layer's inputs] in offload.cpp),
-// so a call computed from it computes what its twin in the forward computed.
+// offset is counted as the original's. The copy holds the very values the original held at the
+// end of the forward (the region refuses an input written after it, NOTE: [Offloading a layer's
+// inputs] in offload.cpp), so a call computed from it computes what its twin in the forward
+// computed.
 
 namespace {
 
@@ -366,8 +367,8 @@ void DataFlow::originate(const c10::Storage& storage, uint64_t origin, bool was_
   if (!was_written) {
     origins_.insert_or_assign(impl, origin);
   } else {
-    // A write to a storage this pass has not produced (an input, a buffer) keeps its address in
-    // the origin: that address is the same in both passes.
+    // A write to a storage this pass has not produced (an input, a buffer) keeps the name that
+    // storage had (externalOrigin) in the origin: that name is the same in both passes.
     auto record = origins_.find(impl);
     if (record == origins_.end()) {
       int64_t unused_shift = 0;

@@ -365,6 +365,8 @@ std::string modeRegionPass(int64_t address, int64_t pass) {
   ModeRegion& mode = modeRegion(address);
   mode.pending_op = nullptr;  // a kernel that raised leaves its call unfinished
   mode.pending.written.clear();
+  mode.pending.casts_a_parameter = false;
+  mode.pending.cast_source.reset();  // not held past the call that raised
   switch (pass) {
     case kBeginForward:
       mode.recompute = false;

@@ -123,7 +123,8 @@ void ThreadState::refreshInnermost() {
   enclosing_.clear();
   for (const Activation& activation : stack_) {
     if (!activation.region) continue;
-    // The region this one replaces as the innermost encloses the rest, if it holds anything.
+    // The innermost region found so far encloses this activation's: it names the calls of the
+    // regions nested in it, if it holds anything.
     if (region_ != nullptr && region_ != activation.region.get() && region_->intercepts() &&
         region_->profile() == nullptr) {
       enclosing_.push_back(EnclosingPass{region_, region_kind_ == ActivationKind::kRecompute});

@@ -129,7 +129,9 @@ def test_a_peft_lora_model_is_checkpointed_in_its_base_models_layers(apply, lora
 # --- transformers' Trainer ---------------------------------------------------------------------------
 
 
-def _training_arguments(output_dir, **kwargs):
+def _training_arguments(output_dir, arguments=None, **kwargs):
+    """`arguments` (transformers.TrainingArguments by default, or a subclass such as TRL's
+    SFTConfig) for a short CPU run into `output_dir`, with `kwargs` on top."""
     defaults = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=2,
@@ -142,7 +144,7 @@ def _training_arguments(output_dir, **kwargs):
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gradient_checkpointing is transformers' deprecated alias
-        return transformers.TrainingArguments(**{**defaults, **kwargs})
+        return (arguments or transformers.TrainingArguments)(**{**defaults, **kwargs})
 
 
 def _train(model, args) -> sac_plugin.Audit:
@@ -269,20 +271,7 @@ def _sft(model, tmp_path, **checkpointing):
     from support.fine_tuning import GradientRecorder, tiny_tokenizer
 
     tokens = torch.randint(64, (2 * STEPS, 8), generator=torch.Generator().manual_seed(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # gradient_checkpointing is transformers' deprecated alias
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=2,
-            max_steps=STEPS,
-            logging_steps=1,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            learning_rate=1e-3,
-            disable_tqdm=True,
-            **checkpointing,
-        )
+    args = _training_arguments(tmp_path, trl.SFTConfig, max_steps=STEPS, logging_steps=1, **checkpointing)
     recorder = GradientRecorder()
     datasets.disable_progress_bars()
     trainer = trl.SFTTrainer(
