@@ -128,14 +128,20 @@ using sac::guarded;
 
 SAC_C_API int32_t sac_scope_c_api_version() { return kSacCApiVersion; }
 
-SAC_C_API void* sac_site_new(const void* policy_address, const char* label) {
+SAC_C_API void* sac_site_new(const void* policy_address, const char* label, int32_t watches_outside_writes) {
   if (policy_address == nullptr) return nullptr;
   const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
   void* site = nullptr;
   guarded([&] {
-    site = new std::shared_ptr<sac::Site>(std::make_shared<sac::Site>(policy, label == nullptr ? "" : label));
+    site = new std::shared_ptr<sac::Site>(
+        std::make_shared<sac::Site>(policy, label == nullptr ? "" : label, watches_outside_writes != 0));
   });
   return site;
+}
+
+SAC_C_API int32_t sac_site_outside_writes(const void* site) {
+  if (site == nullptr) return 0;
+  return static_cast<int32_t>((*static_cast<const std::shared_ptr<sac::Site>*>(site))->outsideWritesSeen());
 }
 
 SAC_C_API void sac_site_release(void* site) { delete static_cast<std::shared_ptr<sac::Site>*>(site); }

@@ -29,7 +29,7 @@
 
 // Bumped when a signature or a meaning changes; Python (sac_plugin/_native.py, C_API_VERSION)
 // refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 7;
+inline constexpr int32_t kSacCApiVersion = 8;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -45,7 +45,10 @@ SAC_C_API int32_t sac_scope_c_api_version();
 // that outlives the call), named `label` in messages (the checkpointed layer; null or empty: none,
 // NOTE: [Unpinned routing must repeat itself] in dispatch/routing_check.cpp). Returns an owned std::shared_ptr<Site>*,
 // or null when the policy address is null; sac_site_release drops it (the site lives on in the regions made from it).
-SAC_C_API void* sac_site_new(const void* policy_address, const char* label);
+SAC_C_API void* sac_site_new(const void* policy_address, const char* label, int32_t watches_outside_writes);
+// What the site's forwards showed of writes outside their regions (sac::Site::OutsideWritesSeen):
+// 0 not yet known, 1 none, 2 some (NOTE: [The recompute writes nothing outside its region]).
+SAC_C_API int32_t sac_site_outside_writes(const void* site);
 SAC_C_API void sac_site_release(void* site);
 // A new region of the site at `site_address` (sac_site_new). Returns an owned RegionHandle*, or
 // null when the site address is null.

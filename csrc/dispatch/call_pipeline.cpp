@@ -77,7 +77,11 @@ bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::
   call->written.clear();
   if (C10_UNLIKELY(op.traits.mutates_inputs || op.traits.writes_out_arguments)) {
     call->written = writtenStorages(op.traits, arguments);
-    if (!in_recompute) region.preserveKeptOutputsIn(call->written);  // in place and out= writes alike
+    if (!in_recompute) {
+      region.preserveKeptOutputsIn(call->written);  // in place and out= writes alike
+      // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp)
+      region.outsideWrites().noteForward(region.flow(), op, arguments, call->written, region.site().label());
+    }
   }
   DataFlow& flow = region.flow();
   if (C10_UNLIKELY(naming_key.has_value())) {  // the dispatch-mode engine only
@@ -88,6 +92,30 @@ bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::
     call->identity = flow.identify(op, arguments, num_arguments);
   }
   return true;
+}
+
+bool redirectsOutsideWrites(const Region* region, bool in_recompute) {
+  if (region != nullptr && in_recompute && region->outsideWrites().any()) return true;
+  for (const ThreadState::EnclosingPass& pass : ThreadState::current().enclosingPasses()) {
+    if (pass.in_recompute && pass.region->outsideWrites().any()) return true;
+  }
+  return false;
+}
+
+// NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp): the regions around
+// the innermost one first, in their own passes (a nested checkpoint that the outer recompute runs
+// again is a forward of its own, whose writes the outer keeps from the tensors outside it).
+void redirectOutsideWrites(Region* region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack,
+                           size_t num_arguments) {
+  c10::IValue* arguments = &(*stack)[stack->size() - num_arguments];
+  for (const ThreadState::EnclosingPass& pass : ThreadState::current().enclosingPasses()) {
+    if (pass.in_recompute && pass.region->outsideWrites().any()) {
+      pass.region->outsideWrites().redirect(pass.region->flow(), op, arguments, num_arguments, pass.region->pass());
+    }
+  }
+  if (region != nullptr && in_recompute && region->outsideWrites().any()) {
+    region->outsideWrites().redirect(region->flow(), op, arguments, num_arguments, region->pass());
+  }
 }
 
 // NOTE: [A checkpoint nested in another is named by the outer too]

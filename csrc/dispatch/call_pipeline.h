@@ -63,6 +63,15 @@ bool nameCall(Region& region, bool in_recompute, const OpEntry& op, torch::jit::
 // The calls of a nested checkpoint as the regions open around it name them (NOTE: [A checkpoint
 // nested in another is named by the outer too] in call_pipeline.cpp): begin before the kernel,
 // finish once its outputs are the last `num_returns` values on the stack (run or served).
+// Whether a call in `region` (the innermost region, null for none) must be redirected before it
+// is named (NOTE: [The recompute writes nothing outside its region] in outside_writes.cpp): the
+// region, or a region around it, is recomputing and its forward wrote outside it.
+bool redirectsOutsideWrites(const Region* region, bool in_recompute);
+// Replaces the call's arguments (the last `num_arguments` values on `stack`) that must not touch
+// what they live in by views over the recompute's copies.
+void redirectOutsideWrites(Region* region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack,
+                           size_t num_arguments);
+
 class EnclosingCalls {
  public:
   void begin(const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key);

@@ -155,6 +155,8 @@ void DataFlow::reset(uint64_t salt, size_t expected_calls) {
   enclosing_names_ = nullptr;
   retain_for_nested_ = false;
   names_for_nested_.clear();
+  note_external_reads_ = false;
+  external_reads_.clear();
   if (expected_calls > 0) {
     // One allocation per pass instead of a rehash at every doubling; every call produces about
     // one storage.
@@ -177,6 +179,7 @@ uint64_t DataFlow::provenanceOf(const at::Tensor& tensor) const {
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   auto found = origins_.find(storage);
   int64_t offset = impl->storage_offset();
+  if (note_external_reads_ && found == origins_.end()) external_reads_.insert(storage);
   uint64_t seed = found != origins_.end() ? found->second : externalOrigin(storage, &offset);
   // Where in the storage the tensor looks: dtype and offset, then each dimension's size and
   // stride folded into one word (the hash is 64-bit either way; one mix per dimension, not two).

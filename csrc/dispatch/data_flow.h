@@ -66,6 +66,12 @@ class DataFlow {
   // The name this pass gives `storage`, an input of the region (no call of the pass produced it),
   // before anything writes it: what a copy of it is named as in another pass (nameCopyAs).
   uint64_t nameOfInput(const c10::StorageImpl* storage) const;
+  // The same, with `offset_shift` receiving what to add to a tensor's offset in `storage` to find
+  // its offset in what the name names (non-zero for a copy named as part of its original).
+  uint64_t nameOfInput(const c10::StorageImpl* storage, int64_t* offset_shift) const {
+    *offset_shift = 0;
+    return externalOrigin(storage, offset_shift);
+  }
   // For the rest of this pass, `copy` (a tensor the region made anew: an offloaded input brought
   // back for the recompute) is named as the tensor of the forward it copies, which lived at
   // `original_offset` in a storage the forward named `original_name` (nameOfInput; NOTE: [A copy
@@ -80,6 +86,11 @@ class DataFlow {
     enclosing_pass_ = enclosing_pass;
     enclosing_names_ = enclosing_names;
   }
+  // For the rest of this pass, note each storage it names that it did not produce, as calls read
+  // them: whether the forward read outside state before writing it (NOTE: [The recompute writes
+  // nothing outside its region] in outside_writes.cpp).
+  void noteExternalReads() { note_external_reads_ = true; }
+  bool readAsExternal(const c10::StorageImpl* storage) const { return external_reads_.count(storage) > 0; }
   // For the rest of this pass, remember what it names weakly, for the regions nested in it;
   // takeNamesForNested hands it over.
   void retainNamesForNested() { retain_for_nested_ = true; }
@@ -124,6 +135,8 @@ class DataFlow {
   bool retain_for_nested_ = false;
   NamesForNested names_for_nested_;
   uint64_t salt_ = 0;
+  bool note_external_reads_ = false;
+  mutable HashSet<const c10::StorageImpl*> external_reads_;
 };
 
 }  // namespace sac

@@ -70,6 +70,7 @@ class BoxedInvocation {
   BoxedInvocation(const c10::OperatorHandle& op, torch::jit::Stack* stack) : op_(op), stack_(stack) {}
 
   torch::jit::Stack& arguments() { return *stack_; }
+  torch::jit::Stack& ownedArguments(const c10::OperatorHandle& /*op*/) { return *stack_; }
   void runKernel(c10::DispatchKeySet below) { op_.redispatchBoxed(below, stack_); }
   void served(size_t num_arguments, size_t num_returns) {
     const auto outputs = stack_->end() - static_cast<std::ptrdiff_t>(num_returns);

@@ -131,16 +131,33 @@ class HotInvocation {
       : arguments_(arguments), build_stack_(build_stack), redispatch_(redispatch) {}
 
   torch::jit::Stack& arguments() {
+    if (C10_UNLIKELY(owned_.has_value())) return *owned_;
     if (!stack_.has_value()) build_stack_(arguments_, &stack_);
     return stack_->values();
   }
+  // The arguments as a stack of their own, which the call pipeline may change (NOTE: [The
+  // recompute writes nothing outside its region] in outside_writes.cpp): the call then runs boxed.
+  torch::jit::Stack& ownedArguments(const c10::OperatorHandle& op) {
+    if (!owned_.has_value()) {
+      const torch::jit::Stack& borrowed = arguments();
+      owned_.emplace(borrowed.begin(), borrowed.end());  // copies own what they hold
+      op_ = &op;
+    }
+    return *owned_;
+  }
   void runKernel(c10::DispatchKeySet below) {
+    if (C10_UNLIKELY(owned_.has_value())) {
+      op_->redispatchBoxed(below, &*owned_);
+      result_ = owned_->back().toTensor();
+      return;
+    }
     result_ = redispatch_(below, arguments_);
     if (stack_.has_value()) stack_->pushBorrowedResult(result_);
   }
   void served(size_t /*num_arguments*/, size_t /*num_returns*/) {
-    result_ = std::move(stack_->values().back()).toTensor();
-    stack_->values().pop_back();
+    torch::jit::Stack& values = owned_.has_value() ? *owned_ : stack_->values();
+    result_ = std::move(values.back()).toTensor();
+    values.pop_back();
   }
   at::Tensor takeResult() { return std::move(result_); }
 
@@ -150,6 +167,8 @@ class HotInvocation {
   Redispatch redispatch_;
   at::Tensor result_;  // declared before stack_, so that it outlives the stack's borrow of it
   std::optional<BorrowedStack> stack_;
+  std::optional<torch::jit::Stack> owned_;
+  const c10::OperatorHandle* op_ = nullptr;
 };
 
 // The one copy of the fallback's steps that every hot op runs.

@@ -53,6 +53,14 @@ class InterceptedCall {
     ThreadState& state = ThreadState::current();
     Region* region = state.region();
     const bool python_handles_it = kPythonBelowSacKey && keys_.has(c10::DispatchKey::Python);
+    // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp)
+    const bool recompute = state.regionInRecompute();
+    if (C10_UNLIKELY((recompute && region != nullptr && region->outsideWrites().any()) ||
+                     !state.enclosingPasses().empty()) &&
+        !python_handles_it && redirectsOutsideWrites(region, recompute)) {
+      redirectOutsideWrites(region, recompute, entry_, &invocation_.ownedArguments(op_),
+                            op_.schema().arguments().size());
+    }
     // NOTE: [A checkpoint nested in another is named by the outer too] (call_pipeline.cpp)
     if (C10_UNLIKELY(!state.enclosingPasses().empty()) && !python_handles_it) {
       EnclosingCalls enclosing;

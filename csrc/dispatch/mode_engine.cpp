@@ -262,9 +262,32 @@ ModeRegion& modeRegion(int64_t address) {
 // from all of them).
 using BuildArguments = std::function<torch::jit::Stack()>;
 
+// The tensors of the call's arguments on `stack`, in the order the mode gave them (`positions`).
+std::vector<std::optional<at::Tensor>> argumentTensors(const torch::jit::Stack& stack, size_t num_arguments,
+                                                       const std::vector<int64_t>& positions) {
+  std::vector<std::optional<at::Tensor>> tensors;
+  tensors.reserve(positions.size());
+  int64_t last = -1;
+  for (int64_t position : positions) {
+    if (position == last) continue;  // a list's tensors share its position
+    last = position;
+    const c10::IValue& value = stack[stack.size() - num_arguments + static_cast<size_t>(position)];
+    if (value.isTensor()) {
+      tensors.emplace_back(value.toTensor());
+    } else if (value.isList()) {
+      for (const c10::IValue& element : value.toListRef()) {
+        tensors.push_back(element.isTensor() ? std::optional<at::Tensor>(element.toTensor()) : std::nullopt);
+      }
+    } else {
+      tensors.emplace_back(std::nullopt);
+    }
+  }
+  return tensors;
+}
+
 BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std::optional<at::Tensor>>& tensors,
-                      const BuildArguments& build, std::optional<int64_t> key, bool draws_random,
-                      std::vector<c10::IValue>* other_returns) {
+                      const std::vector<int64_t>& positions, const BuildArguments& build, std::optional<int64_t> key,
+                      bool draws_random, std::vector<c10::IValue>* other_returns) {
   BeginResult result{kRunOnly, 0, {}, {}};
   const OpEntry& entry = lookupOp(op.handle);
   if (entry.traits.never_counts || anyMetaTensor(tensors)) return result;
@@ -280,11 +303,19 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
   const size_t num_arguments = schema.arguments().size();
   torch::jit::Stack stack = build();
   if (carriesOurKey(stack, num_arguments)) return result;
+  // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp): each mode
+  // redirects for its own region, the innermost first (its mode is on top).
+  if (C10_UNLIKELY(mode.recompute && region->outsideWrites().any()) &&
+      region->outsideWrites().redirect(region->flow(), entry, &stack[stack.size() - num_arguments], num_arguments,
+                                       region->pass())) {
+    std::get<0>(result) = kRedirected;
+    std::get<2>(result) = argumentTensors(stack, num_arguments, positions);
+  }
   CallInFlight& call = mode.pending;
   if (!innermost) {
     if (!nameCall(*region, mode.recompute, entry, &stack, num_arguments, key, &call)) return result;
     mode.pending_op = &op;
-    std::get<0>(result) = kRunAndRecord;
+    std::get<0>(result) |= kRunAndRecord;
     std::get<1>(result) = static_cast<int64_t>(call.identity);
     return result;
   }
@@ -300,6 +331,7 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
     }
     std::vector<c10::IValue> served(stack.end() - static_cast<std::ptrdiff_t>(schema.returns().size()), stack.end());
     std::get<0>(result) = kServed;
+    std::get<2>(result).clear();  // a served call runs on no arguments
     flatten(served, &std::get<2>(result), &std::get<3>(result));
     if (other_returns != nullptr) {
       // The native fallback kept the non-tensor returns too (a mode region's stay in Python).
@@ -310,7 +342,7 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
     return result;
   }
   mode.pending_op = &op;
-  std::get<0>(result) = call.hold ? kRunAndKeep : kRunAndRecord;
+  std::get<0>(result) |= call.hold ? kRunAndKeep : kRunAndRecord;
   return result;
 }
 
@@ -321,8 +353,8 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
                           bool draws_random) {
   const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
   return beginCall(
-      modeRegion(address), op, tensors, [&] { return rebuild(op.arguments, tensors, positions); }, key, draws_random,
-      nullptr);
+      modeRegion(address), op, tensors, positions, [&] { return rebuild(op.arguments, tensors, positions); }, key,
+      draws_random, nullptr);
 }
 
 void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
@@ -340,7 +372,7 @@ void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
   std::vector<c10::IValue> other_returns;
   BeginResult result = beginCall(
-      modeRegion(address), op, tensors,
+      modeRegion(address), op, tensors, positions,
       [&] { return rebuildAll(op.handle.schema(), op.arguments, tensors, positions, others, other_positions); },
       std::nullopt, draws_random, &other_returns);
   c10::List<std::optional<at::Tensor>> served;

@@ -30,6 +30,10 @@ enum ModeAction : int64_t {
   kRunAndRecord = 1,  // run it, then modeCallEnd records its outputs
   kRunAndKeep = 2,    // run it, then modeCallEnd keeps and records its outputs
   kServed = 3,        // served: the outputs come back with the answer, already recorded
+  // Added to a run action: the call must run on other tensors than it was given (NOTE: [The
+  // recompute writes nothing outside its region] in outside_writes.cpp), which come back with the
+  // answer in the order the call's tensors were given.
+  kRedirected = 4,
 };
 
 // Passes, as ThreadState::enter and exit drive them for an activated region.

@@ -2,7 +2,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty_strided.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -12,6 +11,7 @@
 
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/sac_key.h"
+#include "dispatch/storage_copy.h"
 #include "dispatch/thread_state.h"
 #include "ops/hash_containers.h"
 #include "ops/user_warning.h"
@@ -71,7 +71,9 @@ struct Region::WeakLink {
 
 Region::Region(std::shared_ptr<Site> site) : site_(std::move(site)) {
   TORCH_CHECK(site_ != nullptr, "sac: a region needs a checkpoint site");
-  intercepts_ = !site_->policy().keepsNothing();
+  // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp): a policy that
+  // keeps nothing still intercepts a layer that writes outside state, or may.
+  intercepts_ = !site_->policy().keepsNothing() || site_->mayWriteOutside();
   live_regions.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -96,6 +98,7 @@ void Region::releaseHeld() {
   kept_storages_.clear();
   dropInputs();
   routing_.clear();
+  outside_writes_.clear();
   offloaded_before_.reset();
   inputs_owner_.reset();
   enclosing_.reset();
@@ -422,29 +425,7 @@ int64_t Region::offloadedCalls() const {
 // may fill it by calls its recompute does not make again (FSDP2 all-gathers into the buffer its
 // parameter views point into in the forward only), where a copy from before the write would
 // serve what was never read; recomputed, the view reads the storage as the recompute finds it.
-bool preservableFromWrites(const at::Tensor& tensor) {
-  return tensor.defined() && tensor.has_storage() && !tensor.key_set().has(c10::DispatchKey::Python) &&
-         tensor.storage().nbytes() % tensor.itemsize() == 0;
-}
 
-namespace {
-
-// A 1-D copy of the whole storage `tensor` lives in, made below every mode.
-at::Tensor copyOfStorage(const at::Tensor& tensor) {
-  PluginCallGuard not_the_models;
-  const auto elements = static_cast<int64_t>(tensor.storage().nbytes() / tensor.itemsize());
-  at::Tensor copy = at::empty_strided({elements}, {1}, tensor.options());
-  copy.copy_(tensor.as_strided({elements}, {1}, 0));
-  return copy;
-}
-
-// `like`'s view of its storage, over `storage_copy` instead.
-at::Tensor viewOver(const at::Tensor& storage_copy, const at::Tensor& like) {
-  PluginCallGuard not_the_models;
-  return storage_copy.as_strided(like.sizes(), like.strides(), like.storage_offset());
-}
-
-}  // namespace
 
 void Region::preserveKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   for (const WrittenStorage& write : written) {
@@ -632,6 +613,9 @@ void Region::beginForward() {
   }
   forward_position_ = 0;
   routing_.clear();
+  // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp)
+  outside_writes_.clear();
+  flow_.noteExternalReads();
 }
 
 // NOTE: [Kept outputs the recompute never reaches]
@@ -663,6 +647,7 @@ int64_t Region::releaseUnreached(int64_t last_saved_position) {
 void Region::endForward() {
   calls_per_pass_ = flow_.callsRecorded();
   site_->noteCallsPerPass(calls_per_pass_);
+  site_->noteOutsideWrites(outside_writes_.any());
   flow_.reset(++passes_, 0);
   if (any_offloaded_) {
     if (last_offloading_region.has_value()) {

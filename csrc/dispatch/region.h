@@ -23,8 +23,10 @@
 
 #include "dispatch/data_flow.h"
 #include "dispatch/offload.h"
+#include "dispatch/outside_writes.h"
 #include "dispatch/routing_check.h"
 #include "dispatch/site.h"
+#include "dispatch/storage_copy.h"
 #include "ops/hash_containers.h"
 #include "policy/policy.h"
 
@@ -41,11 +43,6 @@ class CallProfile;
 bool inAutogradGraphTask();
 bool currentBackwardKeepsGraph();
 
-// Whether a write in the forward can be kept from a kept output by holding a copy of its
-// storage: a plain tensor (no subclass) whose storage holds a whole number of its elements (NOTE:
-// [Kept outputs written in the forward] in region.cpp). The call profile asks it too, so a plan
-// offers what is preserved.
-bool preservableFromWrites(const at::Tensor& tensor);
 
 // NOTE: [A region owns what it holds]
 // Regions are reference counted: the Python handle owns one reference (torch's checkpoint holds
@@ -118,10 +115,21 @@ class Region : public c10::intrusive_ptr_target {
 
   // A region with checkpoints nested in it names every call of its recompute for them (NOTE: [A
   // nested checkpoint names its inputs as the outer does] in data_flow.cpp).
-  bool servesMore() const { return left_to_serve_ > 0 || routing_.pending() > 0 || has_nested_regions_; }
+  // So does one whose forward wrote outside it: the recompute's copies of what it wrote are named
+  // as their originals (NOTE: [The recompute writes nothing outside its region]).
+  bool servesMore() const {
+    return left_to_serve_ > 0 || routing_.pending() > 0 || has_nested_regions_ || outside_writes_.any();
+  }
 
   // What the forward routed, where the policy recomputes the routing (pin_routing off).
   RoutingCheck& routing() { return routing_; }
+
+  // What the forward wrote outside the region, kept from the recompute (NOTE: [The recompute
+  // writes nothing outside its region] in outside_writes.cpp).
+  OutsideWrites& outsideWrites() { return outside_writes_; }
+  const OutsideWrites& outsideWrites() const { return outside_writes_; }
+  // The pass under way (forward or recompute), counted from 1; what a pass's copies are made for.
+  uint64_t pass() const { return passes_; }
 
   // Recompute: push the outputs the forward kept for the call with identity `call` after the
   // op's arguments on the stack (the engine drops the arguments) and return true. They are freed
@@ -275,6 +283,7 @@ class Region : public c10::intrusive_ptr_target {
   bool intercepts_ = false;
   DataFlow flow_;
   RoutingCheck routing_;
+  OutsideWrites outside_writes_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
   HashMap<const c10::StorageImpl*, c10::SmallVector<uint64_t, 1>> kept_storages_;
   HashMap<const OpEntry*, uint32_t> kept_per_op_;

@@ -4,8 +4,8 @@
 
 namespace sac {
 
-Site::Site(std::shared_ptr<const Policy> policy, std::string label)
-    : policy_(std::move(policy)), label_(std::move(label)) {
+Site::Site(std::shared_ptr<const Policy> policy, std::string label, bool watches_outside_writes)
+    : policy_(std::move(policy)), label_(std::move(label)), watches_outside_writes_(watches_outside_writes) {
   TORCH_CHECK(policy_ != nullptr, "sac: a checkpoint site needs a policy");
 }
 

@@ -27,7 +27,11 @@ class Site {
  public:
   // `label` is what messages call the place: the checkpointed layer ("LlamaDecoderLayer"), or
   // empty for a region nothing names.
-  explicit Site(std::shared_ptr<const Policy> policy, std::string label = {});
+  // `watches_outside_writes`: whether its regions find out what their forward writes outside them
+  // (NOTE: [The recompute writes nothing outside its region] in outside_writes.cpp); false for
+  // the regions that only mark passes (a dispatch-mode engine's marker), whose calls another
+  // region decides.
+  explicit Site(std::shared_ptr<const Policy> policy, std::string label = {}, bool watches_outside_writes = true);
 
   const Policy& policy() const { return *policy_; }
   // The layer the site checkpoints, as messages name it: its label, or "a checkpointed region".
@@ -54,6 +58,26 @@ class Site {
     return (notices_.fetch_or(bit) & bit) == 0;
   }
 
+  // Whether a region of this site may write outside itself in its forward: unknown until a forward
+  // of the site has been intercepted, then what the forwards showed. A region whose policy keeps
+  // nothing intercepts only while this holds.
+  enum class OutsideWritesSeen : uint8_t { kUnknown = 0, kNone = 1, kSome = 2 };
+  bool mayWriteOutside() const {
+    return watches_outside_writes_ && outside_writes_.load(std::memory_order_relaxed) != OutsideWritesSeen::kNone;
+  }
+  OutsideWritesSeen outsideWritesSeen() const { return outside_writes_.load(std::memory_order_relaxed); }
+  // At the end of an intercepted forward: whether it wrote outside its region. Once one did, the
+  // site stays watched.
+  void noteOutsideWrites(bool any) {
+    if (!watches_outside_writes_) return;
+    if (any) {
+      outside_writes_.store(OutsideWritesSeen::kSome, std::memory_order_relaxed);
+    } else {
+      OutsideWritesSeen unknown = OutsideWritesSeen::kUnknown;
+      outside_writes_.compare_exchange_strong(unknown, OutsideWritesSeen::kNone, std::memory_order_relaxed);
+    }
+  }
+
   // How many calls a forward of a region of this site named last time: a sizing hint for the
   // next region's data-flow tables (relaxed: any recent value will do).
   size_t callsPerPassHint() const { return calls_per_pass_hint_.load(std::memory_order_relaxed); }
@@ -65,6 +89,8 @@ class Site {
   std::atomic<uint8_t> notices_{0};
   std::atomic<size_t> calls_per_pass_hint_{0};
   std::atomic<bool> any_never_reached_{false};
+  bool watches_outside_writes_ = true;
+  std::atomic<OutsideWritesSeen> outside_writes_{OutsideWritesSeen::kUnknown};
   mutable std::mutex mutex_;  // guards warned_ and never_reached_
   HashSet<const OpEntry*> warned_;
   HashSet<std::pair<const OpEntry*, uint32_t>> never_reached_;

@@ -81,6 +81,11 @@ const std::vector<UnannotatedWrite>& unannotatedWrites() {
       {"c10d::alltoall_base_", {"output"}},
       {"inductor::accumulate_grad_", {"variable"}},
       {"inductor::resize_storage_bytes_", {"variable"}},
+      // Batch norm in training updates its running statistics in place, unmarked in these schemas
+      // (_native_batch_norm_legit and _batch_norm_with_update mark them).
+      {"aten::native_batch_norm", {"running_mean", "running_var"}},
+      {"aten::cudnn_batch_norm", {"running_mean", "running_var"}},
+      {"aten::miopen_batch_norm", {"running_mean", "running_var"}},
       // Read only: a send, barriers whose tensor only names the device, a NaN check.
       {"c10d::send", {}},
       {"c10d::barrier", {}},
@@ -123,6 +128,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
     const c10::AliasInfo* alias = arg.alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
     traits.written_arguments.push_back(static_cast<uint32_t>(i));
+    traits.written_argument_names.push_back(arg.name());
     if (arg.is_out()) {
       traits.writes_out_arguments = true;
     } else {
@@ -133,7 +139,9 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
     if (const UnannotatedWrite* unmarked = findUnannotatedWrite(traits.base_name)) {
       for (size_t i = 0; i < schema.arguments().size(); ++i) {
         for (std::string_view written : unmarked->written) {
-          if (schema.arguments()[i].name() == written) traits.written_arguments.push_back(static_cast<uint32_t>(i));
+          if (schema.arguments()[i].name() != written) continue;
+          traits.written_arguments.push_back(static_cast<uint32_t>(i));
+          traits.written_argument_names.push_back(schema.arguments()[i].name());
         }
       }
       traits.mutates_inputs = !traits.written_arguments.empty();

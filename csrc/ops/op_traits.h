@@ -34,6 +34,8 @@ struct OpTraits {
   // The arguments the op writes, in schema order: those its schema annotates as written, and
   // those NOTE: [Writes no schema declares] names (unannotatedWrites).
   std::vector<uint32_t> written_arguments;
+  // Their names in the schema ("running_mean"), in the same order, for messages.
+  std::vector<std::string> written_argument_names;
   // Returns an alias of an input. Keeping a view pins its base and breaks aliasing in the
   // recompute, while recomputing it costs nothing, so units never keep views.
   bool is_view = false;
@@ -69,6 +71,8 @@ OpTraits classifyOp(const c10::OperatorHandle& op);
 // registered without marks whose name says it writes (the c10d namespace, a trailing underscore)
 // is listed here with the arguments it writes, or with none where it writes nothing (barriers, a
 // NaN check); a test checks every such op registered in the running torch against this table.
+// Batch norm's forwards that update the running statistics without marking them are listed too,
+// by name (NOTE: [The recompute writes nothing outside its region] in dispatch/outside_writes.cpp).
 struct UnannotatedWrite {
   std::string_view op;                    // base name: every overload
   std::vector<std::string_view> written;  // argument names; empty: writes nothing

@@ -207,7 +207,8 @@ Decision recomputed(Reason reason) {
 //      recomputed units: countsCalls); the call runs inside a kept (offloaded) unit, or inside a
 //      torch_remat region with recompute=False that no list names, the innermost such unit or
 //      region deciding (a region with recompute=True decides too: not selected; see
-//      innermostSelectingUnit). Anything else is not selected and recomputed. A call
+//      innermostSelectingUnit), under a policy that selects something (one that selects nothing
+//      is full recompute). Anything else is not selected and recomputed. A call
 //      selected by an offload rule is offloaded, by a keep rule kept.
 //   5. A selected call is still recomputed when it draws random numbers (the recompute must draw
 //      the same numbers in the same order), when it mutates an input (the recompute must apply
@@ -242,7 +243,8 @@ Decision Policy::decide(const OpEntry& op, const std::vector<UnitId>& open_units
   }
   // 3.
   if (insideRecomputedUnit(open_units)) return recomputed(Reason::kInsideRecomputedUnit);
-  // 4.
+  // 4. A policy that selects nothing is full recompute, whatever a region's flag says.
+  if (keepsNothing()) return recomputed(Reason::kNotSelected);
   Reason selected = Reason::kKeptUnit;
   UnitId unit = kNoUnit;
   if (kept_ops_.count(&op) > 0) {

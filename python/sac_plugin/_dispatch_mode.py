@@ -39,6 +39,7 @@ from ._mode_calls import (
     assemble,
     call_begin,
     call_end,
+    replace_tensors,
     draws_random_call,
     flatten_arguments,
     flatten_returns,
@@ -50,6 +51,7 @@ from ._mode_calls import (
 __all__ = ["dispatch_mode_contexts"]
 
 _RUN_ONLY, _RUN_AND_KEEP, _SERVED = ModeAction.RUN_ONLY, ModeAction.RUN_AND_KEEP, ModeAction.SERVED
+_REDIRECTED = ModeAction.REDIRECTED
 _OTHER = Slot.OTHER
 
 
@@ -127,6 +129,9 @@ class _PassMode(TorchDispatchMode):
             action, call, served, counts = call_begin(self._address, op.address, key, tensors, positions, draws)
         if action == _SERVED:
             return self._served(op, call, served, counts)
+        if action & _REDIRECTED:
+            args, kwargs = replace_tensors(op, args, kwargs, served)
+            action &= ~_REDIRECTED
         out = func(*args, **kwargs)
         if action != _RUN_ONLY:
             out_tensors, out_positions = flatten_returns(op, out)

@@ -158,6 +158,31 @@ def split_arguments(op: Op, args, kwargs):
     return tensors, positions, others
 
 
+def replace_tensors(op: Op, args, kwargs, tensors):
+    """args and kwargs with their tensors replaced, in the order split_arguments lists them, by
+    `tensors` (NOTE: [The recompute writes nothing outside its region] in
+    csrc/dispatch/outside_writes.cpp)."""
+    slots = op.arguments
+    replacements = iter(tensors)
+
+    def replaced(position, value):
+        slot = slots[position]
+        if slot == _TENSOR and isinstance(value, torch.Tensor):
+            return next(replacements)
+        if slot >= _TENSOR_LIST and value is not None:
+            return type(value)(next(replacements) for _ in value)
+        return value
+
+    new_args = tuple(replaced(position, value) for position, value in enumerate(args))
+    if not kwargs:
+        return new_args, kwargs
+    names = op.names
+    new_kwargs = dict(kwargs)
+    for name, position in sorted(((name, names[name]) for name in kwargs), key=lambda item: item[1]):
+        new_kwargs[name] = replaced(position, kwargs[name])
+    return new_args, new_kwargs
+
+
 def flatten_returns(op: Op, out):
     values = (out,) if len(op.returns) == 1 else (out or ())
     tensors: list = []

@@ -12,6 +12,7 @@ from ._mode_calls import (
     assemble,
     call_begin_all,
     call_end,
+    replace_tensors,
     flatten_returns,
     foreign_modes_on,
     known_ops,
@@ -25,7 +26,7 @@ from .policy import Policy
 __all__ = ["new_region_scopes", "recompute_above_modes"]
 
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
-_RUN_ONLY, _SERVED = ModeAction.RUN_ONLY, ModeAction.SERVED
+_RUN_ONLY, _SERVED, _REDIRECTED = ModeAction.RUN_ONLY, ModeAction.SERVED, ModeAction.REDIRECTED
 
 # What an `Any` argument takes as the fallback's stack holds it (dtypes and layouts become ints).
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.layout, torch.device, torch.Generator)
@@ -120,6 +121,9 @@ class RecomputeAboveModes(TorchDispatchMode):
             )
         if action == _SERVED:
             return assemble(op, served, counts, other_returns.__getitem__)
+        if action & _REDIRECTED:
+            args, kwargs = replace_tensors(op, args, kwargs, served)
+            action &= ~_REDIRECTED
         out = func(*args, **kwargs)
         if action != _RUN_ONLY:
             out_tensors, out_positions = flatten_returns(op, out)
@@ -136,7 +140,7 @@ def _marker_reference() -> _scopes.RegionReference:
     global _marker_policy, _marker_site
     if _marker_site is None:
         _marker_policy = Policy()  # alive as long as the site made from its address
-        _marker_site = _scopes.SiteReference(_marker_policy._policy_address)
+        _marker_site = _scopes.SiteReference(_marker_policy._policy_address, marks_passes=True)
     return _scopes.RegionReference(_marker_site.address)
 
 

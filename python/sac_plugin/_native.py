@@ -115,14 +115,15 @@ def interception_path() -> str:
 # --- The C ABI (csrc/bindings/c_api.h) ------------------------------------------------------------
 
 # kSacCApiVersion: bumped in C++ when a signature or a meaning changes.
-C_API_VERSION = 7
+C_API_VERSION = 8
 
 _c_int32, _c_int64, _c_pointer, _c_string = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
 # Every C function Python calls but the version (which _bind reads first): name -> (restype,
 # argtypes), so that ctypes converts and checks them.
 _SIGNATURES = {
     # Sites, regions and units (the scopes).
-    "sac_site_new": (_c_pointer, [_c_pointer, _c_string]),
+    "sac_site_new": (_c_pointer, [_c_pointer, _c_string, _c_int32]),
+    "sac_site_outside_writes": (_c_int32, [_c_pointer]),
     "sac_site_release": (None, [_c_pointer]),
     "sac_region_new": (_c_pointer, [_c_pointer]),
     "sac_region_release": (None, [_c_pointer]),
@@ -270,6 +271,9 @@ class ModeAction(enum.IntEnum):
     RUN_AND_RECORD = 1
     RUN_AND_KEEP = 2
     SERVED = 3
+    # Added to a run action: the call runs on the tensors that come back with the answer (NOTE:
+    # [The recompute writes nothing outside its region] in csrc/dispatch/outside_writes.cpp).
+    REDIRECTED = 4
 
 
 class ModePass(enum.IntEnum):

@@ -13,6 +13,7 @@ _ERRORS = {_native.ScopeStatus.RUNTIME_ERROR: RuntimeError, _native.ScopeStatus.
 
 _site_new = _native.lib.sac_site_new
 _site_release = _native.lib.sac_site_release
+_site_outside_writes = _native.lib.sac_site_outside_writes
 _region_new = _native.lib.sac_region_new
 _region_release = _native.lib.sac_region_release
 _region_enter = _native.lib.sac_region_enter
@@ -43,8 +44,15 @@ class SiteReference:
 
     __slots__ = ("address",)
 
-    def __init__(self, policy_address: int, label: str = ""):
-        self.address = _site_new(policy_address, label.encode())
+    def __init__(self, policy_address: int, label: str = "", *, marks_passes: bool = False):
+        # A site whose regions only mark passes (a dispatch-mode engine's marker) leaves the calls
+        # to another region, which finds out what they write outside it.
+        self.address = _site_new(policy_address, label.encode(), 0 if marks_passes else 1)
+
+    def outside_writes(self) -> int:
+        """0 while no forward of the site has shown it, 1 when its forwards write nothing outside
+        their regions, 2 when one did (NOTE: [The recompute writes nothing outside its region])."""
+        return _site_outside_writes(self.address)
 
     def __del__(self, _release=_site_release):
         _release(self.address)

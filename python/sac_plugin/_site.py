@@ -26,16 +26,24 @@ class Site:
         "unchecked_units",
         "watched_forwards",
         "reach_unknown",
+        "writes_outside",
+        "marks_passes",
         "__weakref__",
     )
 
-    def __init__(self, policy, label: str = ""):
+    def __init__(self, policy, label: str = "", *, marks_passes: bool = False):
         self.policy = policy
         # What messages call this place: the checkpointed layer's class, or "" for none.
         self.label = label
         # The policy is a value: read once here, not on every checkpoint call the site makes.
         self.keeps_nothing = policy.keeps_nothing
-        self._reference = _scopes.SiteReference(policy._policy_address, label)
+        # A site whose regions only mark passes for another region that decides their calls.
+        self.marks_passes = marks_passes
+        self._reference = _scopes.SiteReference(policy._policy_address, label, marks_passes=marks_passes)
+        # Whether the layer's forward writes tensors outside its region: None until a forward of
+        # the site has shown it (NOTE: [The recompute writes nothing outside its region] in
+        # csrc/dispatch/outside_writes.cpp). A policy that keeps nothing intercepts only then.
+        self.writes_outside = None
         # What the scope C ABI and the dispatch-mode engine make regions from; valid while this lives.
         self.address = self._reference.address
         # Units not yet seen to mean something in a region's forward (_unit_checks.py).
@@ -45,9 +53,23 @@ class Site:
         # recompute never reaches (NOTE: [Kept outputs the recompute never reaches]).
         self.reach_unknown = not policy.keeps_nothing
 
+    def outside_writes_possible(self) -> bool:
+        """Whether a region of this site may write outside itself in its forward (unknown counts),
+        read from the C++ site until a forward has settled it."""
+        if self.writes_outside is None:
+            seen = self._reference.outside_writes()
+            if seen == 0:
+                return True
+            self.writes_outside = seen == 2
+        return self.writes_outside
+
     def __reduce__(self):
         # A copy (pickle, deepcopy) is a new place: it learns for itself.
-        return (Site, (self.policy, self.label))
+        return (_new_site, (self.policy, self.label, self.marks_passes))
 
     def __repr__(self) -> str:
         return f"Site({self.policy!r})"
+
+
+def _new_site(policy, label: str, marks_passes: bool) -> Site:
+    return Site(policy, label, marks_passes=marks_passes)

@@ -159,7 +159,7 @@ _NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
 # A region that keeps nothing intercepts nothing: in the dispatch-mode engine it only labels the
 # forward and the recompute for audits and re-opens the units around the forward.
-_PHASE_MARKER_SITE = Site(Policy())
+_PHASE_MARKER_SITE = Site(Policy(), marks_passes=True)
 
 
 # NOTE: [A value is served from the level it was kept at]
@@ -194,9 +194,11 @@ def _selective_contexts(site: Site):
     if _compat.is_compiling():
         return _compiled_contexts(policy)
     observing = _observers.observing()
-    if policy.keeps_nothing and not policy.offload_inputs and not observing:
+    if policy.keeps_nothing and not policy.offload_inputs and not observing and not site.outside_writes_possible():
         # Plain full recompute: nothing to intercept, nothing observing (an audit that wants its
-        # recompute labelled as such, a report) and no inputs to hold, so no plugin state at all.
+        # recompute labelled as such, a report), no inputs to hold and nothing written outside the
+        # region (NOTE: [The recompute writes nothing outside its region] in
+        # csrc/dispatch/outside_writes.cpp), so no plugin state at all.
         return _NO_CONTEXTS
     if _engine.engine() == "dispatch_mode" or _mode_calls.foreign_modes_on():
         region = Region(_PHASE_MARKER_SITE)
