@@ -11,7 +11,8 @@ from torch import nn
 from ._forwards import run_in_unit
 from ._logging import describe_layers, logger
 from .checkpointing import apply_selective_checkpointing, check_checkpointable, check_not_nested, mark_descendants
-from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
+from ._config_policy import check_target_map, policy_for
+from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig
 from ._wrap_sites import given_or_declared
 from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_map

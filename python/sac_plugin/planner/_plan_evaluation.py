@@ -46,9 +46,7 @@ def pareto(plan, budgets: Iterable[float | int]) -> list[dict]:
 def evaluate(plan, policy: Policy) -> dict:
     """What Plan.evaluate returns (see there): what `policy` holds and recomputes on the plan's profile."""
     if not isinstance(policy, Policy):
-        raise TypeError(
-            f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-        )
+        raise TypeError(f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
     kept, offloaded = held_by(policy, plan.profile)
     kept_bytes = sum(c.bytes for c in plan.profile.calls if call_key(c) in kept)
     result = {

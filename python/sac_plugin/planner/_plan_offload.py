@@ -47,9 +47,7 @@ def check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offlo
         )
 
 
-def offload_model(
-    module, args, kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes
-) -> OffloadModel | None:
+def offload_model(module, args, kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes) -> OffloadModel | None:
     """The offload model for a plan with offload=True: the given bandwidths, else the ones timed
     on the layer's accelerator; None (with one logged warning per reason) where there is neither."""
     if offload_bandwidth is None:

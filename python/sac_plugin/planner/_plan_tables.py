@@ -65,9 +65,7 @@ def table(plan) -> str:
     mib = 2**20
     rows, call_rows = plan.rows(), plan.call_rows() if plan.offload is not None else []
     # Columns as wide as their longest name, so that no name runs into the next column.
-    op_width = max(
-        [48, *(len(r["op"]) + 2 for r in rows), *(len(f"{r['op']} #{r['index']}") + 2 for r in call_rows)]
-    )
+    op_width = max([48, *(len(r["op"]) + 2 for r in rows), *(len(f"{r['op']} #{r['index']}") + 2 for r in call_rows)])
     unit_width = max([14, *(len(r["unit"] or "-") + 2 for r in [*rows, *call_rows])])
     lines = [
         repr(plan),

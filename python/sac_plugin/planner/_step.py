@@ -30,6 +30,7 @@ from ._step_profile import StepWatch, copy_to, run_step
 
 log = logging.getLogger("sac_plugin")
 
+
 def _check_count(name: str, value, least: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(

@@ -22,6 +22,7 @@ MAX_CELLS = 1 << 14
 
 FORWARD, HEAD, BACKWARD = WINDOW_KINDS
 
+
 @dataclasses.dataclass(frozen=True)
 class Window:
     """One stretch of the profiled step and the peak the device reached in it under full recompute:

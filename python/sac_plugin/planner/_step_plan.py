@@ -21,6 +21,7 @@ from ._step_peaks import HEAD, LayerChoice, Window, window_peaks
 
 MiB = 2**20
 
+
 class StepPlan:
     """A training step's plan: one LayerChoice per layer in forward order, the profiled step's
     windows, the budget, the modelled peak and the peak measured with the plan applied.

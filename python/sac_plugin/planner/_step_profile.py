@@ -19,6 +19,7 @@ from ._apply import layer_signature
 from ._profile import leaves_no_trace
 from ._step_peaks import BACKWARD, FORWARD, HEAD, Window
 
+
 def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
