@@ -64,11 +64,10 @@ class ConfigError(ValueError):
     """A recompute config that cannot be applied; the message names the field."""
 
 
-# What a hand-written selection sets: a budget or a peak chooses by measurement instead.
-_HAND_SELECTION_FIELDS = (
+# The fields that hold lists: a file gives lists, the config holds tuples.
+_LIST_FIELDS = (
     "units",
     "ops",
-    "every_nth_op",
     "force_recompute_modules",
     "offloaded_units",
     "offloaded_ops",
@@ -76,6 +75,8 @@ _HAND_SELECTION_FIELDS = (
     "recomputed_regions",
     "offloaded_regions",
 )
+# What a hand-written selection sets, in field order: a budget or a peak chooses by measurement instead.
+_HAND_SELECTION_FIELDS = (*_LIST_FIELDS[:2], "every_nth_op", *_LIST_FIELDS[2:])
 
 
 def _import_yaml(where: str):
@@ -336,16 +337,7 @@ class RecomputeConfig:
             if key not in known:
                 raise ConfigError(f"recompute config: unknown key {bounded_repr(key)}; known keys: {', '.join(known)}")
         values = dict(data)
-        for key in (
-            "units",
-            "ops",
-            "force_recompute_modules",
-            "offloaded_units",
-            "offloaded_ops",
-            "regions",
-            "recomputed_regions",
-            "offloaded_regions",
-        ):
+        for key in _LIST_FIELDS:
             if key in values:
                 _check_list(key, values[key])
                 values[key] = tuple(values[key])
@@ -393,10 +385,10 @@ class RecomputeConfig:
             text: The YAML text: one mapping whose keys are fields.
 
         Returns:
-            The config.
+            The config, its fields from the mapping and the rest at their defaults.
 
         Raises:
-            TypeError: `text` is not a str.
+            TypeError: `text` is not a str (RecomputeConfig.load reads a file).
             ConfigError: The text is not valid YAML, gives a key twice, or its config is invalid.
         """
         yaml = _import_yaml("from_yaml")

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -359,8 +359,8 @@ def apply_recompute_config(
     config: RecomputeConfig | None = None,
     *,
     target_map: RecomputeTargetMap | None = None,
-    wrap_sites=None,
-    example_inputs=None,
+    wrap_sites: Sequence[nn.Module] | None = None,
+    example_inputs: Mapping | None = None,
 ) -> nn.Module:
     """Checkpoints a transformers model's layers as `config` says; returns the model.
 

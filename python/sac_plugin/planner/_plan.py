@@ -44,6 +44,7 @@ from ._cost import (
     step_overhead,
     unreachable_budget,
 )
+from ._plan_evaluation import check_policy
 from ._plan_offload import check_offload_arguments, offload_model
 from ._profile import LayerProfile, ProfiledCall, profile_layer
 from ._rule_calls import held_by, plan_policy
@@ -330,28 +331,22 @@ class Plan:
         Raises:
             TypeError: policy is not a sac_plugin.Policy.
         """
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-            )
+        check_policy(policy, "Plan.calls_kept_by")
         return held_by(policy, self.profile, decided=True)[0]
 
     def calls_offloaded_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
         """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them.
 
         Args:
-            policy: The policy to ask.
+            policy: The policy whose offloads to list.
 
         Returns:
-            The calls, as (op, index among the op's calls).
+            The offloaded calls, each as (op, index among the op's calls).
 
         Raises:
             TypeError: policy is not a sac_plugin.Policy.
         """
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"sac_plugin: Plan.calls_offloaded_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-            )
+        check_policy(policy, "Plan.calls_offloaded_by")
         return held_by(policy, self.profile)[1]
 
     # --- plot ------------------------------------------------------------------------------------
@@ -564,18 +559,16 @@ def profile_and_plan(
     budget: float | int,
     runs: int = 5,
     warmup: int = 1,
-    offload: bool = False,
-    offload_bandwidth: tuple[float, float] | None = None,
-    host_memory_limit: int | None = None,
-    offload_min_bytes: int | None = None,
+    **offload_arguments,
 ) -> Plan:
     """`plan`, its arguments checked the same way, for a budget that may be below full
     recompute's floor: that plan is full recompute. For the callers that profile a layer to plan
-    it again (budget 1.0, then with_budget), whatever its floor."""
+    it again (budget 1.0, then with_budget), whatever its floor. `offload_arguments` are `plan`'s
+    offload, offload_bandwidth, host_memory_limit and offload_min_bytes."""
     from ..checkpointing import check_checkpointable
 
     budget = check_budget(budget)
-    check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offload_min_bytes)
+    check_offload_arguments(**offload_arguments)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sac_plugin: plan: module must be a torch.nn.Module, got {describe_value(module)}")
     if "_sac_policy" in module.__dict__:
@@ -588,9 +581,5 @@ def profile_and_plan(
     # inference mode) wherever it is called from, as a layer planned on its first call is.
     with torch.inference_mode(False), torch.enable_grad():
         profile = profile_layer(module, example_args, example_kwargs, runs=runs, warmup=warmup)
-    model = None
-    if offload:
-        model = offload_model(
-            module, example_args, example_kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes
-        )
+    model = offload_model(module, example_args, example_kwargs, **offload_arguments)
     return Plan.from_profile(profile, budget, offload=model)

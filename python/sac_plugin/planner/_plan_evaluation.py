@@ -11,7 +11,7 @@ from .._validation import describe_value
 from ._cost import call_key, check_budget, copy_costs, step_overhead
 from ._rule_calls import held_by
 
-__all__ = ["evaluate", "pareto"]
+__all__ = ["check_policy", "evaluate", "pareto"]
 
 
 def pareto(plan, budgets: Iterable[float | int]) -> list[dict]:
@@ -45,8 +45,7 @@ def pareto(plan, budgets: Iterable[float | int]) -> list[dict]:
 
 def evaluate(plan, policy: Policy) -> dict:
     """What Plan.evaluate returns (see there): what `policy` holds and recomputes on the plan's profile."""
-    if not isinstance(policy, Policy):
-        raise TypeError(f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
+    check_policy(policy, "Plan.evaluate")
     kept, offloaded = held_by(policy, plan.profile)
     kept_bytes = sum(c.bytes for c in plan.profile.calls if call_key(c) in kept)
     result = {
@@ -60,3 +59,9 @@ def evaluate(plan, policy: Policy) -> dict:
         copies = copy_costs(plan.profile, dataclasses.replace(plan.offload, min_bytes=0))
         result["overhead_seconds"] = step_overhead(plan.profile, kept, offloaded, copies)
     return result
+
+
+def check_policy(policy, method: str) -> None:
+    """A TypeError naming `method` ("Plan.evaluate") unless `policy` is a sac_plugin.Policy."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"sac_plugin: {method}: policy must be a sac_plugin.Policy, got {describe_value(policy)}")

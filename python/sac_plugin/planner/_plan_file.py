@@ -30,11 +30,15 @@ STEP_READABLE_VERSIONS = (1,)
 # loss and its backward), each layer's backward.
 WINDOW_KINDS = ("forward", "head", "backward")
 
-# The plan file's fields: name, kind, first version.
-_PLAN_FIELDS = (
+# The fields every file of the planner opens with (_header writes them): name, kind, first version.
+_HEADER_FIELDS = (
     _fields.Field("format", _fields.TEXT),
     _fields.Field("version", _fields.COUNT),
     _fields.Field("torch", _fields.TEXT, required=False),
+)
+# The plan file's fields.
+_PLAN_FIELDS = (
+    *_HEADER_FIELDS,
     _fields.Field(
         "budget",
         _fields.Kind(
@@ -51,22 +55,53 @@ _PLAN_FIELDS = (
     _fields.Field("offload", _fields.OPTIONAL_OBJECT, since=2),
     _fields.Field("offloaded", _fields.LIST, since=2),
 )
-_CALL_FIELDS = (
-    _fields.Field("op", _fields.TEXT),
-    _fields.Field("index", _fields.COUNT),
-    _fields.Field("unit", _fields.TEXT),
-    _fields.Field("bytes", _fields.COUNT),
-    _fields.Field("seconds", _fields.SECONDS),
-    _fields.Field("not_keepable", _fields.TEXT),
-    _fields.Field("recomputed", _fields.FLAG),
-    _fields.Field("units", _fields.UNITS, since=4),
+# The step plan file's fields.
+_STEP_FIELDS = (
+    *_HEADER_FIELDS,
+    _fields.Field("peak_bytes", _fields.COUNT),
+    _fields.Field("measured_peak", _fields.OPTIONAL_COUNT),
+    _fields.Field(
+        "measured_windows",
+        _fields.Kind(
+            "null or a list of ints from 0 to 2**63 - 1",
+            lambda v: v is None or (isinstance(v, list) and all(_fields.COUNT.check(x) for x in v)),
+        ),
+    ),
+    _fields.Field("offload", _fields.FLAG),
+    _fields.Field("windows", _fields.LIST),
+    _fields.Field("layers", _fields.LIST),
 )
-_OFFLOAD_FIELDS = (
-    _fields.Field("d2h_bytes_per_s", _fields.RATE),
-    _fields.Field("h2d_bytes_per_s", _fields.RATE),
-    _fields.Field("min_bytes", _fields.COUNT),
-    _fields.Field("host_memory_limit", _fields.OPTIONAL_COUNT),
-)
+# The fields of the objects the files nest, by the field that holds them: a plan's calls and
+# offload model, a step plan's windows and layers.
+_ENTRY_FIELDS = {
+    "calls": (
+        _fields.Field("op", _fields.TEXT),
+        _fields.Field("index", _fields.COUNT),
+        _fields.Field("unit", _fields.TEXT),
+        _fields.Field("bytes", _fields.COUNT),
+        _fields.Field("seconds", _fields.SECONDS),
+        _fields.Field("not_keepable", _fields.TEXT),
+        _fields.Field("recomputed", _fields.FLAG),
+        _fields.Field("units", _fields.UNITS, since=4),
+    ),
+    "offload": (
+        _fields.Field("d2h_bytes_per_s", _fields.RATE),
+        _fields.Field("h2d_bytes_per_s", _fields.RATE),
+        _fields.Field("min_bytes", _fields.COUNT),
+        _fields.Field("host_memory_limit", _fields.OPTIONAL_COUNT),
+    ),
+    "windows": (
+        _fields.Field("kind", _fields.Kind("one of 'forward', 'head', 'backward'", lambda v: v in WINDOW_KINDS)),
+        _fields.Field("layer", _fields.OPTIONAL_COUNT),
+        _fields.Field("peak", _fields.COUNT),
+    ),
+    "layers": (
+        _fields.Field("name", _fields.TEXT),
+        _fields.Field("offload_inputs", _fields.FLAG),
+        _fields.Field("input_bytes", _fields.COUNT),
+        _fields.Field("plan", _fields.OBJECT),
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +115,19 @@ class PlanContents:
     offload: OffloadModel | None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlanContents:
+    """What a step plan file holds, checked: each window as (kind, layer, peak) and each layer as
+    (name, plan, offload_inputs, input_bytes), its plan read by the caller's reader."""
+
+    peak_bytes: int
+    windows: tuple[tuple[str, int | None, int], ...]
+    layers: tuple[tuple[str, object, bool, int], ...]
+    measured_peak: int | None
+    measured_windows: tuple[int, ...] | None
+    offload: bool
+
+
 def plan_to_dict(
     profile: LayerProfile,
     budget,
@@ -91,9 +139,7 @@ def plan_to_dict(
     p = profile
     offload = None if offload is None else dataclasses.asdict(offload)
     return {
-        "format": FORMAT,
-        "version": VERSION,
-        "torch": torch.__version__.split("+")[0],
+        **_header(FORMAT, VERSION),
         "budget": budget,
         "no_checkpoint_bytes": p.no_checkpoint_bytes,
         "full_recompute_bytes": p.full_recompute_bytes,
@@ -131,6 +177,11 @@ def _unit_from_list(pair):
     return name if recompute is None else _rule.RegionOpening(name, recompute)
 
 
+def _header(format: str, version: int) -> dict:
+    """The fields every file of the planner opens with: its format, its version and the torch that wrote it."""
+    return {"format": format, "version": version, "torch": torch.__version__.split("+")[0]}
+
+
 def _check_header(data, format: str, readable_versions: tuple[int, ...], noun: str) -> int:
     """The version of a file's object, once its format is `format` and its version one of
     `readable_versions` (`noun`: "plan", "step plan", for messages)."""
@@ -160,7 +211,7 @@ def plan_contents(data) -> PlanContents:
         raise fail(str(error).removeprefix("sac_plugin: ")) from None
     calls = []
     for i, call in enumerate(fields["calls"]):
-        c = _fields.check_object(call, _CALL_FIELDS, f"calls[{i}]", version)
+        c = _fields.check_object(call, _ENTRY_FIELDS["calls"], f"calls[{i}]", version)
         units = tuple(_unit_from_list(unit) for unit in c["units"]) if "units" in c else None
         innermost = units[-1] if units else None
         if units is not None and c["unit"] != (
@@ -200,7 +251,7 @@ def plan_contents(data) -> PlanContents:
     offload, offloaded = None, set()
     if version >= 2:
         if fields["offload"] is not None:
-            model = _fields.check_object(fields["offload"], _OFFLOAD_FIELDS, "offload", version)
+            model = _fields.check_object(fields["offload"], _ENTRY_FIELDS["offload"], "offload", version)
             offload = OffloadModel(
                 float(model["d2h_bytes_per_s"]),
                 float(model["h2d_bytes_per_s"]),
@@ -254,59 +305,12 @@ def path_of(path, where: str) -> Path:
     return Path(path)
 
 
-# --- step plans -------------------------------------------------------------------------------------
-
-_STEP_FIELDS = (
-    _fields.Field("format", _fields.TEXT),
-    _fields.Field("version", _fields.COUNT),
-    _fields.Field("torch", _fields.TEXT, required=False),
-    _fields.Field("peak_bytes", _fields.COUNT),
-    _fields.Field("measured_peak", _fields.OPTIONAL_COUNT),
-    _fields.Field(
-        "measured_windows",
-        _fields.Kind(
-            "null or a list of ints from 0 to 2**63 - 1",
-            lambda v: v is None or (isinstance(v, list) and all(_fields.COUNT.check(x) for x in v)),
-        ),
-    ),
-    _fields.Field("offload", _fields.FLAG),
-    _fields.Field("windows", _fields.LIST),
-    _fields.Field("layers", _fields.LIST),
-)
-_WINDOW_FIELDS = (
-    _fields.Field("kind", _fields.Kind("one of 'forward', 'head', 'backward'", lambda v: v in WINDOW_KINDS)),
-    _fields.Field("layer", _fields.OPTIONAL_COUNT),
-    _fields.Field("peak", _fields.COUNT),
-)
-_LAYER_FIELDS = (
-    _fields.Field("name", _fields.TEXT),
-    _fields.Field("offload_inputs", _fields.FLAG),
-    _fields.Field("input_bytes", _fields.COUNT),
-    _fields.Field("plan", _fields.OBJECT),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlanContents:
-    """What a step plan file holds, checked: each window as (kind, layer, peak) and each layer as
-    (name, plan, offload_inputs, input_bytes), its plan read by the caller's reader."""
-
-    peak_bytes: int
-    windows: tuple[tuple[str, int | None, int], ...]
-    layers: tuple[tuple[str, object, bool, int], ...]
-    measured_peak: int | None
-    measured_windows: tuple[int, ...] | None
-    offload: bool
-
-
 def step_plan_to_dict(step_plan) -> dict:
     """A StepPlan as the current version of the step plan file writes it, each layer's plan as its
     to_dict writes it."""
     measured = step_plan.measured_windows
     return {
-        "format": STEP_FORMAT,
-        "version": STEP_VERSION,
-        "torch": torch.__version__.split("+")[0],
+        **_header(STEP_FORMAT, STEP_VERSION),
         "peak_bytes": step_plan.peak_bytes,
         "measured_peak": step_plan.measured_peak,
         "measured_windows": None if measured is None else list(measured),
@@ -330,7 +334,7 @@ def step_plan_contents(data, where: str, read_plan: Callable[[object, str], obje
         raise fail(f"peak_bytes must be an int >= 1, got {fields['peak_bytes']}")
     layers = []
     for i, entry in enumerate(fields["layers"]):
-        layer = _fields.check_object(entry, _LAYER_FIELDS, f"layers[{i}]", version)
+        layer = _fields.check_object(entry, _ENTRY_FIELDS["layers"], f"layers[{i}]", version)
         try:
             layer_plan = read_plan(layer["plan"], f"{where}: layers[{i}].plan")
         except PlanError as error:
@@ -345,7 +349,7 @@ def step_plan_contents(data, where: str, read_plan: Callable[[object, str], obje
         raise fail("layers names one layer twice")
     windows = []
     for i, entry in enumerate(fields["windows"]):
-        w = _fields.check_object(entry, _WINDOW_FIELDS, f"windows[{i}]", version)
+        w = _fields.check_object(entry, _ENTRY_FIELDS["windows"], f"windows[{i}]", version)
         windows.append((w["kind"], w["layer"], w["peak"]))
     forward, head, backward = WINDOW_KINDS
     expected = (

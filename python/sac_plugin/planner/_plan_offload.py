@@ -18,7 +18,10 @@ log = logging.getLogger("sac_plugin")
 _warned_offload_unavailable: set[str] = set()
 
 
-def check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offload_min_bytes) -> None:
+def check_offload_arguments(
+    *, offload=False, offload_bandwidth=None, host_memory_limit=None, offload_min_bytes=None
+) -> None:
+    """`plan`'s offload arguments, each checked, and none but offload without offload=True."""
     if not isinstance(offload, bool):
         raise TypeError(f"sac_plugin: plan: offload must be True or False, got {describe_value(offload)}")
     named = (
@@ -47,9 +50,14 @@ def check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offlo
         )
 
 
-def offload_model(module, args, kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes) -> OffloadModel | None:
-    """The offload model for a plan with offload=True: the given bandwidths, else the ones timed
-    on the layer's accelerator; None (with one logged warning per reason) where there is neither."""
+def offload_model(
+    module, args, kwargs, *, offload=False, offload_bandwidth=None, host_memory_limit=None, offload_min_bytes=None
+) -> OffloadModel | None:
+    """The offload model for a plan with offload=True (`plan`'s arguments, checked): the given
+    bandwidths, else the ones timed on the layer's accelerator; None (with one logged warning per
+    reason) where there is neither, and without offload=True."""
+    if not offload:
+        return None
     if offload_bandwidth is None:
         device = accelerator_device(module, args, kwargs)
         if device is None:

@@ -27,28 +27,20 @@ def plot(plan, path, policies: Mapping[str, Policy] | None, title: str | None):
     points = plan.pareto()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     if plan.offload is None:
-        ax.step(
-            [p["held_bytes"] / base for p in points],
-            [p["recompute_seconds"] * 1e3 for p in points],
-            where="post",
-            marker=".",
-            label="plan (Pareto curve)",
-        )
+        curves = [("held_bytes", "recompute_seconds", {}, "plan (Pareto curve)")]
     else:
+        curves = [
+            ("two_way_held_bytes", "two_way_overhead_seconds", {}, "keep or recompute"),
+            ("held_bytes", "overhead_seconds", {"color": "C9"}, "keep, offload or recompute"),
+        ]
+    for held, seconds, style, label in curves:
         ax.step(
-            [p["two_way_held_bytes"] / base for p in points],
-            [p["two_way_overhead_seconds"] * 1e3 for p in points],
+            [p[held] / base for p in points],
+            [p[seconds] * 1e3 for p in points],
             where="post",
             marker=".",
-            label="keep or recompute",
-        )
-        ax.step(
-            [p["held_bytes"] / base for p in points],
-            [p["overhead_seconds"] * 1e3 for p in points],
-            where="post",
-            marker=".",
-            color="C9",
-            label="keep, offload or recompute",
+            label=label,
+            **style,
         )
     # Policies can land on one point (the units policy of a layer that opens no units keeps
     # what "attention kept" keeps): each gets its own hollow marker, the first ones largest and
