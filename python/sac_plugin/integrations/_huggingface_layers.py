@@ -9,15 +9,10 @@ from torch import nn
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
 from ..units import RecomputeUnit
 
-
 _NORMS = KeptCallables(["input_layernorm", "post_attention_layernorm"])
-
-
 # Routing: the experts implementations sort tokens by expert and count them (grouped_mm path), or
 # pick the experts hit and their tokens with nonzero (the eager loop).
 _ROUTING = KeptOps(["aten::sort", "aten::histc", "aten::nonzero"])
-
-
 # The config fields by which transformers models declare how many routed experts they have.
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 

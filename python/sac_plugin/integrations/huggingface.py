@@ -35,6 +35,10 @@ module's forward never runs is refused.
 (transformers' grouped_mm experts), or the `nonzero` calls that pick the experts hit and their
 tokens (its eager loop; a device sync each on GPU). A config with no units (full recompute, or
 ops only) needs no map. transformers is not imported by this module.
+
+Beside it: a model's structure (_huggingface_layers.py), transformers' own per-layer hook
+(_huggingface_hook.py), a config made ready on the layers (_huggingface_prepare.py) and the
+context_fn of gradient_checkpointing_kwargs (_huggingface_contexts.py).
 """
 
 from __future__ import annotations
