@@ -105,7 +105,8 @@ def hf_layer(config, seq: int, batch: int, device: str):
     kwargs, name)`."""
     from transformers import AutoModelForCausalLM
 
-    from .integrations.huggingface import _CACHE_ARGUMENTS, decoder_layers
+    from .integrations._huggingface_prepare import _CACHE_ARGUMENTS
+    from .integrations.huggingface import decoder_layers
     from .planner._apply import _capture_inputs
 
     torch.manual_seed(0)

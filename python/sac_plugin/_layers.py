@@ -5,15 +5,15 @@ sac_plugin.apply_recompute_config for any model; integrations reuse the pieces."
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 from torch import nn
 
 from ._forwards import run_in_unit
 from ._logging import describe_layers, logger
 from .checkpointing import apply_selective_checkpointing, check_checkpointable, check_not_nested, mark_descendants
-from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig, check_target_map, policy_for
-from ._validation import describe_value
+from ._config_policy import check_target_map, policy_for
+from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig
+from ._wrap_sites import given_or_declared
 from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap, default_target_map
 
@@ -212,26 +212,16 @@ def _unit_field(config: RecomputeConfig, i: int) -> str:
 
 
 def wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:
-    if wrap_sites is None:
-        declared = getattr(model, "recompute_wrap_sites", None)
-        if not callable(declared):
-            raise ConfigError(
-                f"{type(model).__name__} declares no wrap sites (no recompute_wrap_sites() method); pass "
-                "wrap_sites=[the layers to checkpoint]"
-            )
-        wrap_sites, where = declared(), f"{type(model).__name__}.recompute_wrap_sites()"
-    else:
-        where = "apply_recompute_config: wrap_sites"
-    if isinstance(wrap_sites, (str, bytes, nn.Module)) or not isinstance(wrap_sites, Iterable):
-        raise TypeError(f"sac_plugin: {where} must be a list of nn.Module, got {describe_value(wrap_sites)}")
-    sites = list(wrap_sites)
+    """The layers apply_recompute_config checkpoints: `wrap_sites`, or the model's declared ones."""
+    sites, _ = given_or_declared(
+        model,
+        wrap_sites,
+        caller="apply_recompute_config",
+        argument="wrap_sites",
+        noun="wrap sites",
+        elements="nn.Module",
+        undeclared=ConfigError,
+    )
     if not sites:
         raise ConfigError(f"{type(model).__name__} has no wrap sites to checkpoint")
-    seen = {}
-    for i, site in enumerate(sites):
-        if not isinstance(site, nn.Module):
-            raise TypeError(f"sac_plugin: {where}[{i}] must be an nn.Module, got {describe_value(site)}")
-        if id(site) in seen:
-            raise ValueError(f"sac_plugin: {where} lists one {type(site).__name__} twice (at {seen[id(site)]} and {i})")
-        seen[id(site)] = i
     return sites

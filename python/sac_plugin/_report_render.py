@@ -1,16 +1,41 @@
-"""A report's text table and chart (sac_plugin.Report.table, Report.plot): rendering only, apart
-from the collection in sac_plugin._report. Reads a report's layers, units, saved storages and
-offload copies; imports nothing of the report's (so the collection is free to change how it
-counts)."""
+"""A report's JSON form, text table and chart (sac_plugin.Report.to_dict, Report.table,
+Report.plot): rendering only, apart from the collection in sac_plugin._report. Reads a report's
+layers, units, saved storages, steps, totals and offload copies; imports nothing of the report's
+(so the collection is free to change how it counts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-__all__ = ["kept_summary", "plot", "table"]
+from ._audit import PHASES
+from ._plot import import_matplotlib
+
+__all__ = ["kept_summary", "plot", "table", "to_dict"]
 
 # The widest the "kept:" line under a layer row lists ops before it ends in "...".
 _KEPT_SUMMARY_CHARS = 40
+
+
+def to_dict(report, *, traced: bool) -> dict:
+    """The dict of `Report.to_dict` (see there); the trace's entries where the report was `traced`."""
+    return {
+        "layers": [
+            dict(
+                layer.to_dict(),
+                units=[unit.to_dict() for (name, _), unit in sorted(report.units.items()) if name == layer.name],
+            )
+            for layer in report.layers.values()
+        ],
+        "saved_for_backward": {
+            "bytes_by_place": report.saved_bytes_by_place(),
+            "storages": [s.to_dict() for s in report.saved_tensors()],
+        },
+        "steps": report.steps,
+        "offload_copies": dict(report.offload_copies),
+        "totals": {phase: sum(getattr(row, phase) for row in report.totals) for phase in (*PHASES, "hits")},
+        **({"trace": [dataclasses.asdict(entry) for entry in report.trace]} if traced else {}),
+    }
 
 
 def table(report, storages: int) -> str:
@@ -95,19 +120,16 @@ def kept_summary(breakdown) -> str:
 
 def plot(report, path):
     """The figure of `Report.plot` (see there)."""
-    try:
-        # Through the package: hiding it (sys.modules["matplotlib"] = None) hides its modules too.
-        import matplotlib.figure
-    except ImportError:
-        raise ModuleNotFoundError(
-            "sac_plugin: Report.plot draws with matplotlib, which is not installed: pip install sac_plugin[plot]",
-            name="matplotlib",
-        ) from None
+    figures = import_matplotlib(
+        "matplotlib.figure",
+        "sac_plugin: Report.plot draws with matplotlib, which is not installed: pip install sac_plugin[plot]",
+        error=ModuleNotFoundError,
+    )
     layers = list(report.layers.values())
     names = [layer.name for layer in layers]
     kept = [layer.kept_bytes / 2**20 for layer in layers]
     offloaded = [layer.offloaded_bytes / 2**20 for layer in layers]
-    figure = matplotlib.figure.Figure(figsize=(max(6.4, 0.5 * len(layers) + 2), 6.4), layout="constrained")
+    figure = figures.Figure(figsize=(max(6.4, 0.5 * len(layers) + 2), 6.4), layout="constrained")
     held_axes, time_axes = figure.subplots(2, 1, sharex=True)
     held_axes.bar(names, kept, label="kept (device)")
     held_axes.bar(names, offloaded, bottom=kept, label="offloaded (pinned host)")

@@ -43,19 +43,15 @@ inputs, so budget and offload_inputs together are refused.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import json
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from torch import nn
 
 from ._validation import MAX_EVERY_NTH, bounded_repr, describe_value
-from .policy import Policy
-from .targets import KeptCallables, KeptOps, RecomputeTargetMap
 from .units import RecomputeUnit
 
 __all__ = ["ConfigError", "RecomputeConfig"]
@@ -68,11 +64,10 @@ class ConfigError(ValueError):
     """A recompute config that cannot be applied; the message names the field."""
 
 
-# What a hand-written selection sets: a budget or a peak chooses by measurement instead.
-_HAND_SELECTION_FIELDS = (
+# The fields that hold lists: a file gives lists, the config holds tuples.
+_LIST_FIELDS = (
     "units",
     "ops",
-    "every_nth_op",
     "force_recompute_modules",
     "offloaded_units",
     "offloaded_ops",
@@ -80,6 +75,8 @@ _HAND_SELECTION_FIELDS = (
     "recomputed_regions",
     "offloaded_regions",
 )
+# What a hand-written selection sets, in field order: a budget or a peak chooses by measurement instead.
+_HAND_SELECTION_FIELDS = (*_LIST_FIELDS[:2], "every_nth_op", *_LIST_FIELDS[2:])
 
 
 def _import_yaml(where: str):
@@ -340,16 +337,7 @@ class RecomputeConfig:
             if key not in known:
                 raise ConfigError(f"recompute config: unknown key {bounded_repr(key)}; known keys: {', '.join(known)}")
         values = dict(data)
-        for key in (
-            "units",
-            "ops",
-            "force_recompute_modules",
-            "offloaded_units",
-            "offloaded_ops",
-            "regions",
-            "recomputed_regions",
-            "offloaded_regions",
-        ):
+        for key in _LIST_FIELDS:
             if key in values:
                 _check_list(key, values[key])
                 values[key] = tuple(values[key])
@@ -377,14 +365,8 @@ class RecomputeConfig:
             TypeError: `text` is not a str.
             ConfigError: The text is not valid JSON, gives a key twice, or its config is invalid.
         """
-        _check_text(text, "from_json")
-        try:
-            data = json.loads(text, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"recompute config: not valid JSON: {error}") from None
-        except RecursionError:
-            raise ConfigError(_TOO_DEEP.format(format="JSON")) from None
-        return cls.from_dict(data)
+        load = functools.partial(json.loads, object_pairs_hook=_unique_keys)
+        return cls.from_dict(_parse(text, "from_json", "JSON", load, json.JSONDecodeError))
 
     def to_yaml(self) -> str:
         """The config as YAML text (needs pyyaml).
@@ -403,20 +385,15 @@ class RecomputeConfig:
             text: The YAML text: one mapping whose keys are fields.
 
         Returns:
-            The config.
+            The config, its fields from the mapping and the rest at their defaults.
 
         Raises:
-            TypeError: `text` is not a str.
+            TypeError: `text` is not a str (RecomputeConfig.load reads a file).
             ConfigError: The text is not valid YAML, gives a key twice, or its config is invalid.
         """
         yaml = _import_yaml("from_yaml")
-        _check_text(text, "from_yaml")
-        try:
-            data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)
-        except yaml.YAMLError as error:
-            raise ConfigError(f"recompute config: not valid YAML: {error}") from None
-        except RecursionError:
-            raise ConfigError(_TOO_DEEP.format(format="YAML")) from None
+        load = functools.partial(yaml.load, Loader=_unique_key_loader())  # a SafeLoader
+        data = _parse(text, "from_yaml", "YAML", load, yaml.YAMLError)
         return cls.from_dict({} if data is None else data)
 
     @staticmethod
@@ -564,6 +541,18 @@ def _check_text(text, method: str) -> None:
         )
 
 
+def _parse(text, method: str, format: str, load, errors) -> object:
+    """What `load` parses `text` (RecomputeConfig.`method`'s argument) to; its `errors`, and a
+    text nested deeper than the parser recurses, are ConfigErrors naming the `format`."""
+    _check_text(text, method)
+    try:
+        return load(text)
+    except errors as error:
+        raise ConfigError(f"recompute config: not valid {format}: {error}") from None
+    except RecursionError:
+        raise ConfigError(_TOO_DEEP.format(format=format)) from None
+
+
 def _path_of(path, method: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
@@ -591,90 +580,3 @@ def _check_strings(field: str, values) -> None:
     for i, value in enumerate(values):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"recompute config: {field}[{i}] must be a non-empty string, got {bounded_repr(value)}")
-
-
-def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[nn.Module] | None = None) -> None:
-    """Every unit of the map resolves to at least one registered op or, given wrap sites (one
-    module or several: the selected layers of a stack that mixes dense and MoE layers), one
-    callable under at least one of them; a KeptOps unit names no collective (Policy refuses it)."""
-    sites = [] if site is None else [site] if isinstance(site, nn.Module) else list(site)
-    for unit, target in target_map.items():
-        where = f"target map of {target_map.model_name}: unit '{unit.value}'"
-        if isinstance(target, KeptOps):
-            try:
-                ops = target.resolve()
-                Policy(kept_ops=ops)
-            except ValueError as error:
-                raise ConfigError(f"{where}: {_policy_error_text(error)}") from None
-            if not ops:
-                raise ConfigError(f"{where} is empty: it names no op")
-        elif isinstance(target, KeptCallables):
-            if not target.paths:
-                raise ConfigError(f"{where} is empty: it names no callable")
-            if sites and not any(target.find(layer) for layer in sites):
-                names = sorted({type(layer).__name__ for layer in sites})
-                raise ConfigError(f"{where}: {list(target.paths)} match nothing in {', '.join(names)}")
-        else:
-            raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
-
-
-# A Policy error opens with the library's prefix and the Policy argument it concerns ("sac:
-# kept_ops: ..."); a config error names the config's own field instead, so that it reads with one prefix.
-_POLICY_ERROR_PREFIX = re.compile(
-    r"^(?:sac_plugin|sac): (?:(?:" + "|".join(name for name in inspect.signature(Policy).parameters) + r"): )?"
-)
-
-
-def _policy_error_text(error: Exception) -> str:
-    """What a Policy error says, without the prefixes a config error replaces."""
-    return _POLICY_ERROR_PREFIX.sub("", str(error), count=1)
-
-
-def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[set[str], list[str]]:
-    """The ops (KeptOps units) and unit names (KeptCallables units) that `units` mean for the model."""
-    ops, names = set(), []
-    for i, unit in enumerate(units):
-        if unit not in target_map:
-            declared = ", ".join(u.value for u in target_map)
-            raise ConfigError(
-                f"recompute config: {field}[{i}]: {target_map.model_name} declares no unit '{unit.value}' "
-                f"(it declares {declared})"
-            )
-        target = target_map[unit]
-        if isinstance(target, KeptOps):
-            ops |= target.resolve()
-        else:
-            names.append(unit.value)
-    return ops, names
-
-
-def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Policy:
-    """The policy a config means for a model with this target map."""
-    unit_ops, kept_units = _ops_and_units("units", config.units, target_map)
-    offloaded_unit_ops, offloaded_units = _ops_and_units("offloaded_units", config.offloaded_units, target_map)
-    kept_ops = set(config.ops) | unit_ops
-    offloaded_ops = set(config.offloaded_ops) | offloaded_unit_ops
-    recomputed = [RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
-    try:
-        return Policy(
-            kept_ops=sorted(kept_ops),
-            kept_units=kept_units + list(config.regions),
-            every_nth_op=config.every_nth_op,
-            recomputed_units=recomputed + list(config.recomputed_regions),
-            offloaded_ops=sorted(offloaded_ops),
-            offloaded_units=offloaded_units + list(config.offloaded_regions),
-            offload_min_bytes=config.offload_min_bytes,
-            host_memory_limit=config.host_memory_limit,
-            pin_routing=config.pin_routing,
-            offload_inputs=config.offload_inputs,
-        )
-    except ValueError as error:
-        text = str(error)
-        field = (
-            "offloaded_ops"
-            if "offloaded_ops" in text
-            else "ops"
-            if any(op in text for op in config.ops)
-            else "every_nth_op"
-        )
-        raise ConfigError(f"recompute config: {field}: {_policy_error_text(error)}") from None

@@ -18,7 +18,7 @@ from sac_plugin import (
     apply_selective_checkpointing,
     audit,
 )
-from sac_plugin.config import policy_for
+from sac_plugin._config_policy import policy_for
 from sac_plugin.models import Llama, MoEModel
 from sac_plugin.models import LLAMA_TARGETS
 from sac_plugin.targets import KeptOps, RecomputeTargetMap

@@ -15,6 +15,7 @@ from sac_plugin import ConfigError, RecomputeConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
+from sac_plugin.integrations._huggingface_contexts import _checkpoint_layer  # noqa: E402
 from support.transformers_models import enable_transformers_checkpointing, reference_for  # noqa: E402
 
 LAYERS = 2
@@ -382,7 +383,7 @@ def test_offload_true_offloads_through_the_plugin_and_every_n_layers_is_honoured
     policy = layers[0]._gradient_checkpointing_func.keywords["context_fn"].policy
     assert policy.offloaded_units == frozenset({"attn"}) and not policy.kept_units
     # The layers' inputs are offloaded too, through the plugin's checkpoint (on the CPU a no-op).
-    assert policy.offload_inputs and layers[0]._gradient_checkpointing_func.func is huggingface._checkpoint_layer
+    assert policy.offload_inputs and layers[0]._gradient_checkpointing_func.func is _checkpoint_layer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # on the CPU offloading is keeping, said once
         audit = assert_bitwise_equal(model, reference)
@@ -429,7 +430,7 @@ def test_transformers_offload_on_another_instance_offloads_through_the_plugin():
     assert audit.hits(SDPA_CPU) == LAYERS  # the units' selection holds, offloaded
     for layer in huggingface.decoder_layers(used_on):
         func = layer._gradient_checkpointing_func
-        assert func.func is huggingface._checkpoint_layer  # no save_on_cpu from the second step on
+        assert func.func is _checkpoint_layer  # no save_on_cpu from the second step on
         policy = func.keywords["context_fn"].policy
         assert policy.offloaded_units == frozenset({"attn"}) and not policy.kept_units and policy.offload_inputs
 

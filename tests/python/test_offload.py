@@ -348,7 +348,7 @@ def test_bad_offload_arguments_are_named(arguments, error, message):
 
 
 def test_recompute_config_offloads_units_and_ops():
-    from sac_plugin.config import policy_for
+    from sac_plugin._config_policy import policy_for
     from sac_plugin.models import LLAMA_TARGETS
 
     config = RecomputeConfig.from_dict(

@@ -12,7 +12,7 @@ import torch
 import sac_plugin
 import sac_plugin.memory
 from sac_plugin import Policy, RecomputeConfig
-from sac_plugin.config import policy_for
+from sac_plugin._config_policy import policy_for
 from sac_plugin.targets import KeptOps, RecomputeTargetMap, RecomputeUnit
 from support.accelerator import SKIP_REASON, runner_with_models
 

@@ -20,7 +20,7 @@ from sac_plugin.planner import OffloadModel, Plan
 from sac_plugin.planner._profile import LayerProfile, ProfiledCall
 from sac_plugin.planner import _step
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
-from sac_plugin.planner._step import LayerChoice, Window, choose, lowest_peak, window_peaks
+from sac_plugin.planner._step_peaks import LayerChoice, Window, choose, lowest_peak, window_peaks
 
 from support.accelerator import SKIP_REASON, run_accelerator_program
 

@@ -19,7 +19,7 @@ from sac_plugin import Plan, PlanError, Policy
 from sac_plugin.planner import OffloadModel
 from sac_plugin.planner._cost import CopyCost, byte_budget
 from sac_plugin.planner._profile import LayerProfile, ProfiledCall
-from sac_plugin.planner import _knapsack as knapsack, _plan
+from sac_plugin.planner import _knapsack as knapsack, _plan, _plan_offload
 from sac_plugin.planner._profile import AFTER_THE_RECOMPUTE_STOPS
 from sac_plugin.models import LlamaBlock, rotary_tables
 
@@ -421,7 +421,7 @@ def llama():
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the message for a machine without an accelerator")
 def test_offload_without_an_accelerator_or_bandwidths_plans_two_way_and_says_why_once(caplog, monkeypatch):
-    monkeypatch.setattr(_plan, "_warned_offload_unavailable", set())
+    monkeypatch.setattr(_plan_offload, "_warned_offload_unavailable", set())
     block, args = llama()
     with caplog.at_level(logging.WARNING, logger="sac_plugin"):
         plans = [sac_plugin.plan(block, *args, budget=0.3, runs=1, offload=True) for _ in range(2)]
@@ -541,8 +541,8 @@ def test_a_three_way_plans_policy_serves_every_planned_call_and_gives_bitwise_gr
 def test_offload_times_the_copies_on_the_layers_accelerator(monkeypatch):
     block, args = llama()
     timed = []
-    monkeypatch.setattr(_plan, "accelerator_device", lambda module, a, k: torch.device("cuda", 0))
-    monkeypatch.setattr(_plan, "measure_offload_bandwidth", lambda device: timed.append(device) or (4e9, 5e9))
+    monkeypatch.setattr(_plan_offload, "accelerator_device", lambda module, a, k: torch.device("cuda", 0))
+    monkeypatch.setattr(_plan_offload, "measure_offload_bandwidth", lambda device: timed.append(device) or (4e9, 5e9))
     plan = sac_plugin.plan(block, *args, budget=0.1, runs=1, offload=True)
     assert (timed, plan.offload) == ([torch.device("cuda", 0)], OffloadModel(4e9, 5e9))
 

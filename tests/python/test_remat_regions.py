@@ -247,7 +247,7 @@ def test_bench_remat_runs_every_row_bitwise():
 
 def test_a_config_file_names_regions_by_pattern():
     from sac_plugin import RecomputeConfig, RecomputeTargetMap
-    from sac_plugin.config import policy_for
+    from sac_plugin._config_policy import policy_for
 
     text = '{"regions": ["*"], "recomputed_regions": ["*.ffn"], "pin_routing": false}'
     config = RecomputeConfig.from_json(text)

@@ -686,7 +686,7 @@ def test_the_table_says_under_each_layer_which_ops_it_served_from_the_forward():
 
 
 def test_the_kept_line_ends_in_dots_past_forty_characters():
-    from sac_plugin._report import Breakdown, OpCounts
+    from sac_plugin._report_values import Breakdown, OpCounts
     from sac_plugin._report_render import kept_summary
 
     layer = Breakdown("l")

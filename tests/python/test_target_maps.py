@@ -4,7 +4,7 @@ key."""
 
 import pytest
 from sac_plugin import ConfigError
-from sac_plugin.config import check_target_map
+from sac_plugin._config_policy import check_target_map
 from sac_plugin.models import Llama, MoEModel
 from sac_plugin.models import SHIPPED_TARGET_MAPS
 from sac_plugin.targets import KeptCallables, KeptOps, RecomputeTargetMap, RecomputeUnit

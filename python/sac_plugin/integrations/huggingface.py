@@ -35,6 +35,10 @@ module's forward never runs is refused.
 (transformers' grouped_mm experts), or the `nonzero` calls that pick the experts hit and their
 tokens (its eager loop; a device sync each on GPU). A config with no units (full recompute, or
 ops only) needs no map. transformers is not imported by this module.
+
+Beside it: a model's structure (_huggingface_layers.py), transformers' own per-layer hook
+(_huggingface_hook.py), a config made ready on the layers (_huggingface_prepare.py) and the
+context_fn of gradient_checkpointing_kwargs (_huggingface_contexts.py).
 """
 
 from __future__ import annotations
@@ -42,27 +46,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
-import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .. import _layers
-from .._forwards import checkpoint_call, run_in_unit
-from .._logging import describe_layers
 from .._logging import logger as _logger
-from ..checkpointing import context_fn
-from ..config import ConfigError, RecomputeConfig, check_target_map, policy_for
 from .._validation import bounded_repr, describe_value
-from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
+from ..config import ConfigError, RecomputeConfig
+from ..targets import KeptCallables, RecomputeTargetMap
 from ..units import RecomputeUnit
+from ..checkpointing import context_fn
+from ._huggingface_contexts import _checkpoint_func, _LayerContexts
 
-if TYPE_CHECKING:
-    from ..planner import Plan
+# Pickled kwargs (a Trainer checkpoint's training_args.bin) may name their restorer by this public
+# module, so it is importable from here too.
+from ._huggingface_contexts import _restored_contexts  # noqa: F401
+from ._huggingface_hook import (
+    _check_layers,
+    _check_model,
+    _disabled_by_transformers,
+    _enable_through_transformers,
+    _undo,
+)
+from ._huggingface_layers import (
+    _NORMS,
+    _ROUTING,
+    _declares_experts,
+    _dense,
+    _is_checkpointing_layer,
+    _layer_paths,
+    _model_type,
+    _unwrapped,
+)
+from ._huggingface_prepare import _plan_layers, _prepare
 
 __all__ = [
     "apply_recompute_config",
@@ -72,27 +89,6 @@ __all__ = [
     "is_hf_model",
     "target_map_for",
 ]
-
-_NORMS = KeptCallables(["input_layernorm", "post_attention_layernorm"])
-# Routing: the experts implementations sort tokens by expert and count them (grouped_mm path), or
-# pick the experts hit and their tokens with nonzero (the eager loop).
-_ROUTING = KeptOps(["aten::sort", "aten::histc", "aten::nonzero"])
-# The config fields by which transformers models declare how many routed experts they have.
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-# The cache arguments transformers drops from a layer's call when it checkpoints the layer
-# (GradientCheckpointingLayer): a layer planned on captured inputs runs without them too.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _dense(name: str) -> RecomputeTargetMap:
-    return RecomputeTargetMap(
-        name,
-        {
-            RecomputeUnit.ATTN: KeptCallables(["self_attn"]),
-            RecomputeUnit.MLP: KeptCallables(["mlp"]),
-            RecomputeUnit.NORM: _NORMS,
-        },
-    )
 
 
 HF_TARGET_MAPS: Mapping[str, RecomputeTargetMap] = {
@@ -130,19 +126,6 @@ HF_TARGET_MAPS: Mapping[str, RecomputeTargetMap] = {
 }
 
 
-def _unwrapped(model):
-    """The transformers model inside a PEFT model (peft's get_base_model(): the model its adapters
-    were injected into, so that its layers hold them), told without importing peft; any other
-    object as given."""
-    if isinstance(model, nn.Module) and type(model).__module__.startswith("peft."):
-        get_base_model = getattr(type(model), "get_base_model", None)
-        if callable(get_base_model):
-            base = get_base_model(model)
-            if isinstance(base, nn.Module) and base is not model:
-                return base
-    return model
-
-
 def is_hf_model(model) -> bool:
     """Whether `model` is a transformers model, or a PEFT model of one, told without importing
     transformers or peft.
@@ -163,10 +146,6 @@ def is_hf_model(model) -> bool:
     )
 
 
-def _model_type(model: nn.Module):
-    return getattr(getattr(model, "config", None), "model_type", None)
-
-
 def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     """The target map for a transformers model: the shipped one for its config.model_type, else
     one derived from its layers (derived_target_map).
@@ -185,92 +164,6 @@ def target_map_for(model: nn.Module) -> RecomputeTargetMap:
     if model_type in HF_TARGET_MAPS:
         return HF_TARGET_MAPS[model_type]
     return derived_target_map(model)
-
-
-def _class_says(module: nn.Module, *words: str) -> bool:
-    name = type(module).__name__.lower()
-    return any(word in name for word in words)
-
-
-def _is_gate(name: str, module: nn.Module) -> bool:
-    """A MoE block's router, or the gate that weighs its shared expert."""
-    name = name.lower()
-    return name in ("gate", "router") or name.endswith("_gate") or _class_says(module, "router", "gate")
-
-
-def _declares_experts(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    counts = [getattr(config, field, None) for field in _EXPERT_COUNTS]
-    return any(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts)
-
-
-def _is_mlp(module: nn.Module) -> bool:
-    """An MLP or feed-forward module by its class name (T5's T5LayerFF, DistilBERT's FFN included)."""
-    name = type(module).__name__.lower()
-    return _class_says(module, "mlp", "feedforward", "feed_forward", "ffn") or name.endswith("ff")
-
-
-def _is_moe_block(module: nn.Module) -> bool:
-    """A MoE block: it holds an `experts` module, or a router beside modules with parameters
-    (JetMoE's mlp: router, input_linear, output_linear)."""
-    if isinstance(getattr(module, "experts", None), nn.Module):
-        return True
-    children = list(module.named_children())
-    return any(_is_gate(name, child) for name, child in children) and any(
-        not _is_gate(name, child) and next(child.parameters(), None) is not None for name, child in children
-    )
-
-
-def _sublayers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layer's children, a ModuleList or ModuleDict among them replaced by its items ("layer.0",
-    "layer.1": T5's sublayers). A container's own forward never runs, so it can be no unit."""
-    found = []
-    for name, child in layer.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            found.extend((f"{name}.{item_name}", item) for item_name, item in child.named_children())
-        else:
-            found.append((name, child))
-    return found
-
-
-def _layer_paths(layer: nn.Module, moe: bool) -> dict[RecomputeUnit, list[str]]:
-    """Each unit's paths in one layer, from its children's classes and names; a unit the layer
-    lacks is absent."""
-    children = _sublayers(layer)
-    attention = [name for name, child in children if _class_says(child, "attention")]
-    norms = [name for name, child in children if name not in attention and _class_says(child, "norm")]
-    # An attention module can hold experts of its own (JetMoE's mixture of attention heads): it is
-    # the attention, never the MoE block.
-    moe_blocks = [(name, child) for name, child in children if moe and name not in attention and _is_moe_block(child)]
-    gates = []
-    if moe_blocks:
-        mlp = []
-        for block_name, block in moe_blocks:
-            for name, child in block.named_children():
-                if _is_gate(name, child):
-                    gates.append(f"{block_name}.{name}")
-                elif next(child.parameters(), None) is not None:
-                    mlp.append(f"{block_name}.{name}")
-        # An MLP beside the MoE block runs on every token (Granite's shared_mlp): it is MLP too.
-        blocks = {name for name, _ in moe_blocks}
-        mlp.extend(name for name, child in children if name not in attention and name not in blocks and _is_mlp(child))
-    else:
-        mlp = [name for name, child in children if name not in attention and _is_mlp(child)]
-        if not mlp:
-            # No module says it is the MLP (BERT: intermediate, output): the layer's other
-            # children with parameters are.
-            mlp = [
-                name
-                for name, child in children
-                if name not in attention and name not in norms and next(child.parameters(), None) is not None
-            ]
-    paths = {
-        RecomputeUnit.ATTN: attention,
-        RecomputeUnit.MLP: mlp,
-        RecomputeUnit.MOE_GATE: gates,
-        RecomputeUnit.NORM: norms,
-    }
-    return {unit: found for unit, found in paths.items() if found}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,10 +237,6 @@ def derived_target_map(model: nn.Module, layers: list[nn.Module] | None = None) 
     return target_map
 
 
-def _is_checkpointing_layer(module: nn.Module) -> bool:
-    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated layers (decoder or encoder), in order: the outermost modules
     transformers itself checkpoints (GradientCheckpointingLayer), or else the longest ModuleList
@@ -384,60 +273,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         f"{type(model).__name__} has no layers sac_plugin can find (no GradientCheckpointingLayer, no ModuleList of "
         "one class); pass wrap_sites=[the layers to checkpoint]"
     )
-
-
-def _disabled_by_transformers(module: nn.Module) -> bool:
-    """A layer sac_plugin checkpointed through transformers' hook whose checkpointing transformers
-    has since turned off (model.gradient_checkpointing_disable()): it runs unchecked, so a new
-    config may be applied to it."""
-    return "_sac_undo" in vars(module) and getattr(module, "gradient_checkpointing", False) is False
-
-
-def _undo(module: nn.Module, checkpointed_layer: bool) -> None:
-    """Removes what apply_recompute_config set on one module (sac_plugin.remove_checkpointing,
-    or a config applied again after gradient_checkpointing_disable())."""
-    state = vars(module)
-    if checkpointed_layer:
-        state.pop("_gradient_checkpointing_func", None)
-        state.pop("_sac_policy", None)
-        state.pop("_sac_plan", None)
-    if "gradient_checkpointing" in state:
-        module.gradient_checkpointing = False
-    state.pop("_sac_undo", None)
-
-
-def _enable_through_transformers(model: nn.Module, config: RecomputeConfig, selected_layers) -> bool:
-    """Turns transformers' own checkpointing on first, through its entry point
-    (activation_checkpointing_enable; gradient_checkpointing_enable before transformers renamed
-    it), with every_n_layers as the config's layer rule says, so that whatever transformers does
-    when checkpointing is enabled (the model's own override of it, its flags) is done. The caller then hands each selected layer
-    its own policy. Every other module transformers turned on is turned off again: the config's
-    selection is what is checkpointed. A model that transformers says cannot be checkpointed but
-    whose layers have the hook (JetMoE) is left to that hook alone.
-
-    The forward hook transformers puts on the input embeddings (enable_input_require_grads) is
-    removed again: it makes their output require grad for reentrant checkpointing, and the
-    plugin's checkpoint is never reentrant. Being a local function, it would also make the model
-    unpicklable (torch.save(model)). A hook the model had before is left."""
-    if getattr(model, "supports_gradient_checkpointing", None) is not True:
-        return
-    hooked = "_require_grads_hook" in vars(model)
-    every = config.every_nth_layer if config.first_layer == 0 and config.layer_ratio is None else 1
-    kwargs = {"use_reentrant": False}  # each selected layer's own function replaces this one
-    enable = getattr(type(model), "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(model, activation_checkpointing_kwargs=kwargs, every_n_layers=every)
-    else:
-        type(model).gradient_checkpointing_enable(model, gradient_checkpointing_kwargs=kwargs)
-    selected = {id(layer) for layer in selected_layers}
-    for module in model.modules():
-        if module is model.base_model or id(module) in selected or "_gradient_checkpointing_func" not in vars(module):
-            continue
-        module.gradient_checkpointing = False
-        del vars(module)["_gradient_checkpointing_func"]
-        module._sac_undo = functools.partial(_undo, module, True)
-    if not hooked and "_require_grads_hook" in vars(model):
-        model.disable_input_require_grads()
 
 
 def _undo_model(model: nn.Module) -> None:
@@ -510,108 +345,6 @@ class _KeepTheConfig:
         )
 
 
-def _check_model(model, where: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"sac_plugin: {where}: model must be a transformers PreTrainedModel, got {describe_value(model)}"
-        )
-    if any("_sac_policy" in vars(module) and not _disabled_by_transformers(module) for module in model.modules()):
-        raise ValueError(
-            f"sac_plugin: {where}: {type(model).__name__} is already checkpointed by sac_plugin; apply a "
-            "config once per model"
-        )
-    # Read the layers' flag, not model.is_gradient_checkpointing (deprecated in transformers 5).
-    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
-        raise ValueError(
-            f"sac_plugin: {where}: {type(model).__name__} has transformers' gradient checkpointing enabled; "
-            "call model.gradient_checkpointing_disable() first, or use gradient_checkpointing_kwargs(model, config) "
-            "to run transformers' checkpointing with the plugin's policy"
-        )
-
-
-def _check_layers(model: nn.Module, layers, where: str, *, hook_needed: bool = True) -> None:
-    """The layers must be transformers' GradientCheckpointingLayers, whose hook sac_plugin hands
-    its policy (`hook_needed`). A model whose layers are not, and that transformers says cannot
-    be checkpointed (ALBERT), is refused in transformers' own words."""
-    for i, layer in enumerate(layers):
-        if _is_checkpointing_layer(layer):
-            continue
-        if getattr(model, "supports_gradient_checkpointing", None) is False:
-            raise TypeError(
-                f"sac_plugin: {where}: {type(model).__name__} does not support activation checkpointing (transformers' "
-                f"own refusal: its layers, {type(layer).__name__}, have no checkpointing hook); call "
-                "sac_plugin.apply_selective_checkpointing on the layers to checkpoint them anyway"
-            )
-        if not hook_needed:
-            continue
-        raise TypeError(
-            f"sac_plugin: {where}: decoder layer {i} ({type(layer).__name__}) is not a transformers "
-            "GradientCheckpointingLayer (transformers >= 4.52 has them); upgrade transformers, or call "
-            "sac_plugin.apply_selective_checkpointing on each layer and pass use_cache=False"
-        )
-
-
-def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, layers, selected) -> dict:
-    """The config's units each selected layer has. A unit may be absent from some layers (a mixed
-    stack: DeepSeek-V3's dense first layer has no router); one absent from every selected layer
-    is an error naming it."""
-    present = {index: [] for index in selected}
-    for i, unit in enumerate(config.selected_units):
-        target = target_map[unit]
-        found_in = [index for index in selected if isinstance(target, KeptOps) or target.find(layers[index])]
-        if not found_in:
-            kinds = sorted({type(layers[index]).__name__ for index in selected})
-            raise ConfigError(
-                f"recompute config: {_unit_field(config, i)}: unit '{unit.value}' of {target_map.model_name} "
-                f"({', '.join(target.paths)}) matches nothing in any of the {len(selected)} selected layers "
-                f"({', '.join(kinds)})"
-            )
-        if len(found_in) < len(selected):
-            _logger.debug(
-                "unit '%s' (%s) is in layers %s only",
-                unit.value,
-                target_map.model_name,
-                describe_layers(found_in, len(layers)),
-            )
-        for index in found_in:
-            if isinstance(target, KeptCallables):
-                for owner, name in target.find(layers[index]):
-                    _layers.check_forward_runs(target_map, unit, owner, name, _unit_field(config, i))
-            present[index].append(unit)
-    for index in selected:
-        for j, path in enumerate(config.force_recompute_modules):
-            if not KeptCallables([path]).find(layers[index]):
-                raise ConfigError(
-                    f"recompute config: force_recompute_modules[{j}]: '{path}' matches nothing in "
-                    f"{type(layers[index]).__name__} (layer {index})"
-                )
-    return present
-
-
-def _unit_field(config: RecomputeConfig, i: int) -> str:
-    """Where the i-th of config.selected_units is written: units[i] or offloaded_units[j]."""
-    return f"units[{i}]" if i < len(config.units) else f"offloaded_units[{i - len(config.units)}]"
-
-
-def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, selected):
-    """Checks the config against the selected layers, then installs each layer's units; returns
-    the policy. Nothing is changed unless every check passes."""
-    check_target_map(target_map)
-    policy = policy_for(config, target_map)
-    present = _units_by_layer(config, target_map, layers, selected)
-    for index in selected:
-        # Each layer is prepared with the units it has (all checked above, so none raises).
-        units = present[index]
-        layer_map = RecomputeTargetMap(target_map.model_name, {unit: target_map[unit] for unit in units})
-        layer_config = dataclasses.replace(
-            config,
-            units=[u for u in units if u in config.units],
-            offloaded_units=[u for u in units if u in config.offloaded_units],
-        )
-        _layers.prepare_layers(model, layer_config, layer_map, [layers[index]], [0])
-    return policy
-
-
 def _map_for(
     model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap | None, layers
 ) -> RecomputeTargetMap:
@@ -625,59 +358,13 @@ def _map_for(
     return derived_target_map(model, layers)
 
 
-def _keyword_batch(example_inputs):
-    """A transformers model takes a keyword batch ({"input_ids": ..., "labels": ...})."""
-    if isinstance(example_inputs, Mapping):
-        return (), dict(example_inputs)
-    return example_inputs
-
-
-def _plan_layers(model: nn.Module, config: RecomputeConfig, layers: list[nn.Module], example_inputs) -> list[Plan]:
-    """One plan per layer within config.budget: each distinct layer (class, parameters, input
-    shapes) profiled once on the inputs it gets from one forward of example_inputs, the budget
-    split over the layers."""
-    if example_inputs is None:
-        raise ConfigError(
-            "recompute config: a budget for a transformers model is planned on an example batch: pass "
-            "example_inputs=batch (the keyword batch the model takes, such as {'input_ids': ..., 'labels': ...})"
-        )
-    # The planner imports torch._dynamo: imported when a budget is planned, not with this module.
-    from ..planner import plan
-    from ..planner._apply import _capture_inputs, layer_signature
-    from ..planner._split import split, total_budget_bytes
-
-    inputs = _capture_inputs(model, layers, _keyword_batch(example_inputs))
-    plans, by_signature = [], {}
-    for layer, (args, kwargs) in zip(layers, inputs):
-        kwargs = {
-            name: (False if name == "use_cache" else None if name in _CACHE_ARGUMENTS else value)
-            for name, value in kwargs.items()
-        }
-        signature = layer_signature(layer, args, kwargs)
-        if signature not in by_signature:
-            by_signature[signature] = plan(layer, *args, budget=1.0, **kwargs)
-        plans.append(by_signature[signature])
-    total = total_budget_bytes(config.budget, plans)
-    chosen = split(plans, total)
-    _logger.info(
-        "%s: budget %r = %.2f MiB over %d layers (%d distinct): they hold %.2f MiB",
-        type(model).__name__,
-        config.budget,
-        total / 2**20,
-        len(layers),
-        len(by_signature),
-        sum(p.held_bytes for p in chosen) / 2**20,
-    )
-    return chosen
-
-
 def apply_recompute_config(
     model: nn.Module,
     config: RecomputeConfig | None = None,
     *,
     target_map: RecomputeTargetMap | None = None,
-    wrap_sites=None,
-    example_inputs=None,
+    wrap_sites: Sequence[nn.Module] | None = None,
+    example_inputs: Mapping | None = None,
 ) -> nn.Module:
     """Checkpoints a transformers model's layers as `config` says; returns the model.
 
@@ -762,203 +449,6 @@ def apply_recompute_config(
             _layers.describe_application(type(model).__name__, selected, len(layers), policies[0], config, target_map),
         )
     return given
-
-
-def _offloading_config(config: RecomputeConfig) -> RecomputeConfig:
-    """What `activation_checkpointing_enable(..., offload=True)` means for a config handed over as
-    sac_plugin kwargs: what the config keeps (its units and ops) is offloaded instead, by the
-    plugin's own offload (side streams, pinned host memory), never transformers' save_on_cpu on
-    the compute stream, and so are the layers' inputs, which full recompute still holds
-    (offload_inputs). The every-nth rule stays kept."""
-    return dataclasses.replace(
-        config,
-        units=(),
-        ops=(),
-        offloaded_units=config.units + config.offloaded_units,
-        offloaded_ops=tuple(config.ops) + tuple(config.offloaded_ops),
-        offload_inputs=True,
-    )
-
-
-def _checkpoint_layer(
-    function, *args, context_fn, preserve_rng_state: bool = True, use_reentrant: bool = False, **kwargs
-):
-    """torch's checkpoint as transformers calls a layer's _gradient_checkpointing_func, through the
-    plugin's checkpoint_call, so that the layer's region holds its inputs (offload_inputs)."""
-    if use_reentrant:
-        raise ValueError("sac_plugin: a policy with offload_inputs checkpoints with use_reentrant=False, got True")
-    return checkpoint_call(
-        function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state, offload_inputs=True
-    )
-
-
-def _checkpoint_func(contexts, preserve_rng_state: bool, offload_inputs: bool):
-    """A layer's _gradient_checkpointing_func: torch's checkpoint, or _checkpoint_layer where the
-    policy offloads the inputs."""
-    if offload_inputs:
-        return functools.partial(_checkpoint_layer, context_fn=contexts, preserve_rng_state=preserve_rng_state)
-    return functools.partial(
-        checkpoint, use_reentrant=False, context_fn=contexts, preserve_rng_state=preserve_rng_state
-    )
-
-
-def _under_transformers_offload() -> bool:
-    """Whether transformers' own offload wraps the checkpoint being entered: torch's save_on_cpu
-    hooks on top when the checkpoint asks for its contexts, before it pushes its own (NOTE:
-    [transformers' offload on another model instance])."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("save_on_cpu.")
-
-
-def _checkpointed_module(frame) -> nn.Module | None:
-    """The module whose forward torch.utils.checkpoint is about to run, read from the frame that
-    calls a context_fn (NOTE: [kwargs on another model instance])."""
-    for _ in range(4):
-        if frame is None:
-            return None
-        # torch 2.15 calls context_fn from _checkpoint_without_reentrant_generator_impl
-        if frame.f_code.co_name.startswith("_checkpoint_without_reentrant_generator"):
-            function = frame.f_locals.get("fn")
-            function = getattr(function, "__wrapped__", function)  # the region holds the inputs (offload_inputs)
-            while function is not None:
-                owner = getattr(function, "__self__", None)  # layer.__call__ (older transformers)
-                if isinstance(owner, nn.Module):
-                    return owner
-                if not isinstance(function, functools.partial):
-                    return None
-                if function.args and isinstance(function.args[0], nn.Module):  # partial(forward, layer)
-                    return function.args[0]
-                function = function.func
-            return None
-        frame = frame.f_back
-    return None
-
-
-class _LayerContexts(str):
-    """The `context_fn` of gradient_checkpointing_kwargs: the plugin's policy, for every layer it
-    checkpoints.
-
-    A str (what it keeps, for which model), so that TrainingArguments, which holds the kwargs,
-    writes them as JSON (to_json_string, and the loggers' to_dict) and pickles them into each
-    checkpoint it saves (training_args.bin): pickled, it is its config and target map, and the
-    copy prepares the layers it checkpoints as another instance's kwargs do (below). Compared and
-    hashed as an object, not as its text.
-
-    NOTE: [kwargs on another model instance]
-    The kwargs' units are callables installed on the layers of the model they were built on. The
-    same dictionary can reach another instance: transformers' Trainer(model_init=...) builds a
-    new model and enables checkpointing on it with the TrainingArguments' kwargs. Its layers have
-    no units installed, so the policy would open none and keep nothing: full recompute, silently.
-    So each call reads which layer checkpoint is about to run (the function transformers hands it
-    is partial(forward, layer)); a layer not prepared yet gets the config's units installed from
-    the same target map before its forward runs, and one that has none of them is an error naming
-    it. A call whose layer cannot be read (checkpoint called on something else) is served as is.
-    """
-
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
-
-    def __new__(
-        cls, policy, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, *, offloading: bool = False
-    ):
-        default = RecomputeConfig().to_dict()
-        fields = ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if v != default[k])
-        return super().__new__(cls, f"sac_plugin policy for {target_map.model_name}: {fields or 'full recompute'}")
-
-    def __init__(
-        self, policy, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, *, offloading: bool = False
-    ):
-        self.policy, self._config, self._target_map = policy, config, target_map
-        self._contexts = context_fn(policy)
-        # A checkpoint site per layer (NOTE: [What a site learns]): one context function serves
-        # every layer here, and each layer must learn what its own recompute reaches.
-        self._per_layer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._prepared = weakref.WeakSet(layers)
-        self._offloading = offloading
-
-    def __call__(self):
-        layer = _checkpointed_module(sys._getframe(1))
-        if layer is None:
-            return self._contexts()
-        if not self._offloading and _under_transformers_offload():
-            return self._offload_through_the_plugin(layer)
-        return self._contexts_for(layer)
-
-    def _contexts_for(self, layer: nn.Module):
-        if self._config.selected_units and layer not in self._prepared:
-            self._prepare(layer)
-        contexts = self._per_layer.get(layer)
-        if contexts is None:
-            contexts = self._per_layer[layer] = context_fn(self.policy, name=type(layer).__name__)
-        return contexts()
-
-    def __deepcopy__(self, memo):
-        return self  # TrainingArguments are copied; the kwargs' policy and layers stay shared
-
-    def __copy__(self):
-        return self
-
-    def __reduce__(self):
-        return (_restored_contexts, (self._config, self._target_map, self._offloading))
-
-    def _prepare(self, layer: nn.Module) -> None:
-        names = {unit.value for unit in self._config.selected_units}
-        found = [
-            (owner, name, unit)
-            for unit in self._config.selected_units
-            if isinstance(self._target_map[unit], KeptCallables)
-            for owner, name in self._target_map[unit].find(layer)
-        ]
-        callable_units = [u for u in self._config.selected_units if isinstance(self._target_map[u], KeptCallables)]
-        if callable_units and not found:
-            raise ConfigError(
-                f"recompute config: gradient_checkpointing_kwargs were built for {self._target_map.model_name}, and "
-                f"the layer checkpointed now ({type(layer).__name__}) has none of the units {sorted(names)}; build the "
-                "kwargs on the model they are used with"
-            )
-        for owner, name, unit in found:
-            _layers.check_forward_runs(self._target_map, unit, owner, name, "units")
-        for owner, name, unit in found:
-            run_in_unit(owner, name, unit.value)
-        self._prepared.add(layer)
-        _logger.debug(
-            "%s: a layer not seen when the kwargs were built (another model instance) got units %s",
-            type(layer).__name__,
-            sorted(names),
-        )
-
-    def _offload_through_the_plugin(self, layer: nn.Module):
-        """NOTE: [transformers' offload on another model instance]
-        kwargs reach a model instance they were not built on with transformers' own offload when
-        Trainer(model_init=...) builds the model and calls its activation_checkpointing_enable(...,
-        offload=True): transformers then wraps each layer's checkpoint in save_on_cpu on the compute
-        stream, which the plugin's region hooks override anyway (innermost saved-tensor hooks win),
-        so nothing would be offloaded. The layer's checkpoint goes through the plugin's offload
-        instead (the offloading contexts, and its checkpoint_call for the inputs) from this call on;
-        this first call, already inside transformers' checkpoint, offloads what the contexts hold."""
-        offloaded = self.offloading()
-        current = vars(layer).get("_gradient_checkpointing_func")
-        preserve = current.keywords.get("preserve_rng_state", True) if isinstance(current, functools.partial) else True
-        layer._gradient_checkpointing_func = _checkpoint_func(offloaded, preserve, offloaded.policy.offload_inputs)
-        _logger.info(
-            "%s: transformers' offload (save_on_cpu) replaced by the plugin's for this layer", type(layer).__name__
-        )
-        return offloaded._contexts_for(layer)
-
-    def offloading(self) -> _LayerContexts:
-        """The same kwargs with what they keep offloaded instead (_offloading_config)."""
-        if self._offloading:
-            return self
-        config = _offloading_config(self._config)
-        offloaded = _LayerContexts(policy_for(config, self._target_map), config, self._target_map, [], offloading=True)
-        offloaded._prepared = self._prepared
-        return offloaded
-
-
-def _restored_contexts(config: RecomputeConfig, target_map: RecomputeTargetMap, offloading: bool) -> _LayerContexts:
-    """Unpickled kwargs: the same policy, with no layer prepared yet."""
-    return _LayerContexts(policy_for(config, target_map), config, target_map, [], offloading=offloading)
 
 
 class _PluginOffloadEnable:

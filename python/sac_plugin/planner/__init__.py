@@ -9,7 +9,8 @@ from ._cost import OffloadModel, PlanError
 from ._plan import Plan, plan
 from ._profile import LayerProfile, ProfiledCall
 from ._reference import reference_policies
-from ._step import StepPlan, plan_step
+from ._step import plan_step
+from ._step_plan import StepPlan
 
 
 __all__ = [

@@ -12,52 +12,45 @@ holds without checkpointing; an int is bytes. The kept outputs are chosen by an 
 knapsack (planner/_knapsack.py) that maximises the kernel time the recompute skips.
 
 What a call costs, with offload too (the three-way model), is _cost.py's; choosing the calls for
-a budget is _solve.py's; the file a plan saves is _plan_file.py's. This module holds the Plan,
-what it reports (tables, curves, a plot) and `plan`, which profiles a layer and plans it.
+a budget is _solve.py's; the file a plan saves is _plan_file.py's; what it predicts for other
+budgets and policies, its tables and its plot are _plan_evaluation.py's, _plan_tables.py's and
+_plan_plot.py's; the offload model `plan` builds is _plan_offload.py's. This module holds the Plan
+as a value and `plan`, which profiles a layer and plans it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from .._validation import bounded_repr, describe_value
+from .._validation import describe_value
 from ..policy import Policy
 from . import _fields
+from . import _plan_evaluation as plan_evaluation
 from . import _plan_file as plan_file
+from . import _plan_plot as plan_plot
+from . import _plan_tables as plan_tables
 from ._cost import (
-    OFFLOAD_MIN_BYTES,
     OffloadModel,
     PlanError,
     budget_in_bytes,
     call_key,
     check_budget,
     copy_costs,
-    unreachable_budget,
-    is_byte_count,
-    is_rate,
     exposed_copy_seconds,
     step_overhead,
+    unreachable_budget,
 )
-from ._profile import (
-    LayerProfile,
-    ProfiledCall,
-    accelerator_device,
-    measure_offload_bandwidth,
-    profile_layer,
-)
+from ._plan_evaluation import check_policy
+from ._plan_offload import check_offload_arguments, offload_model
+from ._profile import LayerProfile, ProfiledCall, profile_layer
 from ._rule_calls import held_by, plan_policy
 from ._solve import Solver
 
 PARETO_BUDGETS = tuple(i / 20 for i in range(21))
-
-log = logging.getLogger("sac_plugin")
-_warned_offload_unavailable: set[str] = set()
 
 
 class Plan:
@@ -228,32 +221,7 @@ class Plan:
             One dict per (op, unit), most kernel time first: its calls, bytes, time, and how many
             of them are kept and offloaded, with their bytes and the time they save.
         """
-        groups: dict[tuple[str, str], dict] = {}
-        for c in self.profile.calls:
-            row = groups.setdefault(
-                (c.op, c.unit),
-                {
-                    "op": c.op,
-                    "unit": c.unit,
-                    "calls": 0,
-                    "kept": 0,
-                    "offloaded": 0,
-                    "bytes": 0,
-                    "kept_bytes": 0,
-                    "seconds": 0.0,
-                    "saved_seconds": 0.0,
-                    "not_keepable": c.why_not_keepable,
-                },
-            )
-            kept = call_key(c) in self.kept
-            row["calls"] += 1
-            row["bytes"] += c.bytes
-            row["seconds"] += c.seconds
-            row["kept"] += kept
-            row["offloaded"] += call_key(c) in self.offloaded
-            row["kept_bytes"] += c.bytes if kept else 0
-            row["saved_seconds"] += c.seconds if kept else 0.0
-        return sorted(groups.values(), key=lambda r: (-r["seconds"], r["op"], r["unit"]))
+        return plan_tables.rows(self)
 
     def call_rows(self) -> list[dict]:
         """The plan call by call.
@@ -263,24 +231,7 @@ class Plan:
             outcome and, where it may be offloaded, its predicted copies (a CopyCost) and, where
             not, why not.
         """
-        rows = []
-        for c in self.profile.calls:
-            if not (c.keepable and c.bytes > 0):
-                continue
-            why = self.offload.why_not_offloadable(c) if self.offload is not None else "no offload model"
-            rows.append(
-                {
-                    "op": c.op,
-                    "index": c.index,
-                    "unit": c.unit,
-                    "bytes": c.bytes,
-                    "seconds": c.seconds,
-                    "outcome": self.outcome(c),
-                    "copy": self.copies.get(call_key(c)),
-                    "not_offloadable": why,
-                }
-            )
-        return rows
+        return plan_tables.call_rows(self)
 
     def table(self) -> str:
         """The plan as text, for reading.
@@ -289,49 +240,7 @@ class Plan:
             Its summary (the plan's repr), a row per op and unit and, with an offload model, a
             row per call with its copies and whether they hide, one line each.
         """
-        mib = 2**20
-        rows, call_rows = self.rows(), self.call_rows() if self.offload is not None else []
-        # Columns as wide as their longest name, so that no name runs into the next column.
-        op_width = max(
-            [48, *(len(r["op"]) + 2 for r in rows), *(len(f"{r['op']} #{r['index']}") + 2 for r in call_rows)]
-        )
-        unit_width = max([14, *(len(r["unit"] or "-") + 2 for r in [*rows, *call_rows])])
-        lines = [
-            repr(self),
-            f"{'op':<{op_width}}{'unit':<{unit_width}}{'calls':>6}{'kept':>6}{'MiB':>9}{'kept MiB':>10}"
-            f"{'ms':>9}{'saved ms':>10}  not keepable",
-        ]
-        for r in rows:
-            lines.append(
-                f"{r['op']:<{op_width}}{r['unit'] or '-':<{unit_width}}{r['calls']:>6}{r['kept']:>6}"
-                f"{r['bytes'] / mib:>9.3f}{r['kept_bytes'] / mib:>10.3f}{r['seconds'] * 1e3:>9.3f}"
-                f"{r['saved_seconds'] * 1e3:>10.3f}  {r['not_keepable']}"
-            )
-        if self.offload is None:
-            return "\n".join(lines)
-        lines += [
-            "",
-            f"per call (copies: {self.offload.d2h_bytes_per_s / 1e9:.3f} GB/s to the host, "
-            f"{self.offload.h2d_bytes_per_s / 1e9:.3f} GB/s back; each alone, hidden behind the forward's kernel time "
-            "after it and the recompute's before it)",
-            f"{'call':<{op_width}}{'unit':<{unit_width}}{'MiB':>9}{'ms':>9}  {'outcome':<10}{'d2h ms':>9}{'h2d ms':>9}"
-            f"{'window ms':>11}{'back win ms':>12}{'exposed ms':>12}  hides",
-        ]
-        for r in call_rows:
-            copy = r["copy"]
-            if copy is None:
-                copies = f"{'-':>9}{'-':>9}{'-':>11}{'-':>12}{'-':>12}  - ({r['not_offloadable']})"
-            else:
-                copies = (
-                    f"{copy.to_host * 1e3:>9.3f}{copy.to_device * 1e3:>9.3f}{copy.forward_window * 1e3:>11.3f}"
-                    f"{copy.backward_window * 1e3:>12.3f}"
-                    f"{copy.exposed * 1e3:>12.3f}  {'yes' if copy.hides else 'no'}"
-                )
-            lines.append(
-                f"{r['op'] + ' #' + str(r['index']):<{op_width}}{r['unit'] or '-':<{unit_width}}{r['bytes'] / mib:>9.3f}"
-                f"{r['seconds'] * 1e3:>9.3f}  {r['outcome']:<10}{copies}"
-            )
-        return "\n".join(lines)
+        return plan_tables.table(self)
 
     # --- other budgets ------------------------------------------------------------------------------
 
@@ -351,31 +260,7 @@ class Plan:
             TypeError: A budget that is not a number.
             PlanError: A budget out of range.
         """
-        points = []
-        for budget in budgets:
-            plan = self.with_budget(check_budget(budget, "pareto: budget"))
-            point = {
-                "budget": budget,
-                "budget_bytes": plan.budget_bytes,
-                "held_bytes": plan.held_bytes,
-                "kept_bytes": plan.kept_bytes,
-                "kept_calls": len(plan.kept),
-                "recompute_seconds": plan.recompute_seconds,
-                "overhead_seconds": plan.overhead_seconds,
-            }
-            if self.offload is not None:
-                two_way = plan.without_offload()
-                point.update(
-                    {
-                        "offloaded_calls": len(plan.offloaded),
-                        "offloaded_bytes": plan.offloaded_bytes,
-                        "copy_seconds": plan.copy_seconds,
-                        "two_way_held_bytes": two_way.held_bytes,
-                        "two_way_overhead_seconds": two_way.overhead_seconds,
-                    }
-                )
-            points.append(point)
-        return points
+        return plan_evaluation.pareto(self, budgets)
 
     def with_budget(self, budget: float | int) -> Plan:
         """The same profile (and offload model) planned for another budget, with no new measurement.
@@ -425,23 +310,7 @@ class Plan:
         Raises:
             TypeError: policy is not a sac_plugin.Policy.
         """
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"sac_plugin: Plan.evaluate: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-            )
-        kept, offloaded = held_by(policy, self.profile)
-        kept_bytes = sum(c.bytes for c in self.profile.calls if call_key(c) in kept)
-        result = {
-            "held_bytes": self.profile.full_recompute_bytes + kept_bytes,
-            "kept_bytes": kept_bytes,
-            "offloaded_bytes": sum(c.bytes for c in self.profile.calls if call_key(c) in offloaded),
-            "recompute_seconds": step_overhead(self.profile, kept | offloaded, frozenset(), {}),
-        }
-        if self.offload is not None:
-            # A policy may offload a call under the plan's size floor: price every call's copies.
-            copies = copy_costs(self.profile, dataclasses.replace(self.offload, min_bytes=0))
-            result["overhead_seconds"] = step_overhead(self.profile, kept, offloaded, copies)
-        return result
+        return plan_evaluation.evaluate(self, policy)
 
     def calls_kept_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
         """The profiled calls `policy` keeps on the device.
@@ -462,28 +331,22 @@ class Plan:
         Raises:
             TypeError: policy is not a sac_plugin.Policy.
         """
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"sac_plugin: Plan.calls_kept_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-            )
+        check_policy(policy, "Plan.calls_kept_by")
         return held_by(policy, self.profile, decided=True)[0]
 
     def calls_offloaded_by(self, policy: Policy) -> frozenset[tuple[str, int]]:
         """The profiled calls `policy` offloads to host memory, as calls_kept_by counts them.
 
         Args:
-            policy: The policy to ask.
+            policy: The policy whose offloads to list.
 
         Returns:
-            The calls, as (op, index among the op's calls).
+            The offloaded calls, each as (op, index among the op's calls).
 
         Raises:
             TypeError: policy is not a sac_plugin.Policy.
         """
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"sac_plugin: Plan.calls_offloaded_by: policy must be a sac_plugin.Policy, got {describe_value(policy)}"
-            )
+        check_policy(policy, "Plan.calls_offloaded_by")
         return held_by(policy, self.profile)[1]
 
     # --- plot ------------------------------------------------------------------------------------
@@ -508,84 +371,7 @@ class Plan:
             ImportError: matplotlib is not installed (the `plot` extra).
             TypeError: path is not a path.
         """
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ImportError(
-                "sac_plugin: Plan.plot needs matplotlib, which is not installed; install the extra: "
-                "pip install 'sac_plugin[plot]' (or pip install matplotlib)"
-            ) from None
-        path = _path_of(path, "plot")
-        from ._reference import reference_policies
-
-        policies = reference_policies() if policies is None else policies
-        base = self.profile.no_checkpoint_bytes or 1
-        points = self.pareto()
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        if self.offload is None:
-            ax.step(
-                [p["held_bytes"] / base for p in points],
-                [p["recompute_seconds"] * 1e3 for p in points],
-                where="post",
-                marker=".",
-                label="plan (Pareto curve)",
-            )
-        else:
-            ax.step(
-                [p["two_way_held_bytes"] / base for p in points],
-                [p["two_way_overhead_seconds"] * 1e3 for p in points],
-                where="post",
-                marker=".",
-                label="keep or recompute",
-            )
-            ax.step(
-                [p["held_bytes"] / base for p in points],
-                [p["overhead_seconds"] * 1e3 for p in points],
-                where="post",
-                marker=".",
-                color="C9",
-                label="keep, offload or recompute",
-            )
-        # Policies can land on one point (the units policy of a layer that opens no units keeps
-        # what "attention kept" keeps): each gets its own hollow marker, the first ones largest and
-        # drawn on top, so a marker under another still shows as a ring around it.
-        markers = ["o", "s", "D", "^", "v", "P", "X", "*"]
-        count = len(policies)
-        for i, (name, policy) in enumerate(policies.items()):
-            e = self.evaluate(policy)
-            seconds = e.get("overhead_seconds", e["recompute_seconds"])
-            ax.scatter(
-                [e["held_bytes"] / base],
-                [seconds * 1e3],
-                marker=markers[i % len(markers)],
-                s=40 + 45 * (count - i),
-                facecolors="none",
-                edgecolors=f"C{i + 1}",
-                linewidths=1.6,
-                zorder=3 + count - i,
-                label=name,
-            )
-        ax.scatter(
-            [self.held_bytes / base],
-            [self.overhead_seconds * 1e3],
-            marker="x",
-            s=70,
-            color="black",
-            zorder=4 + count,
-            label=f"this plan (budget {self.budget})",
-        )
-        ax.set_xlabel("activation bytes held / no checkpointing")
-        ax.set_ylabel("recompute kernel time (ms)" if self.offload is None else "recompute + exposed copy time (ms)")
-        ax.set_title(title or "sac_plugin memory-budget plan")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return plan_plot.plot(self, path, policies, title)
 
     def curve(self) -> str:
         """The Pareto curve as text, for terminals.
@@ -594,24 +380,7 @@ class Plan:
             A line per budget of `pareto()`; with an offload model, the two-way curve's overhead
             beside the three-way one's.
         """
-        base = self.profile.no_checkpoint_bytes or 1
-        header = f"{'budget':>7}{'held MiB':>10}{'held/none':>10}{'kept calls':>11}{'recompute ms':>14}"
-        if self.offload is not None:
-            header += f"{'offloaded':>10}{'host MiB':>10}{'copy ms':>9}{'total ms':>10}{'2-way ms':>10}"
-        lines = [header]
-        for p in self.pareto():
-            line = (
-                f"{p['budget']:>7.2f}{p['held_bytes'] / 2**20:>10.3f}{p['held_bytes'] / base:>10.3f}"
-                f"{p['kept_calls']:>11}{p['recompute_seconds'] * 1e3:>14.3f}"
-            )
-            if self.offload is not None:
-                line += (
-                    f"{p['offloaded_calls']:>10}{p['offloaded_bytes'] / 2**20:>10.3f}"
-                    f"{p['copy_seconds'] * 1e3:>9.3f}{p['overhead_seconds'] * 1e3:>10.3f}"
-                    f"{p['two_way_overhead_seconds'] * 1e3:>10.3f}"
-                )
-            lines.append(line)
-        return "\n".join(lines)
+        return plan_tables.curve(self)
 
     # --- files -------------------------------------------------------------------------------------
 
@@ -636,7 +405,7 @@ class Plan:
         Raises:
             TypeError: path is not a path.
         """
-        return plan_file.write_plan_file(_path_of(path, "save"), self.to_dict())
+        return plan_file.write_plan_file(plan_file.path_of(path, "Plan.save"), self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -653,7 +422,7 @@ class Plan:
             PlanError: The file cannot be read, is not JSON, or is not a valid plan here; the
                 message names the field.
         """
-        path = _path_of(path, "load")
+        path = plan_file.path_of(path, "Plan.load")
         return cls.from_dict(plan_file.read_plan_file(path, "plan file"), where=f"plan file {path}")
 
     @classmethod
@@ -709,77 +478,6 @@ class Plan:
         except ValueError as error:  # an op this torch does not have
             raise fail(f"its calls do not make a policy here: {error}") from None
         return result
-
-
-def _path_of(path, method: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"sac_plugin: Plan.{method} expects a path (str or os.PathLike), got {describe_value(path)}")
-    return Path(path)
-
-
-def _check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offload_min_bytes) -> None:
-    if not isinstance(offload, bool):
-        raise TypeError(f"sac_plugin: plan: offload must be True or False, got {describe_value(offload)}")
-    named = (
-        ("offload_bandwidth", offload_bandwidth),
-        ("host_memory_limit", host_memory_limit),
-        ("offload_min_bytes", offload_min_bytes),
-    )
-    given = [name for name, value in named if value is not None]
-    if given and not offload:
-        raise ValueError(f"sac_plugin: plan: {', '.join(given)} only apply with offload=True")
-    pair = isinstance(offload_bandwidth, (tuple, list)) and len(offload_bandwidth) == 2
-    if offload_bandwidth is not None and not (pair and all(map(is_rate, offload_bandwidth))):
-        raise ValueError(
-            "sac_plugin: plan: offload_bandwidth must be (device_to_host, host_to_device) bytes per "
-            f"second, two finite numbers > 0, got {bounded_repr(offload_bandwidth)}"
-        )
-    if host_memory_limit is not None and not is_byte_count(host_memory_limit):
-        raise ValueError(
-            "sac_plugin: plan: host_memory_limit must be None (no cap) or an int from 0 to 2**63 - 1 "
-            f"(bytes), got {bounded_repr(host_memory_limit)}"
-        )
-    if offload_min_bytes is not None and not is_byte_count(offload_min_bytes):
-        raise ValueError(
-            f"sac_plugin: plan: offload_min_bytes must be an int from 0 to 2**63 - 1 (bytes), got "
-            f"{bounded_repr(offload_min_bytes)}"
-        )
-
-
-def _offload_model(
-    module, args, kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes
-) -> OffloadModel | None:
-    """The offload model for a plan with offload=True: the given bandwidths, else the ones timed
-    on the layer's accelerator; None (with one logged warning per reason) where there is neither."""
-    if offload_bandwidth is None:
-        device = accelerator_device(module, args, kwargs)
-        if device is None:
-            if not torch.accelerator.is_available():
-                reason = "no accelerator is available"
-            else:
-                reason = f"the layer's parameters and inputs are not on the {torch.accelerator.current_accelerator()}"
-            if reason not in _warned_offload_unavailable:
-                _warned_offload_unavailable.add(reason)
-                log.warning(
-                    "sac_plugin: plan: offload=True, but %s and no offload_bandwidth was given: the plan "
-                    "keeps or recomputes each call (pass offload_bandwidth=(device_to_host, host_to_device) "
-                    "bytes per second to plan offload for another machine)",
-                    reason,
-                )
-            return None
-        offload_bandwidth = measure_offload_bandwidth(device)
-        log.info(
-            "sac_plugin: plan: copies between %s and pinned host memory: %.3f GB/s to the host, %.3f GB/s back",
-            device,
-            offload_bandwidth[0] / 1e9,
-            offload_bandwidth[1] / 1e9,
-        )
-    return OffloadModel(
-        float(offload_bandwidth[0]),
-        float(offload_bandwidth[1]),
-        OFFLOAD_MIN_BYTES if offload_min_bytes is None else offload_min_bytes,
-        host_memory_limit,
-    )
 
 
 def plan(
@@ -861,18 +559,16 @@ def profile_and_plan(
     budget: float | int,
     runs: int = 5,
     warmup: int = 1,
-    offload: bool = False,
-    offload_bandwidth: tuple[float, float] | None = None,
-    host_memory_limit: int | None = None,
-    offload_min_bytes: int | None = None,
+    **offload_arguments,
 ) -> Plan:
     """`plan`, its arguments checked the same way, for a budget that may be below full
     recompute's floor: that plan is full recompute. For the callers that profile a layer to plan
-    it again (budget 1.0, then with_budget), whatever its floor."""
+    it again (budget 1.0, then with_budget), whatever its floor. `offload_arguments` are `plan`'s
+    offload, offload_bandwidth, host_memory_limit and offload_min_bytes."""
     from ..checkpointing import check_checkpointable
 
     budget = check_budget(budget)
-    _check_offload_arguments(offload, offload_bandwidth, host_memory_limit, offload_min_bytes)
+    check_offload_arguments(**offload_arguments)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sac_plugin: plan: module must be a torch.nn.Module, got {describe_value(module)}")
     if "_sac_policy" in module.__dict__:
@@ -885,9 +581,5 @@ def profile_and_plan(
     # inference mode) wherever it is called from, as a layer planned on its first call is.
     with torch.inference_mode(False), torch.enable_grad():
         profile = profile_layer(module, example_args, example_kwargs, runs=runs, warmup=warmup)
-    model = None
-    if offload:
-        model = _offload_model(
-            module, example_args, example_kwargs, offload_bandwidth, host_memory_limit, offload_min_bytes
-        )
+    model = offload_model(module, example_args, example_kwargs, **offload_arguments)
     return Plan.from_profile(profile, budget, offload=model)
