@@ -1,9 +1,10 @@
-"""docs/glossary.md names only code that exists, and names what a reader meets first.
+"""docs/glossary.md names only code that exists, and names what a reader meets first; so does
+docs/architecture.md, in the spelling the code is read in.
 
 Every code span in the glossary that names code is checked against the code:
     sac::Name, sac::Type::member    declared in csrc/ (a regex over the sources: a type by its
                                     class/struct/enum/using declaration, a function by a line that
-                                    declares it, a member in the file that declares its type)
+                                    declares it, a member declared in the file that declares its type)
     sac_plugin.module.Name          an importable attribute; `module.Name` is short for
     _module.Name                    sac_plugin.module.Name, for a module of the package
     torch.ops.sac.name, torch.X     an attribute reachable from the imported module
@@ -47,8 +48,9 @@ _SPAN = re.compile(r"`([^`\n]+)`")
 # Only spans made of these characters can name code; the rest are prose (`context_fn(policy)`, `"attn"`).
 _CODE_LIKE = re.compile(r"[\w.:/]+")
 _SOURCE_SUFFIXES = (".h", ".cpp", ".py", ".md", ".toml", ".yml", ".yaml", ".txt", ".sh")
-# The name, then a base, a body, an underlying type or an alias: not a forward declaration, not `Type::Nested`.
-_TYPE_DECLARATION = r"^[ \t]*(?:class|struct|enum class|enum|using)[ \t]+{name}(?!::)(?=[ \t]*(?:[:{{=]|$))"
+# The name, then a base, a body, an underlying type, an alias or a specialisation's arguments: not a
+# forward declaration, not `Type::Nested`.
+_TYPE_DECLARATION = r"^[ \t]*(?:class|struct|enum class|enum|using)[ \t]+{name}(?!::)(?=[ \t]*(?:[:{{=<]|$))"
 # A function's declaration or definition: a return type (or a qualifier) before the name.
 _FUNCTION_DECLARATION = r"^[ \t]*(?:[\w:<>,*&]+[ \t]+)+(?:\w+::)*{name}[ \t]*\("
 
@@ -79,7 +81,8 @@ def check_cxx(name: str) -> str | None:
         return f"`{name}`: no type or function {first} is declared in csrc/"
     if not declaring:
         return f"`{name}`: no type {first} is declared in csrc/"
-    member = re.compile(rf"\b{re.escape(parts[1])}\b")
+    # Declared, not mentioned in a comment: a function's parenthesis, a field's or an enumerator's end.
+    member = re.compile(rf"\b{re.escape(parts[1])}\b(?=[ \t]*[(;,={{}}])")
     if any(member.search(SOURCES[path]) for path in declaring):
         return None
     return f"`{name}`: {first} ({', '.join(declaring)}) has no member {parts[1]}"
@@ -167,6 +170,39 @@ def stale_names(text: str) -> list[str]:
     return problems
 
 
+def _words_in_sources() -> set[str]:
+    texts = [*SOURCES.values(), *(path.read_text(encoding="utf-8") for path in PACKAGE.rglob("*.py"))]
+    return {word for text in texts for word in re.findall(r"\w+", text)}
+
+
+WORDS = _words_in_sources()
+# A bare identifier that reads as code: CamelCase, camelCase or snake_case (not a plain word).
+_IDENTIFIER = re.compile(r"_\w+|[A-Z]\w*|[a-z]\w*[A-Z_]\w*")
+
+
+def stale_architecture_names(text: str) -> list[str]:
+    """docs/architecture.md writes its names as a contributor reads them in the code (`Region::serve`,
+    `_PassMode.__enter__`, `beginCall`): each C++ `Type::member` must be declared, each name in a
+    package module or in torch must resolve, and any other identifier must still be a word of the
+    sources. Paths are tools/check_paths.py's."""
+    problems = []
+    for match in _SPAN.finditer(text):
+        span = match.group(1)
+        if not _CODE_LIKE.fullmatch(span) or "/" in span or span.endswith(_SOURCE_SUFFIXES):
+            continue
+        if "::" in span:
+            why = check_cxx(span if span.startswith("sac::") else f"sac::{span}")
+        elif "." in span and span.split(".")[0] in MODULES | {"sac_plugin", "torch"}:
+            why = check_python(span)
+        else:
+            first = span.split(".")[0]
+            code_like = _IDENTIFIER.fullmatch(first) is not None
+            why = f"`{span}`: no source in csrc/ or python/ has {first}" if code_like and first not in WORDS else None
+        if why is not None:
+            problems.append(f"line {text.count(chr(10), 0, match.start()) + 1}: {why}")
+    return problems
+
+
 def named_spans(text: str) -> set[str]:
     return {match.group(1) for match in _SPAN.finditer(text)}
 
@@ -197,6 +233,25 @@ def test_the_glossary_names_only_code_that_exists():
 
 def test_the_glossary_names_what_a_reader_meets_first():
     assert missing_entries(GLOSSARY.read_text(encoding="utf-8")) == []
+
+
+def test_the_architecture_page_names_only_code_that_exists():
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert stale_architecture_names(text) == []
+
+
+def test_a_stale_architecture_name_is_named_with_its_line():
+    text = (
+        "`Region::serve`, `HotOpKernel::call`, `CallStep::kServed`, `_PassMode.__enter__`, `beginCall`, `_mode_calls.assemble`,\n"
+        "`Region::serveAll`, `_mode_calls.assemble_all`, `beginTheCall`, `RecomputeScope.__enter__`, `checkpoint`,\n"
+        "`Region::release_resources`, `Region::keptBytes`\n"
+    )
+    assert stale_architecture_names(text) == [
+        "line 2: `sac::Region::serveAll`: Region (csrc/dispatch/region.h) has no member serveAll",
+        "line 2: `_mode_calls.assemble_all`: sac_plugin._mode_calls has no attribute assemble_all",
+        "line 2: `beginTheCall`: no source in csrc/ or python/ has beginTheCall",
+        "line 2: `RecomputeScope.__enter__`: no source in csrc/ or python/ has RecomputeScope",
+    ]
 
 
 def test_the_headers_read_first_declare_the_region_and_the_pipeline():
