@@ -83,7 +83,7 @@ class RecomputeAboveModes(TorchDispatchMode):
     def __init__(self, address: int, marker):
         super().__init__()
         self._address = address
-        self._marker = marker  # a RegionReference: entered through the C ABI, never a RegionScope
+        self._marker = marker  # a MarkerRegionReference: entered through the C ABI, never a RegionScope
         self._marker_depth = 0
 
     def __enter__(self):
@@ -135,13 +135,13 @@ class RecomputeAboveModes(TorchDispatchMode):
 _marker_policy = _marker_site = None
 
 
-def _marker_reference() -> _scopes.RegionReference:
+def _marker_reference() -> _scopes.MarkerRegionReference:
     """A new marker region: a keeps-nothing region that labels passes and re-opens units."""
     global _marker_policy, _marker_site
     if _marker_site is None:
         _marker_policy = Policy()  # alive as long as the site made from its address
         _marker_site = _scopes.SiteReference(_marker_policy._policy_address, marks_passes=True)
-    return _scopes.RegionReference(_marker_site.address)
+    return _scopes.MarkerRegionReference(_marker_site.address)
 
 
 def recompute_above_modes(region_address: int):

@@ -58,9 +58,9 @@ class SiteReference:
         _release(self.address)
 
 
-class RegionReference:
-    """Owns one reference to a C++ region handle entered through the C ABI (a marker region,
-    NOTE: [Modes above the key see only what ran] in _mode_recompute.py); dropping it releases
+class MarkerRegionReference:
+    """Owns one reference to the C++ handle of a marker region, which the C ABI enters and exits
+    (NOTE: [Modes above the key see only what ran] in _mode_recompute.py); dropping it releases
     the handle."""
 
     __slots__ = ("address",)
