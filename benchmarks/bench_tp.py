@@ -117,7 +117,9 @@ def _checkpointed(mode, phases):
     return lambda function, x: checkpoint(phases.marked(function), x, use_reentrant=False, **options)
 
 
-def _rank(rank, world, init_file, result_file, args):
+def measure(args):
+    """Every mode's milliseconds and collectives per phase on this rank, in a process group of
+    gloo ranks that is already up (the ranks the block is parallelized over)."""
     import sac_plugin
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -128,56 +130,61 @@ def _rank(rank, world, init_file, result_file, args):
         parallelize_module,
     )
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {}
+    for n in (1, 2):
+        plan[f"norm{n}"] = SequenceParallel()
+        plan[f"mlp{n}.up"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"mlp{n}.down"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=False)
+    torch.manual_seed(0)
+    x = DTensor.from_local(torch.randn(args.batch, args.seq, args.dim), mesh, [Replicate()], run_check=False)
+    # Every mode runs each round, in a shuffled order, as _common.time_interleaved does: machine
+    # noise hits all modes alike. One audit counts for all; each mode charges its own phases.
+    with sac_plugin.audit() as audit:
+        runs = {}
+        for mode in MODES:
+            phases = _Phases(audit)
+            torch.manual_seed(0)
+            block = parallelize_module(_Block(args.dim, _checkpointed(mode, phases)), mesh, plan)
+            runs[mode] = (block, phases, {"forward": [], "backward": [], "recompute": []})
+        order = list(MODES)
+        shuffle = random.Random(0).shuffle
+        gc.collect()
+        gc.disable()
+        try:
+            for step in range(args.steps + 1):  # the first round warms up
+                shuffle(order)
+                for mode in order:
+                    block, phases, samples = runs[mode]
+                    phases.counts, phases.seconds = {}, {}
+                    phases.switch("forward")
+                    loss = block(x).to_local().pow(2).mean()
+                    phases.switch("backward")
+                    loss.backward()
+                    phases.switch(None)
+                    block.zero_grad(set_to_none=True)
+                    if step:
+                        seconds = {phase: phases.seconds.get(phase, 0.0) for phase in samples}
+                        seconds["backward"] += seconds["recompute"]  # the recompute runs inside the backward
+                        for phase, value in seconds.items():
+                            samples[phase].append(value)
+        finally:
+            gc.enable()
+    results = {
+        mode: {
+            "ms": {phase: 1e3 * statistics.median(values) for phase, values in samples.items()},
+            "collectives": phases.counts,
+        }
+        for mode, (_, phases, samples) in runs.items()
+    }
+    return results
+
+
+def _rank(rank, world, init_file, result_file, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        plan = {}
-        for n in (1, 2):
-            plan[f"norm{n}"] = SequenceParallel()
-            plan[f"mlp{n}.up"] = ColwiseParallel(input_layouts=Shard(1))
-            plan[f"mlp{n}.down"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=False)
-        torch.manual_seed(0)
-        x = DTensor.from_local(torch.randn(args.batch, args.seq, args.dim), mesh, [Replicate()], run_check=False)
-        # Every mode runs each round, in a shuffled order, as _common.time_interleaved does: machine
-        # noise hits all modes alike. One audit counts for all; each mode charges its own phases.
-        with sac_plugin.audit() as audit:
-            runs = {}
-            for mode in MODES:
-                phases = _Phases(audit)
-                torch.manual_seed(0)
-                block = parallelize_module(_Block(args.dim, _checkpointed(mode, phases)), mesh, plan)
-                runs[mode] = (block, phases, {"forward": [], "backward": [], "recompute": []})
-            order = list(MODES)
-            shuffle = random.Random(0).shuffle
-            gc.collect()
-            gc.disable()
-            try:
-                for step in range(args.steps + 1):  # the first round warms up
-                    shuffle(order)
-                    for mode in order:
-                        block, phases, samples = runs[mode]
-                        phases.counts, phases.seconds = {}, {}
-                        phases.switch("forward")
-                        loss = block(x).to_local().pow(2).mean()
-                        phases.switch("backward")
-                        loss.backward()
-                        phases.switch(None)
-                        block.zero_grad(set_to_none=True)
-                        if step:
-                            seconds = {phase: phases.seconds.get(phase, 0.0) for phase in samples}
-                            seconds["backward"] += seconds["recompute"]  # the recompute runs inside the backward
-                            for phase, value in seconds.items():
-                                samples[phase].append(value)
-            finally:
-                gc.enable()
-        results = {
-            mode: {
-                "ms": {phase: 1e3 * statistics.median(values) for phase, values in samples.items()},
-                "collectives": phases.counts,
-            }
-            for mode, (_, phases, samples) in runs.items()
-        }
+        results = measure(args)
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(results, f)
@@ -207,7 +214,15 @@ def main():
         mp.spawn(_rank, args=(args.ranks, os.path.join(tmp, "init"), result_file, args), nprocs=args.ranks)
         with open(result_file) as f:
             results = json.load(f)
-    print("command: python3 " + " ".join(sys.argv))
+    print_report(results, args, "python3 " + " ".join(sys.argv))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "results": results}, f, indent=2)
+
+
+def print_report(results, args, command):
+    """Prints what measure() returned on rank 0, the command, date, torch and machine first."""
+    print(f"command: {command}")
     print(
         f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
         f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs, "
@@ -228,9 +243,6 @@ def main():
         print(
             f"collectives per phase, {mode}: " + "; ".join(f"{p}: {_describe(c)}" for p, c in r["collectives"].items())
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

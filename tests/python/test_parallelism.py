@@ -225,21 +225,18 @@ def test_torch_sac_refuses_a_kept_output_written_in_place_by_an_autograd_functio
         assert TORCH_REFUSES[case, variant] in result["cases"][case][variant]["error"]
 
 
-def test_the_tensor_parallel_benchmark_counts_the_recompute_as_the_tests_do():
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_the_tensor_parallel_benchmark_counts_the_recompute_as_the_tests_do(two_ranks, capsys):
+    from support.parallelism_worker import BENCHMARK_ARGS, load_benchmark
 
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "benchmarks/bench_tp.py", "--dim", "32", "--seq", "16", "--steps", "1"]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0] == "command: python3 benchmarks/bench_tp.py --dim 32 --seq 16 --steps 1"
+    measured = two_ranks[0]["benchmark"]
+    assert "error" not in measured, measured.get("error")
+    load_benchmark().print_report(measured, BENCHMARK_ARGS, "python3 benchmarks/bench_tp.py --dim 32 --seq 16")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "command: python3 benchmarks/bench_tp.py --dim 32 --seq 16"
     for mode, variant in {"full recompute": "full", "torch SAC": "torch_sac", "sac_plugin": "plugin"}.items():
         # The benchmark's one block is half the tests' two.
         per_block = sorted((op, n // 2) for op, n in TENSOR_PARALLEL_RECOMPUTE[variant].items())
         recompute = ", ".join(f"{n} {op.split('::')[1]}" for op, n in per_block) or "none"
-        assert f"collectives per phase, {mode}: " in done.stdout
         assert [line for line in lines if line.startswith(f"{mode} ")][0].endswith(recompute), mode
+        assert sum(line.startswith(f"collectives per phase, {mode}: ") for line in lines) == 1
     assert [line for line in lines if line.startswith("no checkpointing ")][0].endswith("none")

@@ -3,17 +3,32 @@ world size under each variant (support.parallel_counting.VARIANTS) and writes, p
 variant, whether losses and local gradients are bitwise the reference's, the collectives counted
 per phase, and the plugin's served hits."""
 
+import argparse
+import importlib.util
 import json
 import time
 import traceback
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 # A collective waiting longer than this raises on its rank instead of hanging the test.
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+# The tensor-parallel benchmark's smallest run, made by the two-rank job, whose ranks have already
+# paid for importing DTensor: a spawn of its own would cost as much again.
+BENCHMARK_ARGS = argparse.Namespace(ranks=2, dim=32, seq=16, batch=1, steps=1, json=None)
+
+
+def load_benchmark():
+    """benchmarks/bench_tp.py as a module."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_tp.py"
+    spec = importlib.util.spec_from_file_location("bench_tp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cases_for(world_size):
@@ -66,6 +81,7 @@ def main(rank, world_size, init_file, result_prefix, engine_variable, engine):
 
     # As in the suite: a kept output no recompute asked for fails the case.
     warnings.simplefilter("error", sac_plugin.HeldNeverServedWarning)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -79,6 +95,12 @@ def main(rank, world_size, init_file, result_prefix, engine_variable, engine):
                 results["cases"][name] = {"error": traceback.format_exc()}
             dist.barrier()
             results["seconds"][name] = round(time.perf_counter() - started, 2)
+        if world_size == 2:
+            try:
+                results["benchmark"] = load_benchmark().measure(BENCHMARK_ARGS)
+            except Exception:
+                results["benchmark"] = {"error": traceback.format_exc()}
+            dist.barrier()
     finally:
         with open(f"{result_prefix}.rank{rank}.json", "w") as f:
             json.dump(results, f)
