@@ -286,7 +286,6 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(0)
         stages = [_TwoBlocks(checkpointer) for _ in range(world)]  # every rank draws every stage's weights alike
         module = stages[rank]
         self.stage = PipelineStage(module, rank, world, torch.device("cpu"))

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import sac_plugin
 from sac_plugin import Policy
 
-__all__ = ["KEPT_OPS", "VARIANTS", "PhaseCounter", "Checkpointer", "train"]
+__all__ = ["KEPT_OPS", "VARIANTS", "Checkpointer", "PhaseCounter", "phase", "train"]
 
 # What the two selective variants keep: every matmul and the residual add.
 KEPT_OPS = ("aten::mm", "aten::add")
