@@ -32,9 +32,9 @@ namespace sac {
 //     recompute reads what the forward read, computes what the forward computed (BatchNorm still
 //     normalises by the batch and returns what it saved), and writes into its copy, which goes
 //     with the pass: the tensors outside the region keep the values the forward left (autograd's
-//     in-place layer above the key still counts the write in their version counters). A write the forward made in one pass only (FSDP2 all-gathers into its
-//     parameters' buffer in the forward only) is not replayed, so the recompute reads that
-//     storage as it finds it, as before.
+//     in-place layer above the key still counts the write in their version counters). A write the forward made in one
+//     pass only (FSDP2 all-gathers into its parameters' buffer in the forward only) is not replayed, so the recompute
+//     reads that storage as it finds it, as before.
 // A first write that replaces a whole storage without reading it (an out= argument covering it)
 // needs no value from before it: the forward copies nothing, and the recompute's copy starts
 // uninitialised.
@@ -135,8 +135,7 @@ at::Tensor OutsideWrites::redirected(DataFlow& flow, const at::Tensor& tensor, b
   return viewOver(preserved.working, tensor, shift - preserved.forward_shift);
 }
 
-bool OutsideWrites::redirect(DataFlow& flow, const OpEntry& op, c10::IValue* arguments, size_t count,
-                             uint64_t pass) {
+bool OutsideWrites::redirect(DataFlow& flow, const OpEntry& op, c10::IValue* arguments, size_t count, uint64_t pass) {
   const auto& written = op.traits.written_arguments;
   bool any_replaced = false;
   for (size_t i = 0; i < count; ++i) {

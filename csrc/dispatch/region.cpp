@@ -426,7 +426,6 @@ int64_t Region::offloadedCalls() const {
 // parameter views point into in the forward only), where a copy from before the write would
 // serve what was never read; recomputed, the view reads the storage as the recompute finds it.
 
-
 void Region::preserveKeptOutputsIn(const std::vector<WrittenStorage>& written) {
   for (const WrittenStorage& write : written) {
     auto found = kept_storages_.find(write.storage.unsafeGetStorageImpl());

@@ -43,7 +43,6 @@ class CallProfile;
 bool inAutogradGraphTask();
 bool currentBackwardKeepsGraph();
 
-
 // NOTE: [A region owns what it holds]
 // Regions are reference counted: the Python handle owns one reference (torch's checkpoint holds
 // it through the contexts it made, which live as long as the graph that holds the checkpoint),
