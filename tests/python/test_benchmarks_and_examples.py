@@ -241,3 +241,68 @@ def test_budget_benchmark_quick_prints_every_column(tmp_path):
         assert r["compile"]["bytes"] > 0 and r["compile"]["step_s"] > 0
         assert ("torch_remat" in r) == (remat and traceable)
         assert r["tolerance"] == 0.05 and (r["plan_le_best"] is None) == (r["best_fitting_hand"] is None)
+
+
+@pytest.mark.slow
+def test_llama_benchmark_prints_every_mode_bitwise():
+    pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
+    import sac_plugin
+    import torch
+
+    args = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128", "--steps", "3"]
+    out = run_tool("benchmarks/bench_llama.py", *args, "--warmup", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("command: ") and lines[0].endswith(
+        " ".join(["benchmarks/bench_llama.py", *args, "--warmup", "1"])
+    )
+    assert lines[1].startswith("date: ") and lines[1].endswith(f" UTC; torch {torch.__version__}")
+    assert lines[2].startswith("machine: ")
+    assert "first step bitwise (loss and every gradient) across modes: yes" in lines
+    assert "3 interleaved rounds of one step per mode; " in out
+    header = lines.index("mode                           step ms  vs torch SAC   vs none  held MiB")
+    rows = lines[header + 2 : header + 7]
+    modes = ["no checkpointing", "full recompute", "torch SAC", "sac_plugin, same kept ops", "sac_plugin, plan"]
+    assert [row[:28].strip() for row in rows] == modes
+    cells = {row[:28].strip(): row[28:].split() for row in rows}
+    assert all(len(values) == 4 for values in cells.values())
+    assert cells["torch SAC"][1] == "1.000" and cells["no checkpointing"][2] == "1.000"
+    held = {mode: values[3] for mode, values in cells.items()}
+    assert float(held["full recompute"]) < float(held["torch SAC"]) < float(held["no checkpointing"])
+    if sac_plugin.engine() == "native":
+        assert float(held["full recompute"]) < float(held["sac_plugin, plan"]) < float(held["no checkpointing"])
+        assert float(held["sac_plugin, same kept ops"]) <= float(held["torch SAC"])
+    else:  # its kept outputs are not counted: the tool says so rather than print full recompute's bytes
+        assert held["sac_plugin, plan"] == held["sac_plugin, same kept ops"] == "-"
+        assert "held -: track_activation_memory counts the kept outputs of the native engine's regions only" in out
+
+
+@pytest.mark.slow
+def test_llama_benchmark_names_the_modes_that_differ():
+    pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
+    import torch
+
+    # bench_llama imports _common by name, as when it runs from benchmarks/; the test leaves
+    # neither the path nor that module behind.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_llama", ROOT / "benchmarks" / "bench_llama.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.modules.pop("_common", None)
+    one, next_float = torch.tensor(1.0), torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+
+    def step(loss, grad):
+        return {"loss": loss, "grads": {"w": grad, "b": one}}
+
+    first = {
+        "no checkpointing": step(one, one),
+        "full recompute": step(one, one),
+        "torch SAC": step(next_float, one),
+        "sac_plugin, plan": step(one, next_float),
+    }
+    assert bench.mismatches(first) == [
+        "torch SAC: loss 1.0000001192092896 != 1.0",
+        "sac_plugin, plan: gradients differ in w",
+    ]
