@@ -1,11 +1,13 @@
 #include "dispatch/outside_writes.h"
 
+#include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
 
 #include "dispatch/ivalue_tensors.h"
+#include "dispatch/sac_key.h"
 #include "dispatch/storage_copy.h"
 #include "ops/op_catalog.h"
 
@@ -132,7 +134,7 @@ at::Tensor OutsideWrites::redirected(DataFlow& flow, const at::Tensor& tensor, b
     preserved.working_pass = pass;
     flow.nameCopyAs(preserved.working, found->first, preserved.forward_shift);
   }
-  return viewOver(preserved.working, tensor, shift - preserved.forward_shift);
+  return aliasOver(preserved.working, tensor, shift - preserved.forward_shift);
 }
 
 bool OutsideWrites::redirect(DataFlow& flow, const OpEntry& op, c10::IValue* arguments, size_t count, uint64_t pass) {

@@ -489,7 +489,7 @@ bool Region::preserveBeforeWrite(const c10::StorageImpl* storage, c10::ArrayRef<
     auto preserved = std::make_shared<PreservedStorage>();
     preserved->pristine = copyOfStorage(on_device.front().kept->outputs[on_device.front().slot].toTensor());
     for (const DeviceSlot& at : on_device) {
-      at::Tensor view = viewOver(preserved->pristine, at.kept->outputs[at.slot].toTensor());
+      at::Tensor view = aliasOver(preserved->pristine, at.kept->outputs[at.slot].toTensor());
       at.kept->versions[at.version] = versionOf(view);
       at.kept->outputs[at.slot] = std::move(view);
       at.kept->preserved.emplace_back(at.slot, preserved);
@@ -575,7 +575,7 @@ bool Region::serve(const OpEntry& op, uint64_t call, const c10::OperatorHandle& 
           preserved->working = preserved->pristine.clone();
           preserved->working_pass = passes_;
         }
-        results[slot] = viewOver(preserved->working, kept.outputs[slot].toTensor());
+        results[slot] = aliasOver(preserved->working, kept.outputs[slot].toTensor());
       }
     }
   }

@@ -114,14 +114,26 @@ def mode_op(func) -> Op | None:
 
 def flatten_arguments(op: Op, args, kwargs):
     """(tensors, their argument positions, the key of every other argument); None when a tensor
-    is a subclass, False when a tensor sits where the schema takes none. The key folds the non-tensor arguments (with their positions) into
-    one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
-    hash collisions between small ints (hash(-1) == hash(-2))."""
+    is a subclass, False when a tensor sits where the schema takes none. The key folds the
+    non-tensor arguments (with their positions) into one int for the call's data-flow identity; repr tells 1, 1.0 and True apart and has no
+    hash collisions between small ints (hash(-1) == hash(-2)). An object whose repr is its address
+    (a process group, the ReduceOp dist.all_reduce makes anew for every call) is named by its type
+    alone, as the native engine names it (DataFlow::mixValue): an address would name the same call
+    differently in the forward and the recompute."""
     split = split_arguments(op, args, kwargs)
     if not split:
         return split
     tensors, positions, others = split
-    return tensors, positions, hash(repr(others)) if others else 0
+    if not others:
+        return tensors, positions, 0
+    text = repr(others)
+    if " at 0x" in text:
+        text = repr([_by_kind(value) for value in others])
+    return tensors, positions, hash(text)
+
+
+def _by_kind(value):
+    return type(value).__qualname__ if " at 0x" in repr(value) else value
 
 
 def split_arguments(op: Op, args, kwargs):
