@@ -122,25 +122,6 @@ FOUR_RANK_CASES = ["fsdp2 + tensor parallel"]
 TORCH_REFUSES = {
     ("manual tensor parallel", "torch_sac"): "Tensor cached during selective activation checkpoint has been mutated"
 }
-SERVED_VIEW_DEFECT = (
-    "native engine: a kept output that c10d::allreduce_ writes in the forward is served in the recompute as a view "
-    "created in no_grad mode, so the autograd.Function that writes it again (mark_dirty) raises 'Output 0 of Mm is a "
-    "view of a view which was created in no_grad mode and is being modified inplace with grad mode enabled'"
-)
-# A kept output that the forward writes with c10d::allreduce_ (a write its schema does not mark),
-# in the second of two such MLPs of a block: the dispatch-mode engine names the kept mm and add
-# differently in the recompute of the block that feeds the loss, and holds them unserved.
-DISPATCH_MODE_UNSERVED_DEFECT = (
-    "dispatch-mode engine: after two kept mm outputs of a block are all-reduced in place, the recompute of the last "
-    "block does not get its last kept mm and add served (HeldNeverServedWarning: 'an argument came from a tensor the "
-    "region cannot name')"
-)
-KNOWN_DEFECTS = {
-    ("manual tensor parallel", "plugin", "native"): SERVED_VIEW_DEFECT,
-    ("manual tensor parallel", "plugin", "dispatch_mode"): DISPATCH_MODE_UNSERVED_DEFECT,
-    ("manual tensor parallel, bare all_reduce", "plugin", "dispatch_mode"): DISPATCH_MODE_UNSERVED_DEFECT,
-}
-
 
 def _spawn(tmp_path_factory, world_size, seconds):
     from support import parallelism_worker
@@ -180,14 +161,8 @@ def _outcomes(ranks, case, variant):
     return outcomes
 
 
-def _marked(case, variant):
-    defect = KNOWN_DEFECTS.get((case, variant, _engine.engine()))
-    marks = [pytest.mark.xfail(strict=True, reason=defect)] if defect else []
-    return pytest.param(case, variant, marks=marks, id=f"{case}-{variant}")
-
-
 CASE_VARIANTS = [
-    _marked(case, variant)
+    pytest.param(case, variant, id=f"{case}-{variant}")
     for case in TWO_RANK_CASES + FOUR_RANK_CASES
     for variant in CHECKPOINTED
     if (case, variant) not in TORCH_REFUSES
