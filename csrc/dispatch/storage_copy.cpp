@@ -1,6 +1,5 @@
 #include "dispatch/storage_copy.h"
 
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 
 #include "dispatch/sac_key.h"
@@ -21,9 +20,12 @@ at::Tensor copyOfStorage(const at::Tensor& tensor) {
 }
 
 at::Tensor aliasOver(const at::Tensor& storage_copy, const at::Tensor& like, int64_t offset_shift) {
-  PluginCallGuard not_the_models;
-  at::Tensor alias = at::empty({0}, storage_copy.options());
-  alias.set_(storage_copy.storage(), like.storage_offset() + offset_shift, like.sizes(), like.strides());
+  // A new TensorImpl over the copy's storage, made without a dispatch: no op to intercept, and on
+  // every backend alike.
+  at::Tensor alias = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage_copy.storage()),
+                                                              storage_copy.key_set(), storage_copy.dtype());
+  alias.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                     like.storage_offset() + offset_shift);
   return alias;
 }
 

@@ -78,12 +78,17 @@ class Mlp(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(DIM, 2 * DIM)
         self.regions = regions
+        # A load counter the forward adds to (NOTE: [The recompute writes nothing outside its
+        # region] in csrc/dispatch/outside_writes.cpp): every case checks it counts each forward once.
+        self.register_buffer("load", torch.zeros(2 * DIM))
 
     def core(self, x):
         return torch.relu(self.w1(x))
 
     def forward(self, x):
-        return _opened(self.regions, self.core, "mlp", recompute=True)(x)
+        out = _opened(self.regions, self.core, "mlp", recompute=True)(x)
+        self.load.add_(out.detach()[0])  # a view and an in-place add: nothing a policy could keep
+        return out
 
 
 class Block(nn.Module):
@@ -404,8 +409,10 @@ def observe(case: Case, device: str = "cpu") -> dict:
     backwards = 2 if case.retain_graph else 1
     itemsize = 2 if case.autocast != "none" else 4
     torch.manual_seed(0)
-    block = Block(case.regions, case.dropout).to(device)
-    reference = copy.deepcopy(block)
+    block = Block(case.regions, case.dropout)
+    # Copied on the CPU: a deep copy of a buffer on the test accelerator is refused by its storage.
+    reference = copy.deepcopy(block).to(device)
+    block = block.to(device)
     model = _checkpointed(block, policy, case.nested)
     x = torch.randn(BATCH, DIM, device=device)
     want = _step(reference, x, case, device)
@@ -444,6 +451,9 @@ def observe(case: Case, device: str = "cpu") -> dict:
     for call, _ in expected:
         expected_hits[call.op] += backwards
     return {
+        # Two forwards of the checkpointed block, one of the unmodified one, on the same input and
+        # weights: the counter must have counted exactly twice the unmodified one's.
+        "load_counted": torch.equal(model.mlp.load, 2 * reference.mlp.load),
         "differs_first_step": _differences(first, want),
         "differs_second_step": _differences(second, want),
         "hits": hits,
@@ -506,7 +516,7 @@ def failures(observed: dict) -> list[str]:
     """What a case's observations break, one line each (empty: the case passes)."""
     if "raised" in observed:
         return [f"raised {observed['raised']}"]
-    found = []
+    found = [] if observed["load_counted"] else ["the load counter did not count each forward once"]
     for step in ("first", "second"):
         if observed[f"differs_{step}_step"]:
             found.append(f"{step} step: not bitwise the unmodified block's: {observed[f'differs_{step}_step']}")
