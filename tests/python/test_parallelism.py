@@ -123,6 +123,7 @@ TORCH_REFUSES = {
     ("manual tensor parallel", "torch_sac"): "Tensor cached during selective activation checkpoint has been mutated"
 }
 
+
 def _spawn(tmp_path_factory, world_size, seconds):
     from support import parallelism_worker
 
