@@ -36,4 +36,9 @@ inline at::Tensor detachedAlias(const at::Tensor& tensor) {
   return tensor.defined() ? at::Tensor(tensor.tensor_data()) : tensor;
 }
 
+// A tensor's version counter, or -1 for one that has none (undefined, or made in inference mode).
+inline int64_t versionOf(const at::Tensor& tensor) {
+  return (tensor.defined() && !tensor.is_inference()) ? static_cast<int64_t>(tensor._version()) : -1;
+}
+
 }  // namespace sac

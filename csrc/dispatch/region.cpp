@@ -45,10 +45,6 @@ c10::IValue detachedValue(const c10::IValue& value) {
   return value;
 }
 
-int64_t versionOf(const at::Tensor& tensor) {
-  return (tensor.defined() && !tensor.is_inference()) ? static_cast<int64_t>(tensor._version()) : -1;
-}
-
 std::string unitSuffix(UnitId unit, bool offloaded) {
   const char* how = offloaded ? "offloaded" : "kept";
   return unit == kNoUnit ? std::string(" (") + how + " by the op list)"
@@ -96,7 +92,7 @@ void Region::releaseHeld() {
   for (auto& [call, kept] : kept_) drop(kept);
   kept_.clear();
   kept_storages_.clear();
-  dropInputs();
+  inputs_.drop(/*consumed=*/false);
   routing_.clear();
   outside_writes_.clear();
   offloaded_before_.reset();
@@ -147,215 +143,22 @@ void Region::keep(const OpEntry& op, uint64_t call, const Decision& decision, co
   if (decision.outcome == Outcome::kOffload) offload(kept);
 }
 
-void Region::offload(KeptOutputs& kept) {
-  const std::string& name = kept.op->traits.qualified_name;
-  int64_t bytes = 0;
-  bool on_accelerator = false;
-  bool copyable = true;
-  HashSet<const c10::StorageImpl*> storages;
-  for (const c10::IValue& value : kept.outputs) {
-    if (value.isTensorList()) {
-      copyable = false;
-      continue;
-    }
-    if (!value.isTensor() || !value.toTensor().defined()) continue;
-    const at::Tensor& tensor = value.toTensor();
-    if (tensor.device().is_cpu()) continue;
-    on_accelerator = true;
-    if (!offloadable(tensor) || !storages.insert(tensor.storage().unsafeGetStorageImpl()).second) {
-      copyable = false;
-      continue;
-    }
-    // As the copies count them, so that what is reserved here is what drop() gives back.
-    bytes += sac::offloadedBytes(tensor);
-  }
-  if (!on_accelerator) {
-    if (site_->claimNotice(Site::Notice::kRunsOnCpu)) {
-      SAC_WARN_USER("sac: ", name,
-                    " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
-                    "they are, in host memory already; offloading moves outputs off an accelerator (said once per "
-                    "checkpoint site)");
-    }
-    return;
-  }
-  if (!copyable) {
-    if (site_->claimNotice(Site::Notice::kCannotCopy)) {
-      SAC_WARN_USER("sac: the outputs of ", name,
-                    " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
-                    "that overlap or share storage), so they are kept on the device (said once per checkpoint site)");
-    }
-    return;
-  }
-  const Policy& policy = site_->policy();
-  // NOTE: [Where an offloaded call's outputs live] (policy/offload_rule.cpp): the floor here, the
-  // host cap in the pool, which counts what it holds.
-  if (offloadPlacement(bytes, 0, policy.offloadMinBytes(), -1) == OffloadPlacement::kDeviceBelowFloor) return;
-  // One pinned buffer per output, all or none: a refused one leaves every output on the device.
-  std::vector<c10::Storage> buffers;
-  for (const c10::IValue& value : kept.outputs) {
-    if (!value.isTensor() || !value.toTensor().defined() || value.toTensor().device().is_cpu()) continue;
-    c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(value.toTensor()), policy.hostMemoryLimit());
-    if (!buffer) {
-      for (c10::Storage& taken : buffers) returnPinnedBuffer(std::move(taken));
-      if (site_->claimNotice(Site::Notice::kHostLimitReached)) {
-        SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
-                      " bytes is reached: the "
-                      "offload pool cannot hold the outputs of ",
-                      name,
-                      " as well, so they and later offloaded outputs "
-                      "that do not fit are kept on the device (said once per checkpoint site)");
-      }
-      return;
-    }
-    buffers.push_back(std::move(buffer));
-  }
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  size_t next_buffer = 0;
-  c10::SmallVector<int64_t, 1> versions;
-  size_t version = 0;
-  for (size_t slot = 0; slot < kept.outputs.size(); ++slot) {
-    c10::IValue& value = kept.outputs[slot];
-    if (!value.isTensor()) continue;  // a list was ruled out above; other values carry no version
-    const at::Tensor tensor = value.toTensor();
-    const int64_t saved_version = kept.versions[version++];
-    if (!tensor.defined() || tensor.device().is_cpu()) {
-      versions.push_back(saved_version);
-      continue;
-    }
-    kept.offloaded_storages.push_back(tensor.storage().getWeakStorageImpl());
-    OffloadedTensor offloaded = OffloadedTensor::start(tensor, std::move(buffers[next_buffer++]));
-    offloaded.setSavedVersion(saved_version);
-    kept.offloaded.emplace_back(slot, std::move(offloaded));
-    value = c10::IValue();
-  }
-  kept.versions = std::move(versions);
-  offloaded_bytes_ += bytes;
-  any_offloaded_ = true;
-}
-
-void Region::drop(KeptOutputs& kept) {
-  kept.outputs.clear();
-  kept.preserved.clear();
-  if (kept.offloaded.empty()) return;
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  int64_t bytes = 0;
-  for (auto& [slot, offloaded] : kept.offloaded) bytes += offloaded.bytes();
-  kept.offloaded.clear();  // each returns its host buffer to the pool
-  kept.offloaded_storages.clear();
-  offloaded_bytes_ -= bytes;
-}
-
-void Region::fetchOffloaded() {
-  if (!any_offloaded_) return;
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  // The inputs first: the recompute reads them before any kept output.
-  for (HeldInput& input : inputs_) {
-    if (input.is_offloaded) input.offloaded.fetch();
-  }
-  // Then in the order the forward made them, which the recompute reads them in: the copy stream
-  // runs them one after another, so a copy queued early that is needed late delays every one
-  // after it (the planner's copy model assumes this order: NOTE: [The copy queues] in
-  // sac_plugin/planner/_cost.py).
-  std::vector<KeptOutputs*> in_forward_order;
-  for (auto& [call, kept] : kept_) {
-    if (!kept.offloaded.empty()) in_forward_order.push_back(&kept);
-  }
-  std::sort(in_forward_order.begin(), in_forward_order.end(),
-            [](const KeptOutputs* a, const KeptOutputs* b) { return a->position < b->position; });
-  for (KeptOutputs* kept : in_forward_order) {
-    for (auto& [slot, offloaded] : kept->offloaded) offloaded.fetch();
-  }
-}
-
 // NOTE: [Offloading a layer's inputs] (offload.cpp)
 std::vector<bool> Region::holdInputs(const std::vector<at::Tensor>& inputs, const std::vector<std::string>& names,
                                      std::string* notice) {
-  TORCH_CHECK_VALUE(inputs.size() == names.size(), "sac: holding a region's inputs needs one name per input, got ",
-                    inputs.size(), " inputs and ", names.size(), " names");
-  TORCH_CHECK(!holds_inputs_ && !inputs_consumed_,
-              "sac: a region holds its function's inputs once, at the end of "
-              "its forward; this region holds them already");
-  const Policy& policy = site_->policy();
   // NOTE: [A checkpoint replayed by the recompute around it holds nothing]: nothing recomputes it.
   // Its inputs are answered as offloaded, so that none is named as staying on its device.
-  if (replays_only_) return std::vector<bool>(inputs.size(), true);
-  std::vector<bool> offloaded(inputs.size(), false);
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  inputs_.reserve(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const at::Tensor& tensor = inputs[i];
-    HeldInput held;
-    held.name = names[i];
-    held.saved_version = versionOf(tensor);
-    if (tensor.defined() && tensor.has_storage()) {
-      held.original_name = flow_.nameOfInput(tensor.storage().unsafeGetStorageImpl());
-      held.original_offset = tensor.storage_offset();
-    }
-    if (offloadable(tensor)) {
-      c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(tensor), policy.hostMemoryLimit());
-      if (buffer) {
-        held.offloaded = OffloadedTensor::start(tensor, std::move(buffer));
-        held.offloaded.setSavedVersion(held.saved_version);
-        held.is_offloaded = true;
-        offloaded_input_bytes_ += held.offloaded.bytes();
-        any_offloaded_ = true;
-        offloaded[i] = true;
-      } else if (notice != nullptr && notice->empty() && site_->claimNotice(Site::Notice::kHostLimitReached)) {
-        *notice = c10::str("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
-                           " bytes is reached: "
-                           "the offload pool cannot hold ",
-                           held.name,
-                           " as well, so it and later offloaded tensors "
-                           "that do not fit are kept on the device (said once per checkpoint site)");
-      }
-    }
-    if (!held.is_offloaded) held.on_device = detachedAlias(tensor);
-    inputs_.push_back(std::move(held));
+  if (replays_only_) {
+    TORCH_CHECK_VALUE(inputs.size() == names.size(), "sac: holding a region's inputs needs one name per input, got ",
+                      inputs.size(), " inputs and ", names.size(), " names");
+    return std::vector<bool>(inputs.size(), true);
   }
-  holds_inputs_ = true;
+  std::vector<bool> offloaded = inputs_.hold(inputs, names, flow_, *site_, notice);
+  any_offloaded_ = any_offloaded_ || inputs_.anyOffloaded();
   return offloaded;
 }
 
-std::vector<at::Tensor> Region::takeInputs() {
-  TORCH_CHECK(!inputs_consumed_,
-              "sac: the inputs this region held for its recompute were already used by an earlier "
-              "backward and freed. Trying to backward an extra time: a checkpointed region supports a second "
-              "backward only when the first runs with retain_graph=True");
-  TORCH_CHECK(holds_inputs_, "sac: the recompute of a region asked for inputs its forward did not hold");
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  // Checked before any host copy is used (NOTE: [Offloading kept outputs]): a write may have raced it.
-  for (const HeldInput& input : inputs_) {
-    const int64_t saved = input.is_offloaded ? input.offloaded.savedVersion() : input.saved_version;
-    const int64_t now = input.is_offloaded ? input.offloaded.currentVersion() : versionOf(input.on_device);
-    TORCH_CHECK(saved == now, "sac: an input of a checkpointed region was mutated after its forward: ", input.name,
-                input.is_offloaded ? " (offloaded for the recompute)" : " (held for the recompute)",
-                " changed version from ", saved, " to ", now,
-                ". The recompute would read the mutated value; clone "
-                "it before mutating it in place");
-  }
-  std::vector<at::Tensor> tensors;
-  tensors.reserve(inputs_.size());
-  for (HeldInput& input : inputs_) {
-    tensors.push_back(input.is_offloaded ? input.offloaded.take(!consume_served_) : input.on_device);
-    // NOTE: [A copy the region makes is named as its original] (data_flow.cpp); an input held on
-    // its device is named as the forward named it too (the region around this one may have named
-    // it: NOTE: [A nested checkpoint names its inputs as the outer does]).
-    if (input.original_name != 0) flow_.nameCopyAs(tensors.back(), input.original_name, input.original_offset);
-  }
-  if (consume_served_) {
-    inputs_.clear();
-    offloaded_input_bytes_ = 0;
-    inputs_consumed_ = true;
-  }
-  return tensors;
-}
-
-void Region::dropInputs() {
-  if (inputs_.empty()) return;
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  inputs_.clear();  // each offloaded input returns its host buffer to the pool
-  offloaded_input_bytes_ = 0;
-}
+std::vector<at::Tensor> Region::takeInputs() { return inputs_.take(flow_, !consume_served_); }
 
 c10::intrusive_ptr<Region> Region::inputsOwner() {
   if (inputs_owner_ != nullptr) {
@@ -376,29 +179,9 @@ void Region::delegateInputsTo(const c10::intrusive_ptr<Region>& owner) {
   inputs_owner_ = std::make_unique<WeakLink>(WeakLink{c10::weak_intrusive_ptr<Region>(owner)});
 }
 
-int64_t Region::offloadedInputBytes() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  return offloaded_input_bytes_;
-}
+int64_t Region::offloadedInputBytes() const { return inputs_.offloadedBytes(); }
 
-int64_t Region::offloadedInputs() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  int64_t count = 0;
-  for (const HeldInput& input : inputs_) count += input.is_offloaded ? 1 : 0;
-  return count;
-}
-
-int64_t Region::offloadedBytes() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  return offloaded_bytes_;
-}
-
-int64_t Region::offloadedCalls() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  int64_t calls = 0;
-  for (const auto& [key, kept] : kept_) calls += kept.offloaded.empty() ? 0 : 1;
-  return calls;
-}
+int64_t Region::offloadedInputs() const { return inputs_.offloadedCount(); }
 
 // NOTE: [Kept outputs written in the forward]
 // A kept output that the checkpointed function itself later writes, in place or as an out=
@@ -738,10 +521,7 @@ void Region::endRecompute(bool keep_entries) {
         "dispatcher, a value a cache kept from the forward, a copy made outside the region). sac_plugin.audit() "
         "counts them per op (never_served); warned once per checkpoint site");
   }
-  if (holds_inputs_ && !inputs_.empty()) {
-    dropInputs();
-    inputs_consumed_ = true;
-  }
+  if (inputs_.any()) inputs_.drop(/*consumed=*/true);
   for (auto& [key, kept] : kept_) {
     drop(kept);
     kept.consumed = true;

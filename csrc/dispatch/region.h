@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dispatch/data_flow.h"
+#include "dispatch/held_inputs.h"
 #include "dispatch/offload.h"
 #include "dispatch/outside_writes.h"
 #include "dispatch/routing_check.h"
@@ -241,22 +242,6 @@ class Region : public c10::intrusive_ptr_target {
   void drop(KeptOutputs& kept);
   // Frees every entry and the prefetch link, once (NOTE: [A region owns what it holds]).
   void releaseHeld();
-  // One input held for the recompute (holdInputs): offloaded, or a detached alias on its device.
-  struct HeldInput {
-    std::string name;
-    at::Tensor on_device;
-    OffloadedTensor offloaded;
-    int64_t saved_version = -1;  // for the held alias; the offloaded tensor keeps its own
-    bool is_offloaded = false;
-    // What the forward named the input's storage and where in it the input lived, for naming its
-    // copy as the input (NOTE: [A copy the region makes is named as its original] in
-    // data_flow.cpp).
-    uint64_t original_name = 0;
-    int64_t original_offset = 0;
-  };
-  // Frees the held inputs (their host buffers back to the pool).
-  void dropInputs();
-
   // Offloads the outputs of `kept` (stored in keep()) that can be, after the checks of NOTE:
   // [Offloading kept outputs]; the rest stay kept.
   void offload(KeptOutputs& kept);
@@ -269,10 +254,7 @@ class Region : public c10::intrusive_ptr_target {
   std::unique_ptr<WeakLink> offloaded_before_;
   // Where this region's function's inputs are held, when not here (delegateInputsTo).
   std::unique_ptr<WeakLink> inputs_owner_;
-  std::vector<HeldInput> inputs_;
-  int64_t offloaded_input_bytes_ = 0;
-  bool holds_inputs_ = false;
-  bool inputs_consumed_ = false;
+  HeldInputs inputs_;
   bool released_ = false;
   // Guards the offloaded outputs' copies, which the recompute of another region may start
   // (fetchOffloaded) while this region is idle.

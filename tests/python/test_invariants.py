@@ -217,17 +217,19 @@ def test_key_is_included_only_inside_the_region():
     assert _include_set() == before
 
 
-def test_nothing_kept_installs_no_interception():
+def test_nothing_kept_installs_no_interception_once_the_layer_is_seen_to_write_nothing_outside_itself():
+    """The first step of a full-recompute site is intercepted, to find out whether the layer writes
+    outside state (NOTE: [The recompute writes nothing outside its region]); later ones are not."""
     seen = []
 
     def layer(x):
-        seen.append(_include_set())
+        seen.append("Fake" in _include_set())
         return torch.tanh(x)
 
-    checkpoint(
-        layer, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=sac_plugin.context_fn(Policy())
-    ).sum().backward()
-    assert len(seen) == 2 and not any("Fake" in s for s in seen)
+    context_fn = sac_plugin.context_fn(Policy())
+    for _ in range(2):
+        checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert seen == [True, True, False, False]
 
 
 def test_state_is_restored_after_an_exception_inside_a_unit_inside_a_region():
