@@ -228,7 +228,9 @@ def test_nothing_kept_installs_no_interception_once_the_layer_is_seen_to_write_n
 
     context_fn = sac_plugin.context_fn(Policy())
     for _ in range(2):
-        checkpoint(layer, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=context_fn).sum().backward()
+        checkpoint(
+            layer, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=context_fn
+        ).sum().backward()
     assert seen == [True, True, False, False]
 
 
