@@ -1,7 +1,6 @@
 #include "dispatch/call_pipeline.h"
 
 #include "dispatch/call_trace.h"
-#include "dispatch/fallback.h"
 #include "dispatch/thread_state.h"
 #include "ops/op_traits.h"
 #include "ops/user_warning.h"

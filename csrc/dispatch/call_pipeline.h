@@ -72,6 +72,10 @@ bool redirectsOutsideWrites(const Region* region, bool in_recompute);
 void redirectOutsideWrites(Region* region, bool in_recompute, const OpEntry& op, torch::jit::Stack* stack,
                            size_t num_arguments);
 
+// The once-per-site note for a call the rule recomputes although the policy selected it: a
+// mutating op inside a kept unit, or a kept op's call that draws random numbers.
+void warnAboutRecomputedSelection(Site& site, const OpEntry& op, const Decision& decision);
+
 class EnclosingCalls {
  public:
   void begin(const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key);

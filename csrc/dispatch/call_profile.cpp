@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include "dispatch/fallback.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
 #include "ops/hash_containers.h"

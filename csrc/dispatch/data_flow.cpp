@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dispatch/ivalue_tensors.h"
+#include "ops/op_traits.h"
 
 namespace sac {
 
@@ -403,6 +404,16 @@ void DataFlow::recordCall(uint64_t call, const c10::FunctionSchema& schema, cons
       position += 0x100000000ULL;  // the next element of a Tensor[] return
     });
   }
+}
+
+std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments) {
+  std::vector<WrittenStorage> storages;
+  for (uint32_t i : traits.written_arguments) {
+    forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.has_storage()) storages.push_back(WrittenStorage{tensor.storage(), i});
+    });
+  }
+  return storages;
 }
 
 }  // namespace sac

@@ -23,6 +23,7 @@ struct FunctionSchema;
 namespace sac {
 
 struct OpEntry;
+struct OpTraits;
 
 // A storage an op is about to write in place (an in-place op's self, an out= argument), noted
 // before the kernel consumes its arguments.
@@ -30,6 +31,11 @@ struct WrittenStorage {
   c10::Storage storage;
   uint32_t argument;
 };
+
+// The storages of the arguments a call writes (in place, as out= arguments, or as NOTE: [Writes
+// no schema declares] in ops/op_traits.h names them), noted before the kernel consumes them;
+// `arguments` are the call's arguments in schema order.
+std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments);
 
 // What an enclosing region's recompute named, for the regions nested in it to name their inputs
 // by in their own recompute (NOTE: [A nested checkpoint names its inputs as the outer does] in

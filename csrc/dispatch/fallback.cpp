@@ -111,16 +111,6 @@ c10::RegistrationHandleRAII* registration = nullptr;  // leaked: lives as long a
 
 }  // namespace
 
-std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments) {
-  std::vector<WrittenStorage> storages;
-  for (uint32_t i : traits.written_arguments) {
-    forEachTensor(arguments[i], [&](const at::Tensor& tensor) {
-      if (tensor.defined() && tensor.has_storage()) storages.push_back(WrittenStorage{tensor.storage(), i});
-    });
-  }
-  return storages;
-}
-
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   BoxedInvocation invocation(op, stack);
   InterceptedCall<BoxedInvocation>(lookupOp(op), op, keys, invocation).run();

@@ -1,17 +1,6 @@
 #pragma once
 
-#include <ATen/core/ivalue.h>
-
 #include <cstdint>
-#include <vector>
-
-#include "dispatch/data_flow.h"
-#include "dispatch/site.h"
-#include "policy/policy.h"
-
-namespace c10 {
-struct FunctionSchema;
-}
 
 namespace sac {
 
@@ -32,18 +21,5 @@ InterceptionPath installInterception();
 
 InterceptionPath interceptionPath();
 const char* interceptionPathName(InterceptionPath path);
-
-// The storages of the arguments a call writes (in place, as out= arguments, or as NOTE: [Writes
-// no schema declares] in ops/op_traits.h names them), noted before the kernel consumes them;
-// `arguments` are the call's arguments in schema order.
-std::vector<WrittenStorage> writtenStorages(const OpTraits& traits, const c10::IValue* arguments);
-
-// The once-per-site warning for a call the rule recomputes although the policy selected it: a
-// mutating op inside a kept unit, or a kept op's call that draws random numbers.
-void warnAboutRecomputedSelection(Site& site, const OpEntry& op, const Decision& decision);
-
-// NOTE: [Python below our key (torch 2.11)] in fallback.cpp: whether this torch dispatches the
-// plugin's key before `Python`.
-bool pythonBelowSacKey();
 
 }  // namespace sac

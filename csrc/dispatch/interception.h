@@ -11,6 +11,10 @@ namespace sac {
 // are not ours]).
 bool carriesOurKey(const torch::jit::Stack& stack, size_t num_arguments);
 
+// NOTE: [Python below our key (torch 2.11)] in fallback.cpp: whether this torch dispatches the
+// plugin's key before `Python`.
+bool pythonBelowSacKey();
+
 // Runs one call of ours: counts, keeps, serves, and redispatches below the key.
 void interceptCall(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 

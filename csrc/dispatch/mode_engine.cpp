@@ -37,7 +37,6 @@
 
 #include "dispatch/call_pipeline.h"
 #include "dispatch/data_flow.h"
-#include "dispatch/fallback.h"
 #include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
