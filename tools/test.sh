@@ -9,6 +9,14 @@
 #   SAC_TEST_WORKERS=N              each pytest run in N processes (pytest-xdist; default 1).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
+# The settings are checked before anything is installed or built.
+case "${SAC_TEST_SUITE:-all}" in
+  all) torch_filter="" ;;
+  torch-sensitive) torch_filter=" and not torch_independent" ;;
+  *) fail "SAC_TEST_SUITE=$SAC_TEST_SUITE: expected all or torch-sensitive" ;;
+esac
+workers=${SAC_TEST_WORKERS:-1}
+[[ "$workers" =~ ^[1-9][0-9]*$ ]] || fail "SAC_TEST_WORKERS=$workers: expected a number of processes, 1 or more"
 bash "$root/tools/setup.sh"
 bash "$root/tools/build.sh"
 require_venv
@@ -22,13 +30,6 @@ cd "$root"
 # The coexistence tests load another owner of the plugin's dispatch key, built in the same tree.
 export SAC_TEST_FOREIGN_OWNER="$build/libsac_test_foreign_owner.so"
 export SAC_TEST_BUILD_DIR="$build"  # the C++ test binaries, for tests that run them
-case "${SAC_TEST_SUITE:-all}" in
-  all) torch_filter="" ;;
-  torch-sensitive) torch_filter=" and not torch_independent" ;;
-  *) fail "SAC_TEST_SUITE=$SAC_TEST_SUITE: expected all or torch-sensitive" ;;
-esac
-workers=${SAC_TEST_WORKERS:-1}
-[[ "$workers" =~ ^[1-9][0-9]*$ ]] || fail "SAC_TEST_WORKERS=$workers: expected a number of processes, 1 or more"
 parallel=()
 if [ "$workers" -gt 1 ]; then
   "$python" -c 'import xdist' 2>/dev/null || fail "SAC_TEST_WORKERS=$workers needs pytest-xdist in $venv; run bash tools/setup.sh"

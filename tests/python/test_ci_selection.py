@@ -2,6 +2,7 @@
 modules the sets name exist, their tests carry the marker tools/test.sh and CI select by, and a
 module the sets do not name carries neither, so that it runs in every engine and on every torch."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,23 @@ def collected(*args: str) -> list[str]:
 )
 def test_the_markers_select_whole_modules(expression, modules):
     assert set(collected("-m", expression)) == modules
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("SAC_TEST_SUITE=every", "test: SAC_TEST_SUITE=every: expected all or torch-sensitive\n"),
+        ("SAC_TEST_WORKERS=0", "test: SAC_TEST_WORKERS=0: expected a number of processes, 1 or more\n"),
+    ],
+)
+def test_tools_test_refuses_a_bad_setting_before_it_installs_or_builds(setting, message, tmp_path):
+    name, value = setting.split("=")
+    # A venv of its own: were the setting read too late, the set-up would fill this one.
+    done = subprocess.run(
+        ["bash", str(HERE.parents[1] / "tools" / "test.sh")],
+        env={**os.environ, name: value, "SAC_VENV": str(tmp_path / "venv")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", message)
