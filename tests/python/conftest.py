@@ -77,6 +77,62 @@ def other_thread_state():
     return read
 
 
+# NOTE: [Which runs a test module needs]
+# tools/test.sh runs the suite in three engine configurations (the native engine, the coexisting
+# path, the dispatch-mode engine) and CI runs it again on the oldest and newest supported torch. A
+# module runs in every one of those runs unless it is named below, so a new module is covered
+# everywhere until someone decides otherwise here:
+#   ENGINE_INDEPENDENT  what it checks comes out the same whichever engine the run chose (text, file
+#                       formats, command lines, tools, benchmark smoke tests whose tools start each
+#                       engine themselves): marked `engine_independent`, it runs in the native-engine
+#                       run only (tools/test.sh's other two runs deselect it).
+#   TORCH_INDEPENDENT   the docs, the CLI's arguments, the repository's tools and the benchmark smoke
+#                       tests: a failure there on another torch would name the docs or a tool, while
+#                       anything that reaches torch's internals (the engines, torch.compile,
+#                       torch.utils.checkpoint, FSDP/DTensor, offloading, the test accelerator,
+#                       transformers, op registrations, installing against a torch) is
+#                       version-sensitive and stays. Marked `torch_independent`, it runs on the
+#                       default torch only (CI's other torch versions deselect it, SAC_TEST_SUITE in
+#                       tools/test.sh).
+ENGINE_INDEPENDENT = frozenset(
+    {
+        "test_bench_offload_simulation",
+        "test_benchmarks_and_examples",
+        "test_ci_selection",
+        "test_ci_summary",
+        "test_cli",
+        "test_docs",
+        "test_gpu_check",
+        "test_install",
+        "test_library",
+        "test_public_api",
+        "test_target_maps",
+    }
+)
+TORCH_INDEPENDENT = frozenset(
+    {
+        "test_bench_offload_simulation",
+        "test_benchmarks_and_examples",
+        "test_ci_selection",
+        "test_ci_summary",
+        "test_cli",
+        "test_docs",
+        "test_gpu_check",
+        "test_public_api",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.path.stem
+        if module in ENGINE_INDEPENDENT:
+            item.add_marker(pytest.mark.engine_independent)
+        if module in TORCH_INDEPENDENT:
+            item.add_marker(pytest.mark.torch_independent)
+
+
 def pytest_runtest_setup(item):
     marker = item.get_closest_marker("native_engine")
     if marker is not None and sac_plugin.engine() != "native":
