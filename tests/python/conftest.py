@@ -102,8 +102,10 @@ ENGINE_INDEPENDENT = frozenset(
         "test_ci_summary",
         "test_cli",
         "test_docs",
+        "test_glossary",
         "test_gpu_check",
         "test_install",
+        "test_layers",
         "test_library",
         "test_public_api",
         "test_target_maps",
@@ -117,7 +119,9 @@ TORCH_INDEPENDENT = frozenset(
         "test_ci_summary",
         "test_cli",
         "test_docs",
+        "test_glossary",
         "test_gpu_check",
+        "test_layers",
         "test_public_api",
     }
 )
