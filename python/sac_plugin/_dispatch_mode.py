@@ -38,11 +38,9 @@ from ._mode_calls import (
     Slot,
     assemble,
     call_begin,
-    call_end,
-    replace_tensors,
+    run_begun,
     draws_random_call,
     flatten_arguments,
-    flatten_returns,
     known_ops,
     mode_op,
     no_python_dispatch,
@@ -51,7 +49,6 @@ from ._mode_calls import (
 __all__ = ["dispatch_mode_contexts"]
 
 _RUN_ONLY, _RUN_AND_KEEP, _SERVED = ModeAction.RUN_ONLY, ModeAction.RUN_AND_KEEP, ModeAction.SERVED
-_REDIRECTED = ModeAction.REDIRECTED
 _OTHER = Slot.OTHER
 
 
@@ -129,14 +126,8 @@ class _PassMode(TorchDispatchMode):
             action, call, served, counts = call_begin(self._address, op.address, key, tensors, positions, draws)
         if action == _SERVED:
             return self._served(op, call, served, counts)
-        if action & _REDIRECTED:
-            args, kwargs = replace_tensors(op, args, kwargs, served)
-            action &= ~_REDIRECTED
-        out = func(*args, **kwargs)
+        out, action = run_begun(self._address, op, func, args, kwargs, action, served)
         if action != _RUN_ONLY:
-            out_tensors, out_positions = flatten_returns(op, out)
-            with no_python_dispatch():
-                call_end(self._address, out_tensors, out_positions)
             keep = action == _RUN_AND_KEEP
             self._region.plan.setdefault(func, []).append(keep)
             if keep and op.other_returns:

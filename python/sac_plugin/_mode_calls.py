@@ -101,6 +101,7 @@ call_begin = torch.ops.sac.mode_call_begin.default
 call_begin_all = torch.ops.sac.mode_call_begin_all.default
 call_end = torch.ops.sac.mode_call_end.default
 no_python_dispatch = torch._C._DisableTorchDispatch
+_RUN_ONLY, _REDIRECTED = ModeAction.RUN_ONLY, ModeAction.REDIRECTED
 
 
 def mode_op(func) -> Op | None:
@@ -193,6 +194,22 @@ def replace_tensors(op: Op, args, kwargs, tensors):
     for name, position in sorted(((name, names[name]) for name in kwargs), key=lambda item: item[1]):
         new_kwargs[name] = replaced(position, kwargs[name])
     return new_args, new_kwargs
+
+
+def run_begun(region_address: int, op: Op, func, args, kwargs, action: int, tensors):
+    """Runs a call the region began and did not serve: on the tensors that came back with the
+    answer where it says REDIRECTED (NOTE: [The recompute writes nothing outside its region] in
+    csrc/dispatch/outside_writes.cpp), then records (and keeps) its outputs unless it says RUN_ONLY.
+    Returns the call's result and the action without REDIRECTED."""
+    if action & _REDIRECTED:
+        args, kwargs = replace_tensors(op, args, kwargs, tensors)
+        action &= ~_REDIRECTED
+    out = func(*args, **kwargs)
+    if action != _RUN_ONLY:
+        out_tensors, out_positions = flatten_returns(op, out)
+        with no_python_dispatch():
+            call_end(region_address, out_tensors, out_positions)
+    return out, action
 
 
 def flatten_returns(op: Op, out):

@@ -11,9 +11,7 @@ from ._mode_calls import (
     ModeAction,
     assemble,
     call_begin_all,
-    call_end,
-    replace_tensors,
-    flatten_returns,
+    run_begun,
     foreign_modes_on,
     known_ops,
     mode_op,
@@ -26,7 +24,7 @@ from .policy import Policy
 __all__ = ["new_region_scopes", "recompute_above_modes"]
 
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
-_RUN_ONLY, _SERVED, _REDIRECTED = ModeAction.RUN_ONLY, ModeAction.SERVED, ModeAction.REDIRECTED
+_SERVED = ModeAction.SERVED
 
 # What an `Any` argument takes as the fallback's stack holds it (dtypes and layouts become ints).
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.layout, torch.device, torch.Generator)
@@ -121,14 +119,7 @@ class RecomputeAboveModes(TorchDispatchMode):
             )
         if action == _SERVED:
             return assemble(op, served, counts, other_returns.__getitem__)
-        if action & _REDIRECTED:
-            args, kwargs = replace_tensors(op, args, kwargs, served)
-            action &= ~_REDIRECTED
-        out = func(*args, **kwargs)
-        if action != _RUN_ONLY:
-            out_tensors, out_positions = flatten_returns(op, out)
-            with no_python_dispatch():
-                call_end(self._address, out_tensors, out_positions)
+        out, _ = run_begun(self._address, op, func, args, kwargs, action, served)
         return out
 
 
