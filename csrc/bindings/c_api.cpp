@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/handed_out.h"
 #include "dispatch/region_scopes.h"
 #include "ops/op_catalog.h"
 #include "ops/op_resolution.h"
@@ -133,8 +134,10 @@ SAC_C_API void* sac_site_new(const void* policy_address, const char* label, int3
   const auto& policy = *static_cast<const std::shared_ptr<const sac::Policy>*>(policy_address);
   void* site = nullptr;
   guarded([&] {
-    site = new std::shared_ptr<sac::Site>(
+    auto* holder = new std::shared_ptr<sac::Site>(
         std::make_shared<sac::Site>(policy, label == nullptr ? "" : label, watches_outside_writes != 0));
+    sac::HandedOut<std::shared_ptr<sac::Site>>::add(holder);  // NOTE: [An address that comes back is checked]
+    site = holder;
   });
   return site;
 }
@@ -144,7 +147,11 @@ SAC_C_API int32_t sac_site_outside_writes(const void* site) {
   return static_cast<int32_t>((*static_cast<const std::shared_ptr<sac::Site>*>(site))->outsideWritesSeen());
 }
 
-SAC_C_API void sac_site_release(void* site) { delete static_cast<std::shared_ptr<sac::Site>*>(site); }
+SAC_C_API void sac_site_release(void* site) {
+  auto* holder = static_cast<std::shared_ptr<sac::Site>*>(site);
+  sac::HandedOut<std::shared_ptr<sac::Site>>::remove(holder);
+  delete holder;
+}
 
 SAC_C_API void* sac_region_new(const void* site_address) {
   if (site_address == nullptr) return nullptr;

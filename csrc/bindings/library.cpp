@@ -19,6 +19,7 @@
 #include "dispatch/call_profile.h"
 #include "dispatch/call_trace.h"
 #include "dispatch/fallback.h"
+#include "dispatch/handed_out.h"
 #include "dispatch/offload.h"
 #include "dispatch/region.h"
 #include "dispatch/region_scopes.h"
@@ -318,8 +319,9 @@ TORCH_LIBRARY(sac, m) {
   // The torchbind face of a region the scope C ABI created (sac_region_new), for the rare
   // accessors (kept bytes, kept tensors); shares ownership with the C reference.
   m.def("region_at(int address) -> __torch__.torch.classes.sac.Region", [](int64_t address) {
-    TORCH_CHECK_VALUE(address != 0, "sac: region_at needs the address sac_region_new returned, got 0");
-    return c10::intrusive_ptr<RegionHandle>::unsafe_reclaim_from_nonowning(reinterpret_cast<RegionHandle*>(address));
+    // NOTE: [An address that comes back is checked] (dispatch/handed_out.h)
+    RegionHandle& handle = HandedOut<RegionHandle>::at(address, "region_at", "a region (sac_region_new)");
+    return c10::intrusive_ptr<RegionHandle>::unsafe_reclaim_from_nonowning(&handle);
   });
   m.def("install_fallback() -> str", []() { return std::string(interceptionPathName(installInterception())); });
   m.def("interception_path() -> str", []() { return std::string(interceptionPathName(interceptionPath())); });

@@ -3,15 +3,16 @@
 
 #include <torch/library.h>
 
+#include "dispatch/handed_out.h"
 #include "dispatch/mode_engine.h"
 #include "dispatch/region_scopes.h"
 
 namespace sac {
 namespace {
 
+// NOTE: [An address that comes back is checked] (dispatch/handed_out.h)
 RegionHandle& regionHandleAt(int64_t address, const char* what) {
-  TORCH_CHECK_VALUE(address != 0, "sac: ", what, " needs a region address, got 0");
-  return *reinterpret_cast<RegionHandle*>(address);
+  return HandedOut<RegionHandle>::at(address, what, "a region (sac_region_new)");
 }
 
 }  // namespace
@@ -23,8 +24,8 @@ TORCH_LIBRARY_FRAGMENT(sac, m) {
   // (the RegionHandle the scope C ABI created). Owned by the caller: mode_region_release frees it.
   m.def("mode_region_new(int site_address, int marker_address) -> int",
         [](int64_t site_address, int64_t marker_address) {
-          TORCH_CHECK_VALUE(site_address != 0, "sac: mode_region_new needs a checkpoint site address, got 0");
-          const auto& site = *reinterpret_cast<const std::shared_ptr<Site>*>(site_address);
+          const auto& site =
+              HandedOut<std::shared_ptr<Site>>::at(site_address, "mode_region_new", "a checkpoint site (sac_site_new)");
           return newModeRegion(site, regionHandleAt(marker_address, "mode_region_new").region);
         });
   // A mode region over the native region at `region_address` (a RegionHandle from the scope C

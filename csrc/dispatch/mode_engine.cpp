@@ -37,6 +37,7 @@
 
 #include "dispatch/call_pipeline.h"
 #include "dispatch/data_flow.h"
+#include "dispatch/handed_out.h"
 #include "dispatch/interception.h"
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
@@ -91,6 +92,7 @@ const ModeOp& modeOp(const std::string& name, const std::string& overload) {
   TORCH_CHECK_VALUE(handle.has_value(), "sac: the dispatch-mode engine was handed ", key,
                     ", which the dispatcher does not know");
   ModeOp* op = new ModeOp(*handle);
+  HandedOut<ModeOp>::add(op);  // NOTE: [An address that comes back is checked]
   ops->emplace(key, op);
   return *op;
 }
@@ -226,12 +228,15 @@ struct ModeRegion {
   ModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker_region)
       : region(c10::make_intrusive<Region>(std::move(site))), marker(std::move(marker_region)) {
     marker->delegateInputsTo(region);
+    HandedOut<ModeRegion>::add(this);  // NOTE: [An address that comes back is checked]
   }
+  ~ModeRegion() { HandedOut<ModeRegion>::remove(this); }
   // The recompute of a region whose forward the native fallback ran (NOTE: [Modes above the key
   // see only what ran]): its scopes drive its passes, the mode only its calls.
   ModeRegion(c10::intrusive_ptr<Region> native_region, c10::intrusive_ptr<Region> marker_region, bool in_recompute)
       : region(std::move(native_region)), marker(std::move(marker_region)), recompute(in_recompute) {
     marker->delegateInputsTo(region);
+    HandedOut<ModeRegion>::add(this);
   }
 
   c10::intrusive_ptr<Region> region;
@@ -247,8 +252,11 @@ struct ModeRegion {
 namespace {
 
 ModeRegion& modeRegion(int64_t address) {
-  TORCH_CHECK_VALUE(address != 0, "sac: the dispatch-mode engine needs the address mode_region_new returned, got 0");
-  return *reinterpret_cast<ModeRegion*>(address);
+  return HandedOut<ModeRegion>::at(address, "the dispatch-mode engine", "a mode region (mode_region_new)");
+}
+
+const ModeOp& modeOpAt(int64_t address) {
+  return HandedOut<ModeOp>::at(address, "the dispatch-mode engine", "an op (mode_op)");
 }
 
 // The checks that come before the call pipeline, where the engines differ in how they find the
@@ -350,7 +358,7 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
 BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
                           const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
                           bool draws_random) {
-  const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
+  const ModeOp& op = modeOpAt(op_address);
   return beginCall(
       modeRegion(address), op, tensors, positions, [&] { return rebuild(op.arguments, tensors, positions); }, key,
       draws_random, nullptr);
@@ -368,7 +376,7 @@ void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   }
   const int64_t op_address = torch::jit::pop(*stack).toInt();
   const int64_t address = torch::jit::pop(*stack).toInt();
-  const ModeOp& op = *reinterpret_cast<const ModeOp*>(op_address);
+  const ModeOp& op = modeOpAt(op_address);
   std::vector<c10::IValue> other_returns;
   BeginResult result = beginCall(
       modeRegion(address), op, tensors, positions,

@@ -12,6 +12,7 @@
 #include <memory>
 #include <thread>
 
+#include "dispatch/handed_out.h"
 #include "dispatch/region.h"
 #include "dispatch/thread_state.h"
 
@@ -71,9 +72,14 @@ struct OpenScope {
 };
 
 struct RegionHandle : torch::CustomClassHolder {
-  explicit RegionHandle(std::shared_ptr<Site> site) : region(c10::make_intrusive<Region>(std::move(site))) {}
-  explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {}
+  explicit RegionHandle(std::shared_ptr<Site> site) : region(c10::make_intrusive<Region>(std::move(site))) {
+    HandedOut<RegionHandle>::add(this);  // NOTE: [An address that comes back is checked]
+  }
+  explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {
+    HandedOut<RegionHandle>::add(this);
+  }
   ~RegionHandle() override {
+    HandedOut<RegionHandle>::remove(this);
     forward.abandon(ActivationKind::kForward, region.get());
     recompute.abandon(ActivationKind::kRecompute, region.get());
   }

@@ -44,6 +44,7 @@ DISPATCH_SUBLAYERS = {
     "site": "records",
     "call_trace": "records",
     "interception": "records",
+    "handed_out": "records",
     "outside_writes": "parts",
     "held_inputs": "parts",
     "region": "region",

@@ -13,6 +13,7 @@
 #include "dispatch/fallback.h"
 #include "dispatch/region.h"
 #include "dispatch/sac_key.h"
+#include "dispatch/site.h"
 #include "dispatch/thread_state.h"
 #include "ops/op_catalog.h"
 #include "policy/unit_stack.h"
@@ -50,14 +51,29 @@ TEST_F(FallbackTest, InstallIsIdempotent) {
 
 TEST_F(FallbackTest, KeyIsIncludedOnlyInsideAnInterceptingRegion) {
   auto keeping = c10::make_intrusive<Region>(Policy::create({"aten::tanh"}, {}));
-  auto plain = c10::make_intrusive<Region>(Policy::create({}, {}));
   {
     ActivationScope forward(ActivationKind::kForward, keeping.get());
     EXPECT_TRUE(sacKeyIncluded());
   }
   EXPECT_FALSE(sacKeyIncluded());
+  // A policy that keeps nothing intercepts its site's forwards until one shows that the layer
+  // writes nothing outside its region (NOTE: [The recompute writes nothing outside its region]).
+  auto site = std::make_shared<Site>(Policy::create({}, {}));
+  auto first = c10::make_intrusive<Region>(site);
   {
-    ActivationScope forward(ActivationKind::kForward, plain.get());
+    ActivationScope forward(ActivationKind::kForward, first.get());
+    EXPECT_TRUE(sacKeyIncluded());
+  }
+  EXPECT_EQ(site->outsideWritesSeen(), Site::OutsideWritesSeen::kNone);
+  auto later = c10::make_intrusive<Region>(site);
+  {
+    ActivationScope forward(ActivationKind::kForward, later.get());
+    EXPECT_FALSE(sacKeyIncluded());
+  }
+  // A site that only marks passes never intercepts.
+  auto marker = c10::make_intrusive<Region>(std::make_shared<Site>(Policy::create({}, {}), "", false));
+  {
+    ActivationScope forward(ActivationKind::kForward, marker.get());
     EXPECT_FALSE(sacKeyIncluded());
   }
 }

@@ -104,6 +104,7 @@ ENGINE_INDEPENDENT = frozenset(
         "test_docs",
         "test_glossary",
         "test_gpu_check",
+        "test_hostile_arguments",
         "test_install",
         "test_layers",
         "test_library",

@@ -13,6 +13,7 @@ stalling CI. The counts are one rank's, of the second step, summed over its two 
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 from support.subprocesses import run_ranks
 
@@ -22,6 +23,13 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+    pytest.mark.skipif(
+        tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+        reason="torch 2.11 dispatches Python below the plugin's key: calls on tensor subclasses (DTensor, the "
+        "functional collectives' AsyncCollectiveTensor) are counted and run, never kept or served (NOTE: [Python "
+        "below our key (torch 2.11)] in csrc/dispatch/fallback.cpp), so the counts these cases expect are torch "
+        "2.13's and later (docs/limits.md)",
     ),
 ]
 
