@@ -19,7 +19,10 @@ def test_every_op_called_with_hostile_values_raises_or_returns():
     ("call", "takes"),
     [
         (lambda: torch.ops.sac.mode_region_pass(64, 0), "the dispatch-mode engine takes the address of a mode region"),
-        (lambda: torch.ops.sac.mode_call_end(64, [], []), "the dispatch-mode engine takes the address of a mode region"),
+        (
+            lambda: torch.ops.sac.mode_call_end(64, [], []),
+            "the dispatch-mode engine takes the address of a mode region",
+        ),
         (lambda: torch.ops.sac.mode_region_new(64, 64), "mode_region_new takes the address of a checkpoint site"),
         (lambda: torch.ops.sac.mode_region_over(64, 64), "mode_region_over takes the address of a region"),
         (lambda: torch.ops.sac.region_at(64), "region_at takes the address of a region"),
