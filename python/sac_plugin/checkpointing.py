@@ -194,11 +194,17 @@ def _selective_contexts(site: Site):
     if _compat.is_compiling():
         return _compiled_contexts(policy)
     observing = _observers.observing()
-    if policy.keeps_nothing and not policy.offload_inputs and not observing and not site.outside_writes_possible():
+    if (
+        policy.keeps_nothing
+        and not policy.offload_inputs
+        and not observing
+        and (_dispatch_modes_on() or not site.outside_writes_possible())
+    ):
         # Plain full recompute: nothing to intercept, nothing observing (an audit that wants its
         # recompute labelled as such, a report), no inputs to hold and nothing written outside the
         # region (NOTE: [The recompute writes nothing outside its region] in
-        # csrc/dispatch/outside_writes.cpp), so no plugin state at all.
+        # csrc/dispatch/outside_writes.cpp), or a forward under a dispatch mode (compilation's
+        # tracing, a user's mode), which does not find that out: no plugin state at all.
         return _NO_CONTEXTS
     if _engine.engine() == "dispatch_mode" or _mode_calls.foreign_modes_on():
         region = Region(_PHASE_MARKER_SITE)

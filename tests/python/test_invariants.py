@@ -217,6 +217,7 @@ def test_key_is_included_only_inside_the_region():
     assert _include_set() == before
 
 
+@pytest.mark.native_engine("the dispatch-mode engine intercepts through its mode, never the key")
 def test_nothing_kept_installs_no_interception_once_the_layer_is_seen_to_write_nothing_outside_itself():
     """The first step of a full-recompute site is intercepted, to find out whether the layer writes
     outside state (NOTE: [The recompute writes nothing outside its region]); later ones are not."""
