@@ -189,6 +189,26 @@ SAC_C_API int64_t sac_region_release_unreached(void* region, int64_t last_saved_
   return status == kSacScopeOk ? released : -status;
 }
 
+SAC_C_API int32_t sac_site_dead_calls(const void* site) {
+  if (site == nullptr) return 0;
+  return static_cast<int32_t>((*static_cast<const std::shared_ptr<sac::Site>*>(site))->deadCallsSeen());
+}
+
+SAC_C_API int32_t sac_region_watch_saves(void* region) {
+  sac::Region& watched = *static_cast<sac::RegionHandle*>(region)->region;
+  watched.watchSaves();
+  return watched.deadCalls().tracking() ? 1 : 0;
+}
+
+SAC_C_API void sac_region_note_saved(void* region, uintptr_t storage) {
+  sac::DeadCalls& dead = static_cast<sac::RegionHandle*>(region)->region->deadCalls();
+  if (storage == 0) {
+    dead.noteUnplacedSave();
+  } else {
+    dead.noteSaved(storage);
+  }
+}
+
 SAC_C_API int64_t sac_unit_id(const char* name, int64_t length) {
   int64_t id_plus_one = 0;
   int32_t status = guarded([&] {

@@ -29,7 +29,7 @@
 
 // Bumped when a signature or a meaning changes; Python (sac_plugin/_native.py, C_API_VERSION)
 // refuses a library with another version.
-inline constexpr int32_t kSacCApiVersion = 8;
+inline constexpr int32_t kSacCApiVersion = 9;
 
 // Status of a call that can fail; the message is sac_scope_last_error()'s.
 enum SacScopeStatus : int32_t {
@@ -64,6 +64,14 @@ SAC_C_API int32_t sac_region_exit(void* region, int32_t recompute, int64_t depth
 // freeing the kept outputs after the last save's position (returns how many, or minus a status).
 SAC_C_API int64_t sac_region_forward_position(void* region);
 SAC_C_API int64_t sac_region_release_unreached(void* region, int64_t last_saved_position);
+// NOTE: [The recompute runs only what backward needs] (dispatch/dead_calls.cpp): what the site's
+// watched forwards found (sac::Site::DeadCallsSeen: 0 not yet known, 1 no call to skip, 2 some);
+// whether this forward of the region notes its calls (1) or has nothing to find (0), called
+// before its first call; and a tensor autograd saved, by its StorageImpl's address (0: a tensor
+// with no storage the region can name, after which the forward skips nothing).
+SAC_C_API int32_t sac_site_dead_calls(const void* site);
+SAC_C_API int32_t sac_region_watch_saves(void* region);
+SAC_C_API void sac_region_note_saved(void* region, uintptr_t storage);
 
 // Units by interned id (sac_unit_id: id + 1, or minus a SacScopeStatus on error). Push returns
 // the depth (> 0), or minus a SacScopeStatus; pop returns a SacScopeStatus.

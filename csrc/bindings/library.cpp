@@ -125,8 +125,9 @@ struct ProfileHandle : torch::CustomClassHolder {
 
 // --- audits, counts and the per-op trace ---------------------------------------------------------
 
+// Columns in AuditRow's order (python/sac_plugin/_audit.py).
 using AuditRows = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                             std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
+                             std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
 
 AuditRows auditColumns(const std::vector<AuditRow>& rows) {
   AuditRows columns;
@@ -138,6 +139,7 @@ AuditRows auditColumns(const std::vector<AuditRow>& rows) {
     std::get<4>(columns).push_back(static_cast<int64_t>(row.counts.hits));
     std::get<5>(columns).push_back(static_cast<int64_t>(row.counts.never_served));
     std::get<6>(columns).push_back(static_cast<int64_t>(row.counts.never_served_bytes));
+    std::get<7>(columns).push_back(static_cast<int64_t>(row.counts.skipped));
   }
   return columns;
 }

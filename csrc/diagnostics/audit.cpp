@@ -32,15 +32,15 @@ std::string formatAuditTable(const std::vector<AuditRow>& rows) {
   for (const AuditRow& row : rows) width = std::max(width, row.op.size());
   std::ostringstream out;
   char line[512];
-  std::snprintf(line, sizeof(line), "%-*s %10s %10s %10s %10s %13s\n", static_cast<int>(width), "op", "forward",
-                "recompute", "backward", "hits", "never_served");
+  std::snprintf(line, sizeof(line), "%-*s %10s %10s %10s %10s %10s %13s\n", static_cast<int>(width), "op", "forward",
+                "recompute", "backward", "hits", "skipped", "never_served");
   out << line;
   for (const AuditRow& row : rows) {
-    std::snprintf(line, sizeof(line), "%-*s %10llu %10llu %10llu %10llu %13llu\n", static_cast<int>(width),
+    std::snprintf(line, sizeof(line), "%-*s %10llu %10llu %10llu %10llu %10llu %13llu\n", static_cast<int>(width),
                   row.op.c_str(), static_cast<unsigned long long>(row.counts.executions[0]),
                   static_cast<unsigned long long>(row.counts.executions[1]),
                   static_cast<unsigned long long>(row.counts.executions[2]),
-                  static_cast<unsigned long long>(row.counts.hits),
+                  static_cast<unsigned long long>(row.counts.hits), static_cast<unsigned long long>(row.counts.skipped),
                   static_cast<unsigned long long>(row.counts.never_served));
     out << line;
   }

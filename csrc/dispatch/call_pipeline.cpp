@@ -31,6 +31,9 @@ namespace sac {
 //   6. a held call keeps (or offloads) its outputs, unless its site learnt that the recompute
 //      never reaches it (NOTE: [Kept outputs the recompute never reaches] in region.cpp);
 //   7. the outputs are recorded in the data flow, naming the calls that consume them.
+// In the recompute, a call nothing the backward needs reads gets stand-in outputs instead of
+// running (step 5; NOTE: [The recompute runs only what backward needs] in dead_calls.cpp), and a
+// call that runs has any stand-in it reads filled first.
 
 namespace {
 
@@ -150,6 +153,10 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
                    torch::jit::Stack* stack, size_t num_arguments, std::optional<int64_t> naming_key, bool draws_random,
                    CallInFlight* call) {
   if (!nameCall(region, in_recompute, op, stack, num_arguments, naming_key, call)) {
+    if (C10_UNLIKELY(in_recompute && region.deadCalls().skippedAny()) && !op.traits.is_view) {
+      region.deadCalls().materializeReadsOf(op, &(*stack)[stack->size() - num_arguments], num_arguments,
+                                            region.site().label());
+    }
     return traced(op, CallOutcome::kRecomputed, CallStep::kRunOnly);
   }
   const Policy& policy = region.policy();
@@ -159,6 +166,13 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
 
   if (in_recompute) {
     if (!region.serve(op, call->identity, handle, stack)) {
+      // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp)
+      DeadCalls& dead = region.deadCalls();
+      if (C10_UNLIKELY(dead.any()) && dead.skip(op, handle, call->identity, stack, num_arguments)) {
+        flow.recordCall(call->identity, schema, *stack, schema.returns().size(), call->written);
+        return traced(op, CallOutcome::kSkipped, CallStep::kSkipped);
+      }
+      if (C10_UNLIKELY(dead.skippedAny())) dead.materializeReadsOf(op, arguments, num_arguments, region.site().label());
       if (C10_UNLIKELY(region.routing().pending() > 0) && region.routing().expects(call->identity)) {
         call->routing = CallInFlight::RoutingStep::kCheck;
       }
@@ -186,6 +200,12 @@ CallStep beginCall(Region& region, bool in_recompute, const OpEntry& op, const c
     call->kept_ordinal = region.nextKeptOrdinal(op);
     call->hold = !region.site().neverReached(op, call->kept_ordinal) && !region.replaysOnly();
   }
+  // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp): what it reads, before
+  // the kernel consumes its arguments.
+  if (C10_UNLIKELY(region.deadCalls().tracking())) {
+    const bool may_skip = !draws_random && !call->casts_a_parameter && !facts.routes_tokens;
+    region.deadCalls().noteInputs(op, call->identity, may_skip, arguments, num_arguments, call->written);
+  }
   const CallOutcome outcome = !call->hold                                   ? CallOutcome::kRecomputed
                               : call->decision.outcome == Outcome::kOffload ? CallOutcome::kOffloaded
                                                                             : CallOutcome::kKept;
@@ -202,6 +222,9 @@ void finishCall(Region& region, CallInFlight& call, const c10::FunctionSchema& s
     region.routing().check(call.identity, stack, num_returns, region.site().label());
   }
   call.routing = CallInFlight::RoutingStep::kNone;
+  if (C10_UNLIKELY(region.deadCalls().tracking())) {
+    region.deadCalls().noteOutputs(schema, stack, num_returns, call.written);
+  }
   recordOutputs(region.flow(), call, schema, stack, num_returns);
   call.hold = false;
 }

@@ -24,6 +24,8 @@ enum class CallStep : uint8_t {
   kRunAndFinish,  // run the kernel, then finishCall with its outputs
   kServed,        // served: the kernel is skipped, the outputs follow the arguments on the stack,
                   // already recorded
+  kSkipped,       // dead in the recompute: as kServed, with stand-in outputs (NOTE: [The recompute
+                  // runs only what backward needs] in dead_calls.cpp)
 };
 
 // A call between beginCall and finishCall.

@@ -16,6 +16,8 @@ const char* callOutcomeName(CallOutcome outcome) {
       return "recomputed";
     case CallOutcome::kServed:
       return "served";
+    case CallOutcome::kSkipped:
+      return "skipped";
   }
   return "unknown";
 }

@@ -27,7 +27,7 @@
 
 namespace sac {
 
-enum class CallOutcome : uint8_t { kKept, kOffloaded, kRecomputed, kServed };
+enum class CallOutcome : uint8_t { kKept, kOffloaded, kRecomputed, kServed, kSkipped };
 const char* callOutcomeName(CallOutcome outcome);
 
 struct TracedCall {

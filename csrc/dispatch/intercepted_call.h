@@ -104,6 +104,10 @@ class InterceptedCall {
         entry_.counters.recordHit();
         finishEnclosing();
         return invocation_.served(num_arguments, schema.returns().size());
+      case CallStep::kSkipped:
+        entry_.counters.recordSkipped();
+        finishEnclosing();
+        return invocation_.served(num_arguments, schema.returns().size());
       case CallStep::kRunAndFinish:
         countAndRun(state.phase());
         finishCall(*region, call, schema, invocation_.arguments(), schema.returns().size());

@@ -330,8 +330,12 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
       sac::beginCall(*region, mode.recompute, entry, op.handle, &stack, num_arguments, key, draws_random, &call);
   if (step == CallStep::kRunOnly) return result;
   std::get<1>(result) = static_cast<int64_t>(call.identity);
-  if (step == CallStep::kServed) {
-    if (pythonBelowSacKey() && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
+  if (step == CallStep::kServed || step == CallStep::kSkipped) {
+    if (step == CallStep::kSkipped) {
+      // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp): a native region's
+      // recompute run above dispatch modes hands its stand-ins back as a served call's outputs.
+      entry.counters.recordSkipped();
+    } else if (pythonBelowSacKey() && c10::impl::tls_is_dispatch_key_included(kSacKey)) {
       entry.counters.reclassifyRecomputeAsHit();
     } else {
       entry.counters.recordHit();

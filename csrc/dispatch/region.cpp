@@ -398,6 +398,11 @@ void Region::beginForward() {
   // NOTE: [The recompute writes nothing outside its region] (outside_writes.cpp)
   outside_writes_.clear();
   flow_.noteExternalReads();
+  dead_calls_.beginForward();
+}
+
+void Region::watchSaves() {
+  if (!policy().keepsNothing() && !replays_only_ && site_->deadCallsPossible()) dead_calls_.track();
 }
 
 // NOTE: [Kept outputs the recompute never reaches]
@@ -430,6 +435,17 @@ void Region::endForward() {
   calls_per_pass_ = flow_.callsRecorded();
   site_->noteCallsPerPass(calls_per_pass_);
   site_->noteOutsideWrites(outside_writes_.any());
+  if (dead_calls_.tracking()) {
+    // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp): a checkpoint nested in
+    // this one reads what this one's calls make in calls this region does not see.
+    const size_t dead = has_nested_regions_ ? dead_calls_.endForward([](uint64_t) { return true; })
+                                            : dead_calls_.endForward([this](uint64_t call) {
+                                                auto found = kept_.find(call);
+                                                return found != kept_.end() && !found->second.released &&
+                                                       !found->second.outputs.empty();
+                                              });
+    site_->noteDeadCalls(dead > 0);
+  }
   flow_.reset(++passes_, 0);
   if (any_offloaded_) {
     if (last_offloading_region.has_value()) {
@@ -460,6 +476,7 @@ void Region::beginRecompute() {
   }
   if (any_consumed) left_to_serve_ = SIZE_MAX;
   routing_.beginRecompute();
+  dead_calls_.beginRecompute();
   if (!any_offloaded_) return;
   // NOTE: [Offloading kept outputs] (offload.cpp): fetch this region's outputs, then the next's.
   fetchOffloaded();
@@ -485,6 +502,7 @@ void Region::endRecompute(bool keep_entries) {
   if (has_nested_regions_) names_for_nested_ = flow_.takeNamesForNested();
   flow_.reset(++passes_, 0);
   enclosing_in_recompute_.reset();
+  dead_calls_.endRecompute();
   if (keep_entries) return;
   // The unserved entries, by forward position: the message names them in the order they ran.
   std::vector<std::pair<uint64_t, const KeptOutputs*>> unserved;

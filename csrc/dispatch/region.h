@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dispatch/data_flow.h"
+#include "dispatch/dead_calls.h"
 #include "dispatch/held_inputs.h"
 #include "dispatch/offload.h"
 #include "dispatch/outside_writes.h"
@@ -120,6 +121,14 @@ class Region : public c10::intrusive_ptr_target {
   bool servesMore() const {
     return left_to_serve_ > 0 || routing_.pending() > 0 || has_nested_regions_ || outside_writes_.any();
   }
+
+  // The calls the recompute skips (NOTE: [The recompute runs only what backward needs] in
+  // dead_calls.cpp).
+  DeadCalls& deadCalls() { return dead_calls_; }
+  // Forward, before its first call: the caller notes every tensor autograd saves
+  // (deadCalls().noteSaved), so this forward finds its dead calls. Nothing to find where the
+  // region keeps nothing, replays a nested checkpoint, or has its site's answer already.
+  void watchSaves();
 
   // What the forward routed, where the policy recomputes the routing (pin_routing off).
   RoutingCheck& routing() { return routing_; }
@@ -265,6 +274,7 @@ class Region : public c10::intrusive_ptr_target {
   DataFlow flow_;
   RoutingCheck routing_;
   OutsideWrites outside_writes_;
+  DeadCalls dead_calls_;
   HashMap<uint64_t, KeptOutputs> kept_;  // by the producing call's data-flow identity
   HashMap<const c10::StorageImpl*, c10::SmallVector<uint64_t, 1>> kept_storages_;
   HashMap<const OpEntry*, uint32_t> kept_per_op_;

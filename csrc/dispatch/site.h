@@ -58,6 +58,21 @@ class Site {
     return (notices_.fetch_or(bit) & bit) == 0;
   }
 
+  // Whether a forward of this site may have recompute calls to skip (NOTE: [The recompute runs
+  // only what backward needs] in dead_calls.cpp): unknown until a watched forward ended, then
+  // whether any had one. Once one did, every forward of the site is watched.
+  enum class DeadCallsSeen : uint8_t { kUnknown = 0, kNone = 1, kSome = 2 };
+  bool deadCallsPossible() const { return deadCallsSeen() != DeadCallsSeen::kNone; }
+  DeadCallsSeen deadCallsSeen() const { return dead_calls_.load(std::memory_order_relaxed); }
+  void noteDeadCalls(bool any) {
+    if (any) {
+      dead_calls_.store(DeadCallsSeen::kSome, std::memory_order_relaxed);
+    } else {
+      DeadCallsSeen unknown = DeadCallsSeen::kUnknown;
+      dead_calls_.compare_exchange_strong(unknown, DeadCallsSeen::kNone, std::memory_order_relaxed);
+    }
+  }
+
   // Whether a region of this site may write outside itself in its forward: unknown until a forward
   // of the site has been intercepted, then what the forwards showed. A region whose policy keeps
   // nothing intercepts only while this holds.
@@ -91,6 +106,7 @@ class Site {
   std::atomic<bool> any_never_reached_{false};
   bool watches_outside_writes_ = true;
   std::atomic<OutsideWritesSeen> outside_writes_{OutsideWritesSeen::kUnknown};
+  std::atomic<DeadCallsSeen> dead_calls_{DeadCallsSeen::kUnknown};
   mutable std::mutex mutex_;  // guards warned_ and never_reached_
   HashSet<const OpEntry*> warned_;
   HashSet<std::pair<const OpEntry*, uint32_t>> never_reached_;

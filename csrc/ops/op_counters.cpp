@@ -30,6 +30,7 @@ CounterSnapshot CounterSnapshot::minus(const CounterSnapshot& earlier) const {
   CounterSnapshot diff;
   for (int i = 0; i < kNumPhases; ++i) diff.executions[i] = executions[i] - earlier.executions[i];
   diff.hits = hits - earlier.hits;
+  diff.skipped = skipped - earlier.skipped;
   diff.never_served = never_served - earlier.never_served;
   diff.never_served_bytes = never_served_bytes - earlier.never_served_bytes;
   return diff;
@@ -39,17 +40,19 @@ CounterSnapshot CounterSnapshot::plus(const CounterSnapshot& other) const {
   CounterSnapshot sum;
   for (int i = 0; i < kNumPhases; ++i) sum.executions[i] = executions[i] + other.executions[i];
   sum.hits = hits + other.hits;
+  sum.skipped = skipped + other.skipped;
   sum.never_served = never_served + other.never_served;
   sum.never_served_bytes = never_served_bytes + other.never_served_bytes;
   return sum;
 }
 
-bool CounterSnapshot::empty() const { return totalExecutions() == 0 && hits == 0 && never_served == 0; }
+bool CounterSnapshot::empty() const { return totalExecutions() == 0 && hits == 0 && skipped == 0 && never_served == 0; }
 
 CounterSnapshot CountSlot::snapshot() const {
   CounterSnapshot snap;
   for (int i = 0; i < kNumPhases; ++i) snap.executions[i] = executions[i].load(std::memory_order_relaxed);
   snap.hits = hits.load(std::memory_order_relaxed);
+  snap.skipped = skipped.load(std::memory_order_relaxed);
   snap.never_served = never_served.load(std::memory_order_relaxed);
   snap.never_served_bytes = never_served_bytes.load(std::memory_order_relaxed);
   return snap;

@@ -21,6 +21,9 @@ const char* phaseName(Phase phase);
 struct CounterSnapshot {
   std::array<uint64_t, kNumPhases> executions{};
   uint64_t hits = 0;  // kept outputs served in the recompute instead of running the kernel
+  // Recompute calls given stand-in outputs instead of running, because nothing the backward needs
+  // reads them (NOTE: [The recompute runs only what backward needs] in dispatch/dead_calls.cpp).
+  uint64_t skipped = 0;
   // Kept (or offloaded) outputs held from the forward to the backward and freed unserved (NOTE:
   // [Served, or named] in dispatch/region.cpp), and the bytes they held.
   uint64_t never_served = 0;
@@ -36,6 +39,7 @@ struct CounterSnapshot {
 struct CountSlot {
   std::array<std::atomic<uint64_t>, kNumPhases> executions{};
   std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> skipped{0};
   std::atomic<uint64_t> never_served{0};
   std::atomic<uint64_t> never_served_bytes{0};
 
@@ -110,6 +114,13 @@ class OpCounters {
       shared_.hits.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  void recordSkipped() {
+    if (ThreadCounts* table = ownTable()) {
+      addOwn(table->slot(id_).skipped, 1);
+    } else {
+      shared_.skipped.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   void recordNeverServed(uint64_t bytes) {
     if (ThreadCounts* table = ownTable()) {
       CountSlot& counts = table->slot(id_);
@@ -132,6 +143,21 @@ class OpCounters {
     } else {
       shared_.executions[i].fetch_sub(1, std::memory_order_relaxed);
       shared_.hits.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  // A recompute call first given stand-in outputs had to run after all, for a call that read them
+  // (NOTE: [The recompute runs only what backward needs] in dispatch/dead_calls.cpp): it becomes a
+  // recompute execution.
+  void reclassifySkippedAsExecution() {
+    const int i = static_cast<int>(Phase::kRecompute);
+    if (ThreadCounts* table = ownTable()) {
+      CountSlot& counts = table->slot(id_);
+      addOwn(counts.skipped, static_cast<uint64_t>(-1));
+      addOwn(counts.executions[i], 1);
+    } else {
+      shared_.skipped.fetch_sub(1, std::memory_order_relaxed);
+      shared_.executions[i].fetch_add(1, std::memory_order_relaxed);
     }
   }
 

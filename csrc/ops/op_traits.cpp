@@ -117,6 +117,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.ns = traits.base_name.substr(0, traits.base_name.find("::"));
   traits.is_collective = contains(kCollectiveNamespaces, traits.ns);
   traits.is_random = op.hasTag(at::Tag::nondeterministic_seeded);
+  traits.reads_values_on_host = op.hasTag(at::Tag::data_dependent_output) || op.hasTag(at::Tag::dynamic_output_shape);
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const c10::Argument& arg = schema.arguments()[i];
     if (traits.is_random && arg.name() == "dropout_p" && arg.type()->kind() == c10::TypeKind::FloatType) {
@@ -157,6 +158,7 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
   traits.is_copy_cast = traits.base_name == "aten::_to_copy";
   traits.is_routing = isRoutingOp(traits.base_name);
   traits.is_lift_fresh = traits.base_name == "aten::lift_fresh";
+  traits.only_wraps = traits.base_name == "_c10d_functional::_wrap_tensor_autograd";
   return traits;
 }
 

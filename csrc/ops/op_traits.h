@@ -27,6 +27,11 @@ struct OpTraits {
   // Attention kernels are tagged random because they may apply dropout, but draw nothing when
   // dropout_p == 0. The index of that argument, or -1: such an op is random only per call.
   int dropout_p_argument = -1;
+  // Its result depends on the values of its inputs in a way the host sees (`.item()`, nonzero's
+  // output size: tagged data_dependent_output or dynamic_output_shape), so the code after it may
+  // differ between ranks (NOTE: [The recompute runs only what backward needs] in
+  // dispatch/dead_calls.cpp).
+  bool reads_values_on_host = false;
   // Writes an input that is not an out= argument (in-place ops, c10d's in-place collectives).
   bool mutates_inputs = false;
   // Writes only its out= arguments; for the policy it behaves like the functional op.
@@ -53,6 +58,11 @@ struct OpTraits {
   // One of the ops every call of which routes tokens (isRoutingOp in routing.h), read once here
   // rather than by name on every call.
   bool is_routing = false;
+  // Returns its argument wrapped in a tensor subclass and computes nothing (functional
+  // collectives' _wrap_tensor_autograd, which makes the AsyncCollectiveTensor a wait_tensor later
+  // unwraps): it reads no value, so what it wraps is needed only if what it returns is (NOTE:
+  // [The recompute runs only what backward needs] in dispatch/dead_calls.cpp).
+  bool only_wraps = false;
   // aten::lift_fresh, which torch calls on every constant it builds from Python values (NOTE: [A
   // small constant is named by its value] in dispatch/data_flow.cpp).
   bool is_lift_fresh = false;

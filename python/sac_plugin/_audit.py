@@ -39,6 +39,9 @@ class AuditRow(NamedTuple):
             the recompute never asked for, and freed unused: each is also named once per
             checkpoint site by a `HeldNeverServedWarning`.
         never_served_bytes: The bytes those outputs held.
+        skipped: Its recompute calls given stand-in outputs instead of running, because nothing
+            the backward needs reads them (docs/semantics.md, "The recompute runs only what
+            backward needs").
     """
 
     op: str
@@ -48,6 +51,7 @@ class AuditRow(NamedTuple):
     hits: int
     never_served: int = 0
     never_served_bytes: int = 0
+    skipped: int = 0
 
 
 class Audit:
@@ -161,6 +165,23 @@ class Audit:
         """
         return sum(row.hits for row in self._matching(op))
 
+    def skipped(self, op=None) -> int:
+        """How many recompute calls of an op were given stand-in outputs instead of running,
+        because nothing the backward needs reads them (NOTE: [The recompute runs only what
+        backward needs] in csrc/dispatch/dead_calls.cpp). A skipped call is not a recompute
+        execution.
+
+        Args:
+            op: As for `never_served`.
+
+        Returns:
+            How many were skipped; the table's `skipped` column.
+
+        Raises:
+            RuntimeError: The audit has not started.
+        """
+        return self._total("skipped", op)
+
     def never_served(self, op=None) -> int:
         """How many kept (or offloaded) outputs were held for a recompute that never asked for
         them (NOTE: [Served, or named] in csrc/dispatch/region.cpp).
@@ -174,8 +195,11 @@ class Audit:
         Raises:
             RuntimeError: The audit has not started.
         """
+        return self._total("never_served", op)
+
+    def _total(self, column: str, op) -> int:
         rows = self.rows() if op is None else self._matching(op)
-        return sum(row.never_served for row in rows)
+        return sum(getattr(row, column) for row in rows)
 
     def table(self) -> str:
         """The counts of every op, one line each.

@@ -115,7 +115,7 @@ def interception_path() -> str:
 # --- The C ABI (csrc/bindings/c_api.h) ------------------------------------------------------------
 
 # kSacCApiVersion: bumped in C++ when a signature or a meaning changes.
-C_API_VERSION = 8
+C_API_VERSION = 9
 
 _c_int32, _c_int64, _c_pointer, _c_string = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
 # Every C function Python calls but the version (which _bind reads first): name -> (restype,
@@ -131,6 +131,9 @@ _SIGNATURES = {
     "sac_region_exit": (_c_int32, [_c_pointer, _c_int32, _c_int64]),
     "sac_region_forward_position": (_c_int64, [_c_pointer]),
     "sac_region_release_unreached": (_c_int64, [_c_pointer, _c_int64]),
+    "sac_site_dead_calls": (_c_int32, [_c_pointer]),
+    "sac_region_watch_saves": (_c_int32, [_c_pointer]),
+    "sac_region_note_saved": (None, [_c_pointer, ctypes.c_size_t]),
     "sac_unit_id": (_c_int64, [_c_string, _c_int64]),
     "sac_unit_push": (_c_int64, [_c_int64]),
     "sac_unit_pop": (_c_int32, [_c_int64, _c_int64]),

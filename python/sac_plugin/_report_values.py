@@ -17,6 +17,9 @@ class OpCounts:
     recompute: int = 0
     backward: int = 0
     hits: int = 0
+    skipped: int = (
+        0  # recompute calls nothing the backward needs reads (NOTE: [The recompute runs only what backward needs])
+    )
     never_served: int = 0  # kept outputs held and never served (NOTE: [Served, or named])
     never_served_bytes: int = 0
 
@@ -25,6 +28,7 @@ class OpCounts:
         self.recompute += row.recompute
         self.backward += row.backward
         self.hits += row.hits
+        self.skipped += row.skipped
         self.never_served += row.never_served
         self.never_served_bytes += row.never_served_bytes
 
@@ -57,6 +61,7 @@ class Breakdown:
             "forward_ops": self.total("forward"),
             "recomputed_ops": self.total("recompute"),
             "hits": self.total("hits"),
+            "skipped": self.total("skipped"),
             "never_served": self.total("never_served"),
             "never_served_bytes": self.total("never_served_bytes"),
             "kept_calls": self.kept_calls,

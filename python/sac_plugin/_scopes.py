@@ -24,6 +24,9 @@ _unit_pop = _native.lib.sac_unit_pop
 _last_error = _native.lib.sac_scope_last_error
 region_forward_position = _native.lib.sac_region_forward_position
 _region_release_unreached = _native.lib.sac_region_release_unreached
+_site_dead_calls = _native.lib.sac_site_dead_calls
+region_watch_saves = _native.lib.sac_region_watch_saves
+region_note_saved = _native.lib.sac_region_note_saved
 
 
 def release_unreached(address: int, last_saved_position: int) -> int:
@@ -53,6 +56,11 @@ class SiteReference:
         """0 while no forward of the site has shown it, 1 when its forwards write nothing outside
         their regions, 2 when one did (NOTE: [The recompute writes nothing outside its region])."""
         return _site_outside_writes(self.address)
+
+    def dead_calls(self) -> int:
+        """0 while no watched forward of the site has ended, 1 when they found no recompute call
+        to skip, 2 when one did (NOTE: [The recompute runs only what backward needs])."""
+        return _site_dead_calls(self.address)
 
     def __del__(self, _release=_site_release):
         _release(self.address)

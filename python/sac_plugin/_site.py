@@ -26,6 +26,7 @@ class Site:
         "unchecked_units",
         "watched_forwards",
         "reach_unknown",
+        "watches_saves",
         "writes_outside",
         "marks_passes",
         "__weakref__",
@@ -52,6 +53,10 @@ class Site:
         # Whether no forward of a region of this site has been watched yet for the kept calls its
         # recompute never reaches (NOTE: [Kept outputs the recompute never reaches]).
         self.reach_unknown = not policy.keeps_nothing
+        # Whether its forwards note what autograd saves, to find the recompute calls nothing the
+        # backward needs reads: until a watched forward found none (NOTE: [The recompute runs only
+        # what backward needs] in csrc/dispatch/dead_calls.cpp).
+        self.watches_saves = not policy.keeps_nothing
 
     def outside_writes_possible(self) -> bool:
         """Whether a region of this site may write outside itself in its forward (unknown counts),
@@ -62,6 +67,10 @@ class Site:
                 return True
             self.writes_outside = seen == 2
         return self.writes_outside
+
+    def finds_dead_calls(self) -> bool:
+        """Whether the site's watched forwards found recompute calls to skip (or none has ended)."""
+        return self._reference.dead_calls() != 1
 
     def __reduce__(self):
         # A copy (pickle, deepcopy) is a new place: it learns for itself.

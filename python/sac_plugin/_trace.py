@@ -27,7 +27,8 @@ class TraceEntry:
         op: The overload, as "aten::mm.default".
         phase: "forward" or "recompute".
         status: In the forward, "kept" (kept or offloaded) or "recomputed"; in the recompute,
-            "recomputed" or "served".
+            "recomputed", "served" or "skipped" (NOTE: [The recompute runs only what backward
+            needs] in csrc/dispatch/dead_calls.cpp).
     """
 
     layer: str
@@ -48,7 +49,7 @@ def check_trace_supported() -> None:
 
 
 # The fallback's outcomes as TraceEntry statuses: an offloaded call is held like a kept one.
-_STATUS = {"kept": "kept", "offloaded": "kept", "recomputed": "recomputed", "served": "served"}
+_STATUS = {"kept": "kept", "offloaded": "kept", "recomputed": "recomputed", "served": "served", "skipped": "skipped"}
 
 
 class CallTrace:

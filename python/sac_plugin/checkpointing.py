@@ -183,6 +183,7 @@ def _selective_contexts(site: Site):
     # engine are read as module globals (why: _observers.py).
     if (
         not site.reach_unknown
+        and not site.watches_saves
         and not site.unchecked_units
         and not site.keeps_nothing
         and not _dispatch_modes_on()
@@ -211,10 +212,12 @@ def _selective_contexts(site: Site):
         plan: dict = {}
         forward, recompute, mode_region = _dispatch_mode.dispatch_mode_contexts(site, region, plan)
         position, release_unreached = mode_region.forward_position, mode_region.release_unreached
+        # The dispatch-mode engine runs every recompute call (docs/limits.md).
+        watched_region = None
 
         def kept_calls():
             return sum(sum(kept) for kept in plan.values())
-    elif not (observing or site.unchecked_units or site.reach_unknown):
+    elif not (observing or site.unchecked_units or site.reach_unknown or site.watches_saves):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
         # (NOTE: [Scopes through a C ABI]).
         return _mode_recompute.new_region_scopes(site.address)
@@ -226,12 +229,13 @@ def _selective_contexts(site: Site):
         address = region.forward.address
         position = functools.partial(_scopes.region_forward_position, address)
         release_unreached = functools.partial(_scopes.release_unreached, address)
+        watched_region = address
 
         def kept_calls():
             return region.kept_calls
 
-    if site.reach_unknown:
-        forward = _ReachWatch(site, forward, position, release_unreached)
+    if site.reach_unknown or (site.watches_saves and watched_region is not None):
+        forward = _ReachWatch(site, forward, position, release_unreached, watched_region)
     if site.unchecked_units:
         forward = _unit_checks.WatchedForward(site, forward, kept_calls)
     for observer in _observers.observers():
@@ -239,70 +243,127 @@ def _selective_contexts(site: Site):
     return forward, recompute
 
 
-def _stops_early(pack) -> bool:
-    """Whether the checkpoint whose pack hook this is stops its recompute early: its frame (in the
-    hook's closure) says so. A hook with no frame is not torch's checkpoint: nothing to watch."""
+def _checkpoint_frame(pack):
+    """The frame of torch's checkpoint whose pack hook this is (in the hook's closure), or None
+    for a hook that is not torch's checkpoint's: nothing to watch."""
     for cell in getattr(pack, "__closure__", None) or ():
         try:
             frame = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if hasattr(frame, "early_stop") and hasattr(frame, "weak_holders"):
-            return bool(frame.early_stop)
-    return False
+            return frame
+    return None
+
+
+def _note_saved(note, region: int, tensor) -> None:
+    """Tells the region which storage a tensor autograd saved lives in; a subclass by the tensors
+    it wraps (DTensor's local shard), and one the region cannot place as such (address 0)."""
+    if hasattr(type(tensor), "__tensor_flatten__"):
+        for name in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):
+                _note_saved(note, region, inner)
+        return
+    try:
+        note(region, tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        note(region, 0)
 
 
 class _ReachWatch:
-    """The first forward of a checkpoint site, watched for the kept calls its recompute never
-    reaches (NOTE: [Kept outputs the recompute never reaches] in csrc/dispatch/region.cpp).
+    """A forward of a checkpoint site, watched at each tensor autograd saves for backward.
 
     torch's checkpoint pushes its saved-tensor hooks just before it enters this context, so they
     are the top hooks here. Hooks of the same pack are pushed over them for the forward: each save
-    notes the region's position (calls decided so far), then goes to torch's pack hook unchanged.
-    At the end of the forward the region frees the kept outputs after the last save, and the
-    site remembers them; later forwards of the site run unwatched, on the hot path."""
+    is noted, then goes to torch's pack hook unchanged. Two things are learnt:
+      - on the site's first forward, where the checkpoint stops its recompute early, the region's
+        position (calls decided so far) at each save: at the end of the forward the region frees
+        the kept outputs after the last save, and the site remembers them (NOTE: [Kept outputs the
+        recompute never reaches] in csrc/dispatch/region.cpp);
+      - on every forward of a site whose first found recompute calls to skip, the storage of each
+        saved tensor, from which the region finds the calls nothing the backward needs (NOTE: [The
+        recompute runs only what backward needs] in csrc/dispatch/dead_calls.cpp).
+    Sites with nothing left to learn run unwatched, on the hot path."""
 
-    __slots__ = ("_site", "_forward", "_position", "_release_unreached", "_last_saved", "_pushed")
+    __slots__ = (
+        "_site",
+        "_forward",
+        "_position",
+        "_release_unreached",
+        "_region",
+        "_last_saved",
+        "_pushed",
+        "_watches_reach",
+    )
 
-    def __init__(self, site: Site, forward, position, release_unreached):
+    def __init__(self, site: Site, forward, position, release_unreached, region: int | None):
         self._site, self._forward = site, forward
         self._position, self._release_unreached = position, release_unreached
-        self._last_saved, self._pushed = 0, False
+        # The region's address for the scope C ABI where its forward may skip calls, else None.
+        self._region = region
+        self._last_saved, self._pushed, self._watches_reach = 0, False, False
 
     def __enter__(self):
         self._forward.__enter__()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if hooks is not None and _stops_early(hooks[0]):
-            pack, unpack = hooks
-            position = self._position
+        frame = _checkpoint_frame(hooks[0]) if hooks is not None else None
+        if frame is None:
+            return self
+        watch_reach = self._site.reach_unknown and bool(frame.early_stop)
+        region = self._region if self._region is not None and _scopes.region_watch_saves(self._region) else None
+        if not (watch_reach or region is not None):
+            return self
+        pack, unpack = hooks
+        position = self._position
+        note = _scopes.region_note_saved
 
-            def note_position(tensor):
+        if region is None:
+
+            def note_save(tensor):
                 self._last_saved = position()
                 return pack(tensor)
 
-            torch._C._autograd._push_saved_tensors_default_hooks(note_position, unpack)
-            self._pushed = True
+        elif not watch_reach:
+
+            def note_save(tensor):
+                _note_saved(note, region, tensor)
+                return pack(tensor)
+
+        else:
+
+            def note_save(tensor):
+                self._last_saved = position()
+                _note_saved(note, region, tensor)
+                return pack(tensor)
+
+        torch._C._autograd._push_saved_tensors_default_hooks(note_save, unpack)
+        self._pushed, self._watches_reach = True, watch_reach
         return self
 
     def __exit__(self, *exc_info):
         try:
-            if exc_info[0] is None:
-                # Settled after one completed forward, also where there was nothing to watch (a
-                # checkpoint without early stop): later forwards take the hot path.
-                self._site.reach_unknown = False
             if self._pushed:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
-                if exc_info[0] is None:
+            if exc_info[0] is None:
+                site = self._site
+                if self._watches_reach:
                     released = self._release_unreached(self._last_saved)
                     if released:
                         logger.info(
                             "%d kept calls of %s run after the region's last tensor saved for backward; "
                             "torch's early stop never serves them, so they are not held",
                             released,
-                            self._site.policy,
+                            site.policy,
                         )
+                # Settled after one completed forward, also where there was nothing to watch (a
+                # checkpoint without early stop): later forwards take the hot path unless the site
+                # skips dead calls.
+                site.reach_unknown = False
         finally:
             suppressed = self._forward.__exit__(*exc_info)
+            if exc_info[0] is None:
+                self._site.watches_saves = self._site.watches_saves and self._site.finds_dead_calls()
         return suppressed
 
 

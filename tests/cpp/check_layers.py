@@ -47,6 +47,7 @@ DISPATCH_SUBLAYERS = {
     "handed_out": "records",
     "outside_writes": "parts",
     "held_inputs": "parts",
+    "dead_calls": "parts",
     "region": "region",
     "region_offload": "region",
     "region_scopes": "region",

@@ -32,7 +32,7 @@ Decoded decode(int64_t result) {
           ((result >> 17) & 1) != 0, result >> 32};
 }
 
-TEST(KeepRuleCApi, VersionIsEight) { EXPECT_EQ(sac_scope_c_api_version(), 8); }
+TEST(KeepRuleCApi, VersionIsNine) { EXPECT_EQ(sac_scope_c_api_version(), 9); }
 
 TEST(KeepRuleCApi, OpEntryNamesExactlyOneOverload) {
   const void* mm = entry("aten::mm.default");

@@ -173,9 +173,9 @@ TEST(AuditTest, CountsOpsRunUnderAnAuditActivation) {
   EXPECT_EQ(rows[1].op, "aten::tanh");
   EXPECT_EQ(rows[1].counts.executions[0], 2u);
   EXPECT_EQ(formatAuditTable(rows),
-            "op            forward  recompute   backward       hits  never_served\n"
-            "aten::sin           1          0          0          0             0\n"
-            "aten::tanh          2          0          0          0             0\n");
+            "op            forward  recompute   backward       hits    skipped  never_served\n"
+            "aten::sin           1          0          0          0          0             0\n"
+            "aten::tanh          2          0          0          0          0             0\n");
 }
 
 }  // namespace

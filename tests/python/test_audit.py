@@ -77,8 +77,8 @@ def test_audit_table_lists_phases_and_hits():
     with sac_plugin.audit() as audit:
         run_step(model, torch.randn(4, 16))
     lines = audit.table().splitlines()
-    assert lines[0].split() == ["op", "forward", "recompute", "backward", "hits", "never_served"]
-    assert "aten::tanh 2 0 0 2 0" in [" ".join(line.split()) for line in lines]
+    assert lines[0].split() == ["op", "forward", "recompute", "backward", "hits", "skipped", "never_served"]
+    assert "aten::tanh 2 0 0 2 0 0" in [" ".join(line.split()) for line in lines]
 
 
 def test_audit_counts_backward_on_autograd_threads():

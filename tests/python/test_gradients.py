@@ -233,9 +233,11 @@ def test_torch_policy_fn_matches_the_plugin_selection():
         # totals: forward 4 + recomputed 2 + backward 7 matmuls (x needs no gradient); tanh never
         # recomputed.
         counts[engine] = (audit.count("aten::mm"), audit.count("aten::tanh"))
+    # The plugin's native engine recomputes neither mm: each output only feeds a kept tanh, which
+    # saves its own result (NOTE: [The recompute runs only what backward needs]).
     # Where the plugin's key is above Python (torch 2.11) the audit also counts the 2 mm and 4 tanh
     # calls torch's SAC mode then serves from its cache: sac_plugin._compat.
-    assert counts["plugin"] == (13, 4)
+    assert counts["plugin"] == ((11, 4) if sac_plugin.engine() == "native" else (13, 4))
     assert counts["torch"] == ((15, 8) if _compat.python_handlers_run_below_the_plugin() else (13, 4))
 
 

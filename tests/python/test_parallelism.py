@@ -40,13 +40,14 @@ ALL_REDUCE = "_c10d_functional::all_reduce"
 REDUCE_SCATTER = "_c10d_functional::reduce_scatter_tensor"
 ALL_TO_ALL = "_c10d_functional::all_to_all_single"
 
-# The DTensor tensor-parallel block's recompute (two blocks, each two MLPs): the all-gathers feed
-# only the kept up projections, and each all-reduce only the kept residual add, so none of them is
-# read in the recompute. torch's SAC and the plugin run them all again today; once the plugin
-# skips recompute calls whose outputs nothing reads, its row drops: update "plugin" then.
+# The DTensor tensor-parallel block's recompute (two blocks, each two MLPs). The all-gathers run
+# again everywhere: the gathered input is what autograd saves for the up projection's weight
+# gradient. Each all-reduce only feeds the kept residual add, which is served, so the plugin skips
+# it (NOTE: [The recompute runs only what backward needs] in csrc/dispatch/dead_calls.cpp); torch's
+# SAC and full recompute run it again.
 TENSOR_PARALLEL_RECOMPUTE = {
     "torch_sac": {ALL_GATHER: 4, ALL_REDUCE: 2},
-    "plugin": {ALL_GATHER: 4, ALL_REDUCE: 2},
+    "plugin": {ALL_GATHER: 4},
     "full": {ALL_GATHER: 4, ALL_REDUCE: 2},
 }
 # torch's early stop ends each block's recompute at its last saved tensor, before the second
