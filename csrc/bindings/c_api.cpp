@@ -203,7 +203,7 @@ SAC_C_API int32_t sac_region_watch_saves(void* region) {
 SAC_C_API void sac_region_note_saved(void* region, uintptr_t storage) {
   sac::DeadCalls& dead = static_cast<sac::RegionHandle*>(region)->region->deadCalls();
   if (storage == 0) {
-    dead.noteUnplacedSave();
+    dead.noteWhatItCannotFollow();
   } else {
     dead.noteSaved(storage);
   }

@@ -98,7 +98,7 @@ at::Tensor standIn(const Geometry& geometry) {
 
 void DeadCalls::beginForward() {
   tracking_ = false;
-  unplaced_save_ = false;
+  cannot_follow_ = false;
   read_values_ = false;
   calls_.clear();
   producers_.clear();
@@ -181,7 +181,7 @@ void DeadCalls::noteSaved(uintptr_t storage) {
 
 size_t DeadCalls::endForward(const std::function<bool(uint64_t)>& served) {
   const bool tracked = std::exchange(tracking_, false);
-  if (!tracked || unplaced_save_) {
+  if (!tracked || cannot_follow_) {
     calls_.clear();
     producers_.clear();
     return 0;

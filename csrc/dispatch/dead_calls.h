@@ -45,9 +45,11 @@ class DeadCalls {
   // Forward: autograd saved a tensor for backward that lives in `storage` (a StorageImpl's
   // address, never dereferenced).
   void noteSaved(uintptr_t storage);
-  // Forward: autograd saved a tensor the region cannot place (no storage, a subclass it cannot
-  // open): this forward's recompute skips nothing.
-  void noteUnplacedSave() { unplaced_save_ = true; }
+  // Forward: something the region cannot follow happened: autograd saved a tensor the region
+  // cannot place (no storage, a subclass it cannot open), or a call ran that the region does not
+  // see into (a tensor subclass's handler below the key, on torch 2.11). This forward's recompute
+  // skips nothing.
+  void noteWhatItCannotFollow() { cannot_follow_ = tracking_; }
 
   // End of the forward: decides which calls the recompute skips. `served(identity)` says whether
   // the recompute is served that call's outputs. Returns how many it skips; the records go.
@@ -119,7 +121,7 @@ class DeadCalls {
   void materialize(size_t skipped, const std::string& label);
 
   bool tracking_ = false;
-  bool unplaced_save_ = false;
+  bool cannot_follow_ = false;
   // A call of the forward read values on the host (NOTE: [The recompute runs only what backward
   // needs]: collectives are then never skipped).
   bool read_values_ = false;

@@ -80,6 +80,7 @@ class InterceptedCall {
         enclosing->finish(schema, invocation_.arguments(), schema.returns().size());
     };
     if (C10_UNLIKELY(region == nullptr || !region->intercepts() || python_handles_it)) {
+      if (C10_UNLIKELY(python_handles_it && region != nullptr)) followsNothingOf(*region, state);
       traceCall(entry_, state.phase(), CallOutcome::kRecomputed);  // NOTE: [The per-op trace is recorded below Python]
       countAndRun(state.phase());
       return finishEnclosing();
@@ -112,6 +113,19 @@ class InterceptedCall {
         countAndRun(state.phase());
         finishCall(*region, call, schema, invocation_.arguments(), schema.returns().size());
         return finishEnclosing();
+    }
+  }
+
+  // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp): a call a tensor
+  // subclass's handler runs below the key reads what the region cannot follow, so the forward
+  // skips nothing; in the recompute, the stand-ins it reads are filled first.
+  void followsNothingOf(Region& region, const ThreadState& state) {
+    DeadCalls& dead = region.deadCalls();
+    if (!state.regionInRecompute()) return dead.noteWhatItCannotFollow();
+    if (dead.skippedAny()) {
+      const torch::jit::Stack& stack = invocation_.arguments();
+      const size_t num_arguments = op_.schema().arguments().size();
+      dead.materializeReadsOf(entry_, &stack[stack.size() - num_arguments], num_arguments, region.site().label());
     }
   }
 

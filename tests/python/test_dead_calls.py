@@ -194,7 +194,9 @@ def test_a_collective_is_skipped_only_where_the_forward_read_no_value(single_ran
     reference(x).pow(2).mean().backward()
     assert torch.equal(grads[0], reference.weight.grad) and torch.equal(grads[1], x.grad)
     reduce = "_c10d_functional::all_reduce"
-    if read_a_value:
+    # On torch 2.11 the AsyncCollectiveTensor's handler runs below the plugin's key, where the
+    # region cannot follow what it reads: that forward skips nothing.
+    if read_a_value or sac_plugin._compat.python_handlers_run_below_the_plugin():
         assert (counts.skipped(reduce), counts.count(reduce, phase="recompute")) == (0, 1)
     else:
         assert (counts.skipped(reduce), counts.count(reduce, phase="recompute")) == (1, 0)

@@ -137,10 +137,14 @@ def test_a_checkpointed_block_of_checkpointed_layers_serves_the_layers():
 
 def test_layers_checkpointed_inside_a_plain_checkpoint_name_what_they_cannot_serve():
     # docs/limits.md: a plain torch checkpoint around them intercepts nothing, so the inputs its
-    # recompute makes anew for the layers after the first are named by nothing.
+    # recompute makes anew for the layers after the first are named by nothing. The layers'
+    # outputs are held, so that no new one takes the address of the forward's, which would name it
+    # alike.
     model, reference = make_pair(checkpoint=False, layers=3)
+    outputs = []
     for layer in model.layers:
         sac_plugin.apply_selective_checkpointing(layer, Policy(kept_ops=["aten::tanh"]))
+        layer.register_forward_hook(lambda module, args, output: outputs.append(output))
     x = torch.randn(4, 16)
     with pytest.warns(sac_plugin.HeldNeverServedWarning, match="AttnLayer held the outputs of 1 call"):
         with sac_plugin.audit() as audit:

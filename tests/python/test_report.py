@@ -609,10 +609,14 @@ def test_the_trace_says_what_an_untraced_run_does_for_f_linear_on_a_transposed_i
 
 def test_a_layer_whose_kept_outputs_are_never_served_says_so_in_its_row():
     # Layers checkpointed inside a plain torch checkpoint (docs/limits.md): the second layer's
-    # kept tanh is held and never served.
+    # recompute reads the first layer's output the outer recompute made anew, which nothing names,
+    # so its kept tanh is held and never served. The first layer's outputs are held, so that the
+    # new one never takes the address of the forward's, which would name it alike.
     model, _ = toy_models.make_pair(checkpoint=False)
     for layer in model.layers:
         sac_plugin.apply_selective_checkpointing(layer, Policy(kept_ops=["aten::tanh"]))
+    outputs = []
+    model.layers[0].register_forward_hook(lambda module, args, output: outputs.append(output))
     x = torch.randn(4, 16)
     with pytest.warns(sac_plugin.HeldNeverServedWarning), sac_plugin.report(model) as rep:
         checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
