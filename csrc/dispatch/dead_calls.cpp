@@ -45,7 +45,7 @@ namespace sac {
 // run late: a call that needs its values after all stops the recompute with an error naming it.
 // The calls torch's early stop never reaches (after the last saved tensor) are not its business.
 // Only the first forward of a site is watched for free; the site's later forwards are noted only
-// where the first found a call to skip (Site::skipsDeadCalls), so a layer with none pays nothing.
+// where the first found a call to skip (Site::deadCallsPossible), so a layer with none pays nothing.
 
 namespace {
 
@@ -232,7 +232,7 @@ bool DeadCalls::skip(const OpEntry& op, const c10::OperatorHandle& handle, uint6
   auto make = [&]() {
     at::Tensor tensor = standIn(outputs.tensors[next]);
     c10::weak_intrusive_ptr<c10::StorageImpl> storage = tensor.storage().getWeakStorageImpl();
-    stand_ins_.insert_or_assign(tensor.storage().unsafeGetStorageImpl(), StandIn{storage, index, next});
+    stand_ins_.insert_or_assign(tensor.storage().unsafeGetStorageImpl(), StandIn{storage, index});
     skipped.stand_ins.push_back(std::move(storage));
     ++next;
     return tensor;

@@ -49,7 +49,7 @@ class DeadCalls {
   // cannot place (no storage, a subclass it cannot open), or a call ran that the region does not
   // see into (a tensor subclass's handler below the key, on torch 2.11). This forward's recompute
   // skips nothing.
-  void noteWhatItCannotFollow() { cannot_follow_ = tracking_; }
+  void noteWhatItCannotFollow() { cannot_follow_ = true; }
 
   // End of the forward: decides which calls the recompute skips. `served(identity)` says whether
   // the recompute is served that call's outputs. Returns how many it skips; the records go.
@@ -101,12 +101,11 @@ class DeadCalls {
     const OpEntry* op = nullptr;
     Outputs outputs;
   };
-  // A stand-in handed out in this recompute, held weakly (the memory goes with its last reader):
-  // its call in skipped_, and which of that call's tensors it is.
+  // A stand-in handed out in this recompute, held weakly (the memory goes with its last reader),
+  // and its call in skipped_.
   struct StandIn {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
     size_t skipped;
-    size_t tensor;
   };
   struct SkippedCall {
     const OpEntry* op = nullptr;

@@ -411,7 +411,7 @@ void Region::watchSaves() {
 // save (the last projection of a block, whose input autograd saves before it runs) is never
 // reached by the recompute, so its kept output would be held from the forward to the backward
 // for nothing. The first forward of each checkpoint site is watched (sac_plugin/checkpointing.py:
-// _ReachWatch notes the region's position at every save); at its end the region frees those
+// _SaveWatch notes the region's position at every save); at its end the region frees those
 // outputs and tells the site their (op, ordinal), and later regions of the site decide the
 // same calls as kept but do not hold them (the call pipeline asks Site::neverReached). Nothing is
 // recomputed that was not before: the recompute never reaches these calls. With early_stop=False
@@ -438,12 +438,11 @@ void Region::endForward() {
   if (dead_calls_.tracking()) {
     // NOTE: [The recompute runs only what backward needs] (dead_calls.cpp): a checkpoint nested in
     // this one reads what this one's calls make in calls this region does not see.
-    const size_t dead = has_nested_regions_ ? dead_calls_.endForward([](uint64_t) { return true; })
-                                            : dead_calls_.endForward([this](uint64_t call) {
-                                                auto found = kept_.find(call);
-                                                return found != kept_.end() && !found->second.released &&
-                                                       !found->second.outputs.empty();
-                                              });
+    if (has_nested_regions_) dead_calls_.noteWhatItCannotFollow();
+    const size_t dead = dead_calls_.endForward([this](uint64_t call) {
+      auto found = kept_.find(call);
+      return found != kept_.end() && !found->second.released && !found->second.outputs.empty();
+    });
     site_->noteDeadCalls(dead > 0);
   }
   flow_.reset(++passes_, 0);

@@ -235,7 +235,7 @@ def _selective_contexts(site: Site):
             return region.kept_calls
 
     if site.reach_unknown or (site.watches_saves and watched_region is not None):
-        forward = _ReachWatch(site, forward, position, release_unreached, watched_region)
+        forward = _SaveWatch(site, forward, position, release_unreached, watched_region)
     if site.unchecked_units:
         forward = _unit_checks.WatchedForward(site, forward, kept_calls)
     for observer in _observers.observers():
@@ -271,7 +271,7 @@ def _note_saved(note, region: int, tensor) -> None:
         note(region, 0)
 
 
-class _ReachWatch:
+class _SaveWatch:
     """A forward of a checkpoint site, watched at each tensor autograd saves for backward.
 
     torch's checkpoint pushes its saved-tensor hooks just before it enters this context, so they
@@ -318,24 +318,12 @@ class _ReachWatch:
         position = self._position
         note = _scopes.region_note_saved
 
-        if region is None:
-
-            def note_save(tensor):
+        def note_save(tensor):
+            if watch_reach:
                 self._last_saved = position()
-                return pack(tensor)
-
-        elif not watch_reach:
-
-            def note_save(tensor):
+            if region is not None:
                 _note_saved(note, region, tensor)
-                return pack(tensor)
-
-        else:
-
-            def note_save(tensor):
-                self._last_saved = position()
-                _note_saved(note, region, tensor)
-                return pack(tensor)
+            return pack(tensor)
 
         torch._C._autograd._push_saved_tensors_default_hooks(note_save, unpack)
         self._pushed, self._watches_reach = True, watch_reach
