@@ -149,6 +149,8 @@ def test_layers_checkpointed_inside_a_plain_checkpoint_name_what_they_cannot_ser
     with pytest.warns(sac_plugin.HeldNeverServedWarning, match="AttnLayer held the outputs of 1 call"):
         with sac_plugin.audit() as audit:
             checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+    # The held outputs' graphs reach the model through C++, which the cycle collector cannot see.
+    outputs.clear()
     reference(x).pow(2).mean().backward()
     assert_same_gradients(model, reference)
     assert (audit.hits("aten::tanh"), audit.never_served("aten::tanh")) == (1, 2)
