@@ -1,9 +1,5 @@
-// A region's two scopes as a Python type written in C (NOTE: [Scopes as a C type]).
+// sac_plugin._C's scopes part: Site, Region and RegionScope, and the recompute units' functions.
 
-// CPython's stable ABI, 3.10 and later: one build serves every Python the package supports.
-#define PY_SSIZE_T_CLEAN
-#define Py_LIMITED_API 0x030A0000
-#include <Python.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 
@@ -11,12 +7,15 @@
 #include <memory>
 #include <string>
 
-#include "bindings/c_api.h"
+#include "bindings/python_module.h"
+#include "bindings/rule_calls.h"
+#include "dispatch/mode_engine.h"
 #include "dispatch/region_scopes.h"
 #include "dispatch/site.h"
-#include "ops/user_warning.h"
+#include "policy/unit_stack.h"
 
 namespace sac {
+namespace python {
 namespace {
 
 // NOTE: [Scopes as a C type]
@@ -25,12 +24,11 @@ namespace {
 // when the region is dropped. Through ctypes each crossing cost about 2 us in a training step
 // (the interpreter's and libffi's code paths are cold between two of them): on a block of 64
 // small ops that was a fifth of the plugin's whole overhead. Here the scopes are a Python type
-// written in C, whose __enter__ and __exit__ are C methods, so each crossing is a C call with
-// no argument conversion. They run the very RegionHandle code the torchbind methods and the C
-// ABI run (NOTE: [Scopes are checked before they change anything] in region_scopes.h), with the
-// same messages and Python exception types. Each scope owns one reference to the region's
-// handle, so the region lives while either scope does and dies with the last of them, whichever
-// way the step ends.
+// written in C, whose __enter__ and __exit__ are C methods, so each crossing is a C call with no
+// argument conversion. They run RegionHandle's code (NOTE: [Scopes are checked before they change
+// anything] in region_scopes.h), with its messages and Python exception types. Each scope owns
+// one reference to the region's handle, so the region lives while either scope does and dies
+// with the last of them, whichever way the step ends.
 
 struct RegionScopeObject {
   PyObject_HEAD RegionHandle* handle;  // one reference, owned
@@ -41,11 +39,167 @@ struct RegionScopeObject {
   PyObject* above_modes;
 };
 
+struct RegionObject {
+  PyObject_HEAD RegionHandle* handle;  // one reference, owned
+};
+
+struct SiteObject {
+  PyObject_HEAD std::shared_ptr<Site>* site;  // owned
+};
+
 PyTypeObject* region_scope_type = nullptr;
+PyTypeObject* region_type = nullptr;
+PyTypeObject* site_type = nullptr;
 // sac_plugin._mode_recompute.recompute_above_modes, set when that module is imported.
 PyObject* recompute_above_modes = nullptr;
 // sac_plugin.HeldNeverServedWarning, set when sac_plugin._scopes is imported.
 PyObject* never_served_warning = nullptr;
+
+// --- Region ------------------------------------------------------------------------------------------
+
+// A Region sharing `handle` (a new reference to it is taken).
+PyObject* newRegion(RegionHandle* handle) {
+  auto* self = reinterpret_cast<RegionObject*>(allocate(region_type));
+  if (self == nullptr) return nullptr;
+  c10::raw::intrusive_ptr::incref(handle);
+  self->handle = handle;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+RegionHandle* handleOf(PyObject* object, const char* what) {
+  if (!PyObject_TypeCheck(object, region_type)) {
+    PyErr_Format(PyExc_TypeError, "sac: %s needs a _C.Region", what);
+    return nullptr;
+  }
+  return reinterpret_cast<RegionObject*>(object)->handle;
+}
+
+void regionDealloc(PyObject* self) {
+  // The last reference closes a scope still open on this thread (RegionHandle's destructor).
+  auto* region = reinterpret_cast<RegionObject*>(self);
+  if (region->handle != nullptr) c10::intrusive_ptr<RegionHandle>::reclaim(region->handle);
+  deallocate(self);
+}
+
+Region& regionIn(PyObject* self) { return *reinterpret_cast<RegionObject*>(self)->handle->region; }
+
+ActivationKind kindOf(PyObject* recompute) {
+  return PyObject_IsTrue(recompute) ? ActivationKind::kRecompute : ActivationKind::kForward;
+}
+
+// enter(recompute) -> depth: a marker region's forward or recompute (NOTE: [Modes above the key
+// see only what ran] in sac_plugin/_mode_recompute.py).
+PyObject* regionEnter(PyObject* self, PyObject* recompute) {
+  RegionHandle* handle = reinterpret_cast<RegionObject*>(self)->handle;
+  return guarded([&] { return PyLong_FromLongLong(handle->enter(kindOf(recompute))); });
+}
+
+// exit(recompute, depth) -> None.
+PyObject* regionExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t depth = 0;
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "sac: Region.exit takes (recompute, depth), got %zd arguments", nargs);
+    return nullptr;
+  }
+  if (!toInt64(args[1], "depth", &depth)) return nullptr;
+  RegionHandle* handle = reinterpret_cast<RegionObject*>(self)->handle;
+  return guarded([&] {
+    handle->exit(kindOf(args[0]), depth);
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* forwardPosition(PyObject* self, PyObject*) { return PyLong_FromLongLong(regionIn(self).forwardPosition()); }
+
+// NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp).
+PyObject* releaseUnreached(PyObject* self, PyObject* position) {
+  int64_t last_saved = 0;
+  if (!toInt64(position, "last_saved_position", &last_saved)) return nullptr;
+  return guarded([&] { return PyLong_FromLongLong(regionIn(self).releaseUnreached(last_saved)); });
+}
+
+// NOTE: [The recompute runs only what backward needs] (dispatch/dead_calls.cpp): whether this
+// forward of the region notes its calls, called before its first call.
+PyObject* watchSaves(PyObject* self, PyObject*) {
+  Region& region = regionIn(self);
+  region.watchSaves();
+  return PyBool_FromLong(region.deadCalls().tracking());
+}
+
+// note_saved(storage): a tensor autograd saved, by its storage's identity (the StorageImpl's
+// address, only compared, never read); 0 for a tensor the region cannot place, after which the
+// forward skips nothing.
+PyObject* noteSaved(PyObject* self, PyObject* storage) {
+  int64_t key = 0;
+  if (!toInt64(storage, "storage", &key)) return nullptr;
+  DeadCalls& dead = regionIn(self).deadCalls();
+  if (key == 0) {
+    dead.noteWhatItCannotFollow();
+  } else {
+    dead.noteSaved(static_cast<uintptr_t>(key));
+  }
+  Py_RETURN_NONE;
+}
+
+// mode_region_over(marker) -> handle: a mode region over this region in its recompute, bound to
+// the marker region (NOTE: [Modes above the key see only what ran]); 0 for a region that
+// intercepts nothing.
+PyObject* modeRegionOverThis(PyObject* self, PyObject* marker) {
+  RegionHandle* marker_handle = handleOf(marker, "mode_region_over");
+  if (marker_handle == nullptr) return nullptr;
+  RegionHandle* handle = reinterpret_cast<RegionObject*>(self)->handle;
+  return guarded([&] { return PyLong_FromLongLong(modeRegionOver(handle->region, marker_handle->region)); });
+}
+
+PyObject* regionHandle(PyObject* self, void*) {
+  return PyLong_FromLongLong(reinterpret_cast<RegionObject*>(self)->handle->handed_out);
+}
+
+#define SAC_REGION_COUNT(name, member) \
+  PyObject* name(PyObject* self, PyObject*) { return PyLong_FromLongLong(regionIn(self).member()); }
+SAC_REGION_COUNT(keptBytes, keptBytes)
+SAC_REGION_COUNT(keptCalls, keptCalls)
+SAC_REGION_COUNT(offloadedBytes, offloadedBytes)
+SAC_REGION_COUNT(offloadedCalls, offloadedCalls)
+SAC_REGION_COUNT(offloadedInputBytes, offloadedInputBytes)
+SAC_REGION_COUNT(offloadedInputs, offloadedInputs)
+#undef SAC_REGION_COUNT
+
+PyMethodDef region_methods[] = {
+    {"enter", regionEnter, METH_O, "(recompute) -> depth: opens a marker region's pass on this thread."},
+    {"exit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(regionExit)), METH_FASTCALL,
+     "(recompute, depth) -> None: closes it; raises if it cannot be closed here (nothing is changed then)."},
+    {"forward_position", forwardPosition, METH_NOARGS, "The forward's calls decided so far."},
+    {"release_unreached", releaseUnreached, METH_O, "(last_saved_position) -> the kept calls freed after it."},
+    {"watch_saves", watchSaves, METH_NOARGS, "Whether this forward notes its calls and saves."},
+    {"note_saved", noteSaved, METH_O, "(storage) -> None: a saved tensor's storage identity, 0 for none."},
+    {"mode_region_over", modeRegionOverThis, METH_O, "(marker) -> a mode region's handle over this recompute."},
+    {"kept_bytes", keptBytes, METH_NOARGS, "Bytes of the unique storages the region holds for backward."},
+    {"kept_calls", keptCalls, METH_NOARGS, "Calls whose outputs the region holds, kept or offloaded."},
+    {"offloaded_bytes", offloadedBytes, METH_NOARGS, "Pinned host bytes of the offloaded outputs."},
+    {"offloaded_calls", offloadedCalls, METH_NOARGS, "Calls whose outputs are offloaded."},
+    {"offloaded_input_bytes", offloadedInputBytes, METH_NOARGS, "Pinned host bytes of the offloaded inputs."},
+    {"offloaded_inputs", offloadedInputs, METH_NOARGS, "Inputs held in pinned host memory."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef region_getset[] = {
+    {"handle", regionHandle, nullptr,
+     "The region's handle, as torch.ops.sac.region_kept_tensors takes it (NOTE: [A handle that comes back is "
+     "checked]).",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyType_Slot region_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(regionDealloc)},
+    {Py_tp_methods, region_methods},
+    {Py_tp_getset, region_getset},
+    {Py_tp_doc, const_cast<char*>("One checkpoint call's region (C++ sac::Region), shared with its scopes.")},
+    {0, nullptr}};
+
+PyType_Spec region_spec = {"sac_plugin._C.Region", sizeof(RegionObject), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, region_slots};
+
+// --- RegionScope -------------------------------------------------------------------------------------
 
 // Whether the exception a context's __exit__ was handed ends the recompute as designed: none, or
 // torch's early stop (_StopRecomputationError), raised once every tensor saved for backward is
@@ -72,21 +226,6 @@ bool warnAboutUnservedOutputs(RegionScopeObject* scope, PyObject* const* args, P
   return PyErr_WarnEx(never_served_warning, notice.c_str(), 1) == 0;
 }
 
-// Raises the Python exception a C++ one stands for (the C ABI's statuses make the same choice).
-void raiseTranslated() {
-  try {
-    throw;
-  } catch (const c10::ValueError& error) {
-    PyErr_SetString(PyExc_ValueError, error.what_without_backtrace());
-  } catch (const c10::Error& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
-  } catch (...) {
-    PyErr_SetString(PyExc_RuntimeError, "sac: unknown C++ exception");
-  }
-}
-
 // Exits the scope's activation; false with a Python exception set when refused.
 bool exitActivation(RegionScopeObject* scope) {
   try {
@@ -108,9 +247,9 @@ PyObject* exitKeepingTheError(RegionScopeObject* scope) {
   return nullptr;
 }
 
+// A scope owning the reference `owned` (adopted, and dropped if the scope cannot be made).
 PyObject* newScope(RegionHandle* owned, ActivationKind kind) {
-  auto alloc = reinterpret_cast<allocfunc>(PyType_GetSlot(region_scope_type, Py_tp_alloc));
-  auto* scope = reinterpret_cast<RegionScopeObject*>(alloc(region_scope_type, 0));
+  auto* scope = reinterpret_cast<RegionScopeObject*>(allocate(region_scope_type));
   if (scope == nullptr) {
     c10::intrusive_ptr<RegionHandle>::reclaim(owned);
     return nullptr;
@@ -127,9 +266,7 @@ void scopeDealloc(PyObject* self) {
   Py_CLEAR(scope->above_modes);
   // The last reference closes a scope still open on this thread (RegionHandle's destructor).
   if (scope->handle != nullptr) c10::intrusive_ptr<RegionHandle>::reclaim(scope->handle);
-  PyTypeObject* type = Py_TYPE(self);
-  reinterpret_cast<freefunc>(PyType_GetSlot(type, Py_tp_free))(self);
-  Py_DECREF(type);
+  deallocate(self);
 }
 
 PyObject* scopeEnter(PyObject* self, PyObject* /*unused*/) {
@@ -142,10 +279,10 @@ PyObject* scopeEnter(PyObject* self, PyObject* /*unused*/) {
   }
   if (scope->kind == ActivationKind::kRecompute && recompute_above_modes != nullptr &&
       c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    PyObject* address = PyLong_FromVoidPtr(scope->handle);
+    PyObject* region = newRegion(scope->handle);
     PyObject* above =
-        address == nullptr ? nullptr : PyObject_CallFunctionObjArgs(recompute_above_modes, address, nullptr);
-    Py_XDECREF(address);
+        region == nullptr ? nullptr : PyObject_CallFunctionObjArgs(recompute_above_modes, region, nullptr);
+    Py_XDECREF(region);
     if (above != nullptr && above != Py_None) {
       PyObject* entered = PyObject_CallMethod(above, "__enter__", nullptr);
       if (entered == nullptr) Py_CLEAR(above);
@@ -181,8 +318,8 @@ PyObject* scopeExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_FALSE;
 }
 
-PyObject* scopeAddress(PyObject* self, void* /*closure*/) {
-  return PyLong_FromVoidPtr(reinterpret_cast<RegionScopeObject*>(self)->handle);
+PyObject* scopeRegion(PyObject* self, void* /*closure*/) {
+  return newRegion(reinterpret_cast<RegionScopeObject*>(self)->handle);
 }
 
 PyMethodDef scope_methods[] = {
@@ -191,10 +328,8 @@ PyMethodDef scope_methods[] = {
      "Closes the scope; raises if it cannot be closed here (nothing is changed then)."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyGetSetDef scope_getset[] = {
-    {"address", scopeAddress, nullptr,
-     "The region's handle, as the C ABI and torch.ops.sac.region_at take it; valid while the scope lives.", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyGetSetDef scope_getset[] = {{"region", scopeRegion, nullptr, "The scope's region (a _C.Region sharing it).", nullptr},
+                              {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyType_Slot scope_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(scopeDealloc)},
@@ -203,20 +338,60 @@ PyType_Slot scope_slots[] = {
     {Py_tp_doc, const_cast<char*>("The forward or the recompute of one checkpointed region, as a context manager.")},
     {0, nullptr}};
 
-PyType_Spec scope_spec = {"sac_plugin.RegionScope", sizeof(RegionScopeObject), 0,
+PyType_Spec scope_spec = {"sac_plugin._C.RegionScope", sizeof(RegionScopeObject), 0,
                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, scope_slots};
 
-// new_region_scopes(site_address) -> (forward, recompute): a new region of the site at
-// `site_address` (sac_site_new), its two scopes sharing it.
-PyObject* newRegionScopes(PyObject* /*module*/, PyObject* site_address) {
-  const void* site = PyLong_AsVoidPtr(site_address);
-  if (site == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sac: new_region_scopes needs a site's address, got 0");
+// --- Site ----------------------------------------------------------------------------------------------
+
+// Site(policy, label="", watches_outside_writes=True): a checkpoint site (NOTE: [What a site
+// learns] in dispatch/site.h), one policy applied at one place, named `label` in messages (the
+// checkpointed layer; empty: none, NOTE: [Unpinned routing must repeat itself] in
+// dispatch/routing_check.cpp). A site whose regions only mark passes (a dispatch-mode engine's
+// marker) leaves the calls to another region, which finds out what they write outside it.
+PyObject* siteNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"policy", "label", "watches_outside_writes", nullptr};
+  PyObject* policy = nullptr;
+  const char* label = "";
+  int watches_outside_writes = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|sp:Site", const_cast<char**>(names), &policy, &label,
+                                   &watches_outside_writes)) {
     return nullptr;
   }
+  const std::shared_ptr<const Policy>* held = policyOf(policy, "Site");
+  if (held == nullptr) return nullptr;
+  return guarded([&]() -> PyObject* {
+    auto site = std::make_unique<std::shared_ptr<Site>>(
+        std::make_shared<Site>(*held, std::string(label), watches_outside_writes != 0));
+    auto* self = reinterpret_cast<SiteObject*>(allocate(type));
+    if (self != nullptr) self->site = site.release();
+    return reinterpret_cast<PyObject*>(self);
+  });
+}
+
+void siteDealloc(PyObject* self) {
+  delete reinterpret_cast<SiteObject*>(self)->site;  // the site lives on in the regions made from it
+  deallocate(self);
+}
+
+const std::shared_ptr<Site>& siteIn(PyObject* self) { return *reinterpret_cast<SiteObject*>(self)->site; }
+
+// What the site's forwards showed of writes outside their regions (sac::Site::OutsideWritesSeen):
+// 0 not yet known, 1 none, 2 some (NOTE: [The recompute writes nothing outside its region]).
+PyObject* outsideWrites(PyObject* self, PyObject*) {
+  return PyLong_FromLong(static_cast<long>(siteIn(self)->outsideWritesSeen()));
+}
+
+// What the site's watched forwards found (sac::Site::DeadCallsSeen: 0 not yet known, 1 no call to
+// skip, 2 some; NOTE: [The recompute runs only what backward needs]).
+PyObject* deadCalls(PyObject* self, PyObject*) {
+  return PyLong_FromLong(static_cast<long>(siteIn(self)->deadCallsSeen()));
+}
+
+// new_region_scopes() -> (forward, recompute): a new region of the site, its two scopes sharing it.
+PyObject* newRegionScopes(PyObject* self, PyObject*) {
   c10::intrusive_ptr<RegionHandle> handle;
   try {
-    handle = c10::make_intrusive<RegionHandle>(*static_cast<const std::shared_ptr<Site>*>(site));
+    handle = c10::make_intrusive<RegionHandle>(siteIn(self));
   } catch (...) {
     raiseTranslated();
     return nullptr;
@@ -234,16 +409,85 @@ PyObject* newRegionScopes(PyObject* /*module*/, PyObject* site_address) {
   return scopes;
 }
 
-// adopt_forward_scope(region_address) -> forward: the forward scope of a region handle made
-// elsewhere (a profiling region), adopting the reference that was handed out with it.
-PyObject* adoptForwardScope(PyObject* /*module*/, PyObject* region_address) {
-  void* handle = PyLong_AsVoidPtr(region_address);
-  if (handle == nullptr) {
-    if (!PyErr_Occurred())
-      PyErr_SetString(PyExc_ValueError, "sac: adopt_forward_scope needs a region's address, got 0");
+// new_region() -> Region: a region of the site entered through Region.enter and exit, not scopes
+// (a marker region, NOTE: [Modes above the key see only what ran]).
+PyObject* newSiteRegion(PyObject* self, PyObject*) {
+  return guarded([&]() -> PyObject* {
+    auto handle = c10::make_intrusive<RegionHandle>(siteIn(self));
+    return newRegion(handle.get());
+  });
+}
+
+// new_mode_region(marker) -> handle: a mode region of the site (NOTE: [The dispatch-mode
+// engine's region]), bound to the marker region; owned by the caller until
+// torch.ops.sac.mode_region_release.
+PyObject* newModeRegionOfSite(PyObject* self, PyObject* marker) {
+  RegionHandle* marker_handle = handleOf(marker, "new_mode_region");
+  if (marker_handle == nullptr) return nullptr;
+  return guarded([&] { return PyLong_FromLongLong(newModeRegion(siteIn(self), marker_handle->region)); });
+}
+
+PyMethodDef site_methods[] = {
+    {"outside_writes", outsideWrites, METH_NOARGS, "0 not yet known, 1 none, 2 some writes outside the regions."},
+    {"dead_calls", deadCalls, METH_NOARGS, "0 not yet known, 1 no recompute call to skip, 2 some."},
+    {"new_region_scopes", newRegionScopes, METH_NOARGS, "() -> (forward, recompute) of a new region."},
+    {"new_region", newSiteRegion, METH_NOARGS, "() -> a new Region, entered through its enter and exit."},
+    {"new_mode_region", newModeRegionOfSite, METH_O, "(marker) -> a new mode region's handle."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot site_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(siteNew)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(siteDealloc)},
+    {Py_tp_methods, site_methods},
+    {Py_tp_doc, const_cast<char*>("A checkpoint site (C++ sac::Site): one policy applied at one place.")},
+    {0, nullptr}};
+
+PyType_Spec site_spec = {"sac_plugin._C.Site", sizeof(SiteObject), 0, Py_TPFLAGS_DEFAULT, site_slots};
+
+// --- Units and the hooks Python sets -------------------------------------------------------------
+
+// unit_id(name) -> the unit's interned id + 1 (what unit_push and unit_pop take).
+PyObject* unitId(PyObject* /*module*/, PyObject* name) {
+  std::string unit;
+  if (!toString(name, "a recompute unit's name", &unit)) return nullptr;
+  return guarded([&] { return PyLong_FromLongLong(unitIdPlusOne(unit)); });
+}
+
+bool unitArgument(PyObject* value, int64_t* id_plus_one) {
+  if (!toInt64(value, "a unit id", id_plus_one)) return false;
+  if (!validUnitIdPlusOne(*id_plus_one)) {
+    PyErr_Format(PyExc_ValueError, "sac: no recompute unit has id %lld", static_cast<long long>(*id_plus_one - 1));
+    return false;
+  }
+  return true;
+}
+
+// unit_push(id_plus_one) -> depth: opens the unit on this thread.
+PyObject* unitPush(PyObject* /*module*/, PyObject* value) {
+  int64_t id_plus_one = 0;
+  if (!unitArgument(value, &id_plus_one)) return nullptr;
+  return guarded([&] {
+    return PyLong_FromLongLong(static_cast<int64_t>(UnitStack::current().push(static_cast<UnitId>(id_plus_one - 1))));
+  });
+}
+
+// unit_pop(id_plus_one, depth) -> None: closes it; refuses misnesting, changing nothing.
+PyObject* unitPop(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "sac: unit_pop takes (unit id, depth), got %zd arguments", nargs);
     return nullptr;
   }
-  return newScope(static_cast<RegionHandle*>(handle), ActivationKind::kForward);
+  int64_t id_plus_one = 0;
+  int64_t depth = 0;
+  if (!unitArgument(args[0], &id_plus_one) || !toInt64(args[1], "depth", &depth)) return nullptr;
+  if (depth <= 0) {
+    PyErr_Format(PyExc_ValueError, "sac: unit depth must be positive, got %lld", static_cast<long long>(depth));
+    return nullptr;
+  }
+  return guarded([&] {
+    UnitStack::current().pop(static_cast<UnitId>(id_plus_one - 1), static_cast<size_t>(depth));
+    Py_RETURN_NONE;
+  });
 }
 
 // Makes `value` the object a global of this file refers to (owned), releasing the previous one.
@@ -255,8 +499,8 @@ PyObject* replaceGlobal(PyObject** global, PyObject* value) {
   Py_RETURN_NONE;
 }
 
-// set_recompute_above_modes(function): what a recompute scope calls, with its region's address,
-// when dispatch modes are on as it opens.
+// set_recompute_above_modes(function): what a recompute scope calls, with its Region, when
+// dispatch modes are on as it opens.
 PyObject* setRecomputeAboveModes(PyObject* /*module*/, PyObject* function) {
   return replaceGlobal(&recompute_above_modes, function);
 }
@@ -266,65 +510,29 @@ PyObject* setNeverServedWarning(PyObject* /*module*/, PyObject* category) {
   return replaceGlobal(&never_served_warning, category);
 }
 
-PyObject* info_logger = nullptr;  // a callable taking one str: the package logger's info
-
-// NOTE: [What the rule recomputes by design is logged, not warned] (ops/user_warning.h): the sink.
-// Ops may run with the GIL released; the sink takes it. A logger that raises is not the op's
-// failure: its error is printed and cleared.
-void logThroughPython(const std::string& message) {
-  PyGILState_STATE gil = PyGILState_Ensure();
-  if (info_logger != nullptr) {
-    PyObject* result =
-        PyObject_CallFunction(info_logger, "s#", message.data(), static_cast<Py_ssize_t>(message.size()));
-    if (result == nullptr) {
-      PyErr_Print();
-    } else {
-      Py_DECREF(result);
-    }
-  }
-  PyGILState_Release(gil);
-}
-
-// set_info_logger(function): what INFO messages of the runtime are handed to.
-PyObject* setInfoLogger(PyObject* /*module*/, PyObject* function) {
-  PyObject* done = replaceGlobal(&info_logger, function);
-  setInfoSink(&logThroughPython);
-  return done;
-}
-
-PyMethodDef module_methods[] = {
-    {"new_region_scopes", newRegionScopes, METH_O, "(site_address) -> (forward, recompute) of a new region."},
-    {"adopt_forward_scope", adoptForwardScope, METH_O, "(region_address) -> the forward scope, owning the handle."},
+PyMethodDef scope_functions[] = {
+    {"unit_id", unitId, METH_O, "(name) -> the unit's id + 1."},
+    {"unit_push", unitPush, METH_O, "(id_plus_one) -> depth: opens the unit on this thread."},
+    {"unit_pop", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unitPop)), METH_FASTCALL,
+     "(id_plus_one, depth) -> None: closes it."},
     {"set_recompute_above_modes", setRecomputeAboveModes, METH_O,
      "(function) -> None: what a recompute calls when dispatch modes are on."},
     {"set_never_served_warning", setNeverServedWarning, METH_O,
      "(category) -> None: the warning class for kept outputs a recompute never asked for."},
-    {"set_info_logger", setInfoLogger, METH_O, "(function) -> None: what the runtime's INFO messages are handed to."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "sac_plugin._scope_types", nullptr, -1, module_methods, nullptr, nullptr, nullptr, nullptr};
-
 }  // namespace
-}  // namespace sac
 
-// The module of the scope type, made once; Python asks for it through ctypes (py_object).
-SAC_C_API PyObject* sac_python_scope_types() {
-  static PyObject* module = nullptr;
-  if (module != nullptr) {
-    Py_INCREF(module);
-    return module;
-  }
-  PyObject* made = PyModule_Create(&sac::module_def);
-  if (made == nullptr) return nullptr;
-  PyObject* type = PyType_FromSpec(&sac::scope_spec);
-  if (type == nullptr || PyModule_AddObject(made, "RegionScope", type) < 0) {
-    Py_XDECREF(type);
-    Py_DECREF(made);
-    return nullptr;
-  }
-  sac::region_scope_type = reinterpret_cast<PyTypeObject*>(type);  // the module holds it
-  module = made;
-  Py_INCREF(module);
-  return module;
+PyObject* newForwardScope(c10::intrusive_ptr<RegionHandle> handle) {
+  return newScope(handle.release(), ActivationKind::kForward);
 }
+
+bool addScopesPart(PyObject* module) {
+  region_type = addType(module, &region_spec);
+  region_scope_type = region_type != nullptr ? addType(module, &scope_spec) : nullptr;
+  site_type = region_scope_type != nullptr ? addType(module, &site_spec) : nullptr;
+  return site_type != nullptr && PyModule_AddFunctions(module, scope_functions) == 0;
+}
+
+}  // namespace python
+}  // namespace sac

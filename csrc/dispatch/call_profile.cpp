@@ -193,12 +193,11 @@ void CallProfile::profileCall(Region& region, const OpEntry& op, const c10::Func
   calls_[position_++].seconds.push_back(seconds);
 }
 
-void CallProfile::noteLayerOutputs(const std::vector<at::Tensor>& outputs) {
+void CallProfile::noteLayerOutputs(const std::vector<uintptr_t>& output_storages) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(runs_ == 1 && !in_run_, "sac: the layer's outputs are noted once, after the first profile run");
-  for (const at::Tensor& output : outputs) {
-    if (!output.defined() || !output.has_storage()) continue;
-    auto found = made_by_.find(output.storage().unsafeGetStorageImpl());
+  for (uintptr_t storage : output_storages) {
+    auto found = made_by_.find(reinterpret_cast<const c10::StorageImpl*>(storage));
     if (found == made_by_.end()) continue;
     for (size_t position : found->second) {
       ProfiledCall& call = calls_[position];

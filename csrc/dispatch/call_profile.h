@@ -74,7 +74,9 @@ class CallProfile {
 
   // After the first run's forward: the tensors the layer returned. Their storages stay alive after
   // the region whatever a policy keeps, so the calls that made them hold no extra bytes when kept.
-  void noteLayerOutputs(const std::vector<at::Tensor>& outputs);
+  // The outputs cross from Python as their storages' identities (the StorageImpl's address, which
+  // is only compared, never read): a storage the profile did not see is no call's.
+  void noteLayerOutputs(const std::vector<uintptr_t>& output_storages);
 
   // The calls of the first run, each with every run's time.
   std::vector<ProfiledCall> calls() const;

@@ -1,6 +1,6 @@
 #pragma once
-// The objects whose addresses the plugin hands to Python as ints, so that an address that comes
-// back is checked before it is used (NOTE: [An address that comes back is checked]).
+// The objects the plugin's ops take back from Python as an integer handle (NOTE: [A handle that
+// comes back is checked]).
 
 #include <c10/util/Exception.h>
 
@@ -11,35 +11,39 @@
 
 namespace sac {
 
-// NOTE: [An address that comes back is checked]
-// Some of the plugin's ops and C functions take an object the plugin made earlier as the int
-// address it handed out (a dispatch-mode engine's region, a resolved op, a checkpoint site, a
-// region handle). Used as it is, any other int (64, a freed object's address) would be read as
-// that object and crash the interpreter. So each such object is noted here while it lives, and
-// every address that comes back is looked up first: one that names no live object of the type
-// asked for raises a ValueError naming the op, and nothing is touched.
+// NOTE: [A handle that comes back is checked]
+// The dispatch-mode engine's ops take tensors, so they are dispatcher ops, and they act on an
+// object the plugin made earlier (a mode region, a resolved op), which an op schema can only name
+// as an int. That int is a handle: a serial number handed out when the object was made, never its
+// address, so no value Python passes can be read as memory. Each object is in a table by its
+// handle while it lives, and every handle that comes back is looked up first: one that names no
+// live object of the type asked for raises a ValueError naming the op, and nothing is touched.
 template <class T>
 class HandedOut {
  public:
-  static void add(const T* object) {
+  // A new handle (> 0) for `object`, which names it until remove.
+  static int64_t add(T* object) {
     std::lock_guard<std::mutex> lock(mutex());
-    live().insert(object);
+    const int64_t handle = ++last();
+    live().emplace(handle, object);
+    return handle;
   }
-  static void remove(const T* object) {
+  static void remove(int64_t handle) {
     std::lock_guard<std::mutex> lock(mutex());
-    live().erase(object);
+    live().erase(handle);
   }
-  // The object at `address`; raises, naming `what` (the op) and `kind` (what it takes), when no
-  // live object of this type is there.
-  static T& at(int64_t address, const char* what, const char* kind) {
-    bool found = false;
+  // The object `handle` names; raises, naming `what` (the op) and `kind` (what it takes), when it
+  // names no live object of this type.
+  static T& at(int64_t handle, const char* what, const char* kind) {
+    T* object = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex());
-      found = live().count(reinterpret_cast<const T*>(address)) > 0;
+      auto found = live().find(handle);
+      if (found != live().end()) object = found->second;
     }
-    TORCH_CHECK_VALUE(found, "sac: ", what, " takes the address of ", kind, " the plugin handed out, got ", address,
-                      ", which names none (freed, or never one)");
-    return *reinterpret_cast<T*>(address);
+    TORCH_CHECK_VALUE(object != nullptr, "sac: ", what, " takes the handle of ", kind, " the plugin handed out, got ",
+                      handle, ", which names none (freed, or never one)");
+    return *object;
   }
 
  private:
@@ -47,8 +51,12 @@ class HandedOut {
     static std::mutex* guard = new std::mutex();  // leaked: used until the process ends
     return *guard;
   }
-  static HashSet<const T*>& live() {
-    static HashSet<const T*>* objects = new HashSet<const T*>();
+  static int64_t& last() {
+    static int64_t handle = 0;
+    return handle;
+  }
+  static HashMap<int64_t, T*>& live() {
+    static HashMap<int64_t, T*>* objects = new HashMap<int64_t, T*>();
     return *objects;
   }
 };

@@ -7,7 +7,7 @@
 //
 // NOTE: [The dispatch-mode engine's region]
 // Each checkpoint call in this engine has two regions. The marker region (a keeps-nothing
-// policy, entered through the scope C ABI like any region) labels the passes for audits and
+// policy, entered through its scopes like any region) labels the passes for audits and
 // re-opens the units around the forward in the recompute; the fallback, installed or not, only
 // counts under it. The mode region (ModeRegion below) holds the real policy and the kept
 // outputs; it is never activated on the thread state, so the fallback never intercepts with it:
@@ -68,7 +68,7 @@ Slot slotOf(c10::TypePtr type) {
   return Slot::kOther;
 }
 
-// One op overload as the mode passes it: resolved once per process (Python caches the address).
+// One op overload as the mode passes it: resolved once per process (Python caches its handle).
 struct ModeOp {
   explicit ModeOp(const c10::OperatorHandle& op) : handle(op) {
     for (const c10::Argument& argument : op.schema().arguments()) arguments.push_back(slotOf(argument.type()));
@@ -77,12 +77,13 @@ struct ModeOp {
   c10::OperatorHandle handle;
   std::vector<Slot> arguments;
   std::vector<Slot> returns;
+  int64_t handed_out = 0;  // NOTE: [A handle that comes back is checked] (handed_out.h)
 };
 
 std::mutex mode_ops_mutex;
 
 const ModeOp& modeOp(const std::string& name, const std::string& overload) {
-  // Leaked, like the catalog's entries: Python holds the addresses for the life of the process.
+  // Leaked, like the catalog's entries: Python holds the handles for the life of the process.
   static auto* ops = new std::unordered_map<std::string, ModeOp*>();
   std::lock_guard<std::mutex> lock(mode_ops_mutex);
   const std::string key = name + "." + overload;
@@ -92,7 +93,7 @@ const ModeOp& modeOp(const std::string& name, const std::string& overload) {
   TORCH_CHECK_VALUE(handle.has_value(), "sac: the dispatch-mode engine was handed ", key,
                     ", which the dispatcher does not know");
   ModeOp* op = new ModeOp(*handle);
-  HandedOut<ModeOp>::add(op);  // NOTE: [An address that comes back is checked]
+  op->handed_out = HandedOut<ModeOp>::add(op);  // NOTE: [A handle that comes back is checked]
   ops->emplace(key, op);
   return *op;
 }
@@ -228,20 +229,21 @@ struct ModeRegion {
   ModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker_region)
       : region(c10::make_intrusive<Region>(std::move(site))), marker(std::move(marker_region)) {
     marker->delegateInputsTo(region);
-    HandedOut<ModeRegion>::add(this);  // NOTE: [An address that comes back is checked]
+    handed_out = HandedOut<ModeRegion>::add(this);  // NOTE: [A handle that comes back is checked]
   }
-  ~ModeRegion() { HandedOut<ModeRegion>::remove(this); }
+  ~ModeRegion() { HandedOut<ModeRegion>::remove(handed_out); }
   // The recompute of a region whose forward the native fallback ran (NOTE: [Modes above the key
   // see only what ran]): its scopes drive its passes, the mode only its calls.
   ModeRegion(c10::intrusive_ptr<Region> native_region, c10::intrusive_ptr<Region> marker_region, bool in_recompute)
       : region(std::move(native_region)), marker(std::move(marker_region)), recompute(in_recompute) {
     marker->delegateInputsTo(region);
-    HandedOut<ModeRegion>::add(this);
+    handed_out = HandedOut<ModeRegion>::add(this);
   }
 
   c10::intrusive_ptr<Region> region;
   c10::intrusive_ptr<Region> marker;
   bool recompute = false;
+  int64_t handed_out = 0;
 
   // The call between modeCallBegin and modeCallEnd. The mode runs the kernel with itself off, so
   // one region's calls never nest.
@@ -251,12 +253,12 @@ struct ModeRegion {
 
 namespace {
 
-ModeRegion& modeRegion(int64_t address) {
-  return HandedOut<ModeRegion>::at(address, "the dispatch-mode engine", "a mode region (mode_region_new)");
+ModeRegion& modeRegion(int64_t handle) {
+  return HandedOut<ModeRegion>::at(handle, "the dispatch-mode engine", "a mode region (Site.new_mode_region)");
 }
 
-const ModeOp& modeOpAt(int64_t address) {
-  return HandedOut<ModeOp>::at(address, "the dispatch-mode engine", "an op (mode_op)");
+const ModeOp& modeOpAt(int64_t handle) {
+  return HandedOut<ModeOp>::at(handle, "the dispatch-mode engine", "an op (mode_op)");
 }
 
 // The checks that come before the call pipeline, where the engines differ in how they find the
@@ -359,12 +361,12 @@ BeginResult beginCall(ModeRegion& mode, const ModeOp& op, const std::vector<std:
 
 }  // namespace
 
-BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
+BeginResult modeCallBegin(int64_t region, int64_t op_handle, int64_t key,
                           const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
                           bool draws_random) {
-  const ModeOp& op = modeOpAt(op_address);
+  const ModeOp& op = modeOpAt(op_handle);
   return beginCall(
-      modeRegion(address), op, tensors, positions, [&] { return rebuild(op.arguments, tensors, positions); }, key,
+      modeRegion(region), op, tensors, positions, [&] { return rebuild(op.arguments, tensors, positions); }, key,
       draws_random, nullptr);
 }
 
@@ -378,12 +380,12 @@ void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   for (const c10::IValue& tensor : tensor_list.toListRef()) {
     tensors.push_back(tensor.isNone() ? std::nullopt : std::optional<at::Tensor>(tensor.toTensor()));
   }
-  const int64_t op_address = torch::jit::pop(*stack).toInt();
-  const int64_t address = torch::jit::pop(*stack).toInt();
-  const ModeOp& op = modeOpAt(op_address);
+  const int64_t op_handle = torch::jit::pop(*stack).toInt();
+  const int64_t region = torch::jit::pop(*stack).toInt();
+  const ModeOp& op = modeOpAt(op_handle);
   std::vector<c10::IValue> other_returns;
   BeginResult result = beginCall(
-      modeRegion(address), op, tensors, positions,
+      modeRegion(region), op, tensors, positions,
       [&] { return rebuildAll(op.handle.schema(), op.arguments, tensors, positions, others, other_positions); },
       std::nullopt, draws_random, &other_returns);
   c10::List<std::optional<at::Tensor>> served;
@@ -394,9 +396,9 @@ void modeCallBeginAll(const c10::OperatorHandle&, torch::jit::Stack* stack) {
                    c10::List<int64_t>(std::get<3>(result)), std::move(values));
 }
 
-void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& tensors,
+void modeCallEnd(int64_t region, const std::vector<std::optional<at::Tensor>>& tensors,
                  const std::vector<int64_t>& positions) {
-  ModeRegion& mode = modeRegion(address);
+  ModeRegion& mode = modeRegion(region);
   TORCH_CHECK(mode.pending_op != nullptr, "sac: the dispatch-mode engine ended a call it did not begin");
   const ModeOp& op = *mode.pending_op;
   mode.pending_op = nullptr;
@@ -404,8 +406,8 @@ void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& 
   sac::finishCall(*mode.region, mode.pending, op.handle.schema(), stack, stack.size());
 }
 
-std::string modeRegionPass(int64_t address, int64_t pass) {
-  ModeRegion& mode = modeRegion(address);
+std::string modeRegionPass(int64_t handle, int64_t pass) {
+  ModeRegion& mode = modeRegion(handle);
   mode.pending_op = nullptr;  // a kernel that raised leaves its call unfinished
   mode.pending.written.clear();
   mode.pending.casts_a_parameter = false;
@@ -435,22 +437,20 @@ std::string modeRegionPass(int64_t address, int64_t pass) {
   }
 }
 
-int64_t modeOpAddress(const std::string& name, const std::string& overload) {
-  return reinterpret_cast<int64_t>(&modeOp(name, overload));
-}
+int64_t modeOpHandle(const std::string& name, const std::string& overload) { return modeOp(name, overload).handed_out; }
 
 int64_t newModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker) {
-  return reinterpret_cast<int64_t>(new ModeRegion(std::move(site), std::move(marker)));
+  return (new ModeRegion(std::move(site), std::move(marker)))->handed_out;
 }
 
 int64_t modeRegionOver(c10::intrusive_ptr<Region> native, c10::intrusive_ptr<Region> marker) {
   // A region that intercepts nothing kept nothing: its recompute has nothing to serve.
   if (!native->intercepts()) return 0;
-  return reinterpret_cast<int64_t>(new ModeRegion(std::move(native), std::move(marker), /*in_recompute=*/true));
+  return (new ModeRegion(std::move(native), std::move(marker), /*in_recompute=*/true))->handed_out;
 }
 
-void releaseModeRegion(int64_t address) { delete &modeRegion(address); }
+void releaseModeRegion(int64_t handle) { delete &modeRegion(handle); }
 
-Region& modeRegionRegion(int64_t address) { return *modeRegion(address).region; }
+Region& modeRegionRegion(int64_t handle) { return *modeRegion(handle).region; }
 
 }  // namespace sac

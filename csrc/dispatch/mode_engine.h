@@ -39,25 +39,28 @@ enum ModeAction : int64_t {
 // Passes, as ThreadState::enter and exit drive them for an activated region.
 enum ModePass : int64_t { kBeginForward = 0, kEndForward = 1, kBeginRecompute = 2, kEndRecompute = 3 };
 
-// The address of an op overload's resolved form (Python caches it per overload).
-int64_t modeOpAddress(const std::string& name, const std::string& overload);
+// Mode regions and ops cross to Python as handles (NOTE: [A handle that comes back is checked] in
+// handed_out.h), which every function below that takes one checks first.
+
+// The handle of an op overload's resolved form (Python caches it per overload).
+int64_t modeOpHandle(const std::string& name, const std::string& overload);
 
 // A mode region of `site`, bound to `marker`; owned by the caller until releaseModeRegion.
 int64_t newModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> marker);
 // A mode region over `native` in its recompute (NOTE: [Modes above the key see only what ran]);
 // 0 for a region that intercepts nothing.
 int64_t modeRegionOver(c10::intrusive_ptr<Region> native, c10::intrusive_ptr<Region> marker);
-void releaseModeRegion(int64_t address);
-Region& modeRegionRegion(int64_t address);
+void releaseModeRegion(int64_t handle);
+Region& modeRegionRegion(int64_t handle);
 // Returns, at the end of a recompute, the warning NOTE: [Served, or named] (region.cpp) left for
 // the user (empty if none): the caller issues it.
-std::string modeRegionPass(int64_t address, int64_t pass);
+std::string modeRegionPass(int64_t handle, int64_t pass);
 
 // (action, the call's identity, the served tensors, each return's tensor count). The identity
 // lets Python store the non-tensor values a kept call returned, and find them when it is served.
 using BeginResult = std::tuple<int64_t, int64_t, std::vector<std::optional<at::Tensor>>, std::vector<int64_t>>;
 
-BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
+BeginResult modeCallBegin(int64_t region, int64_t op, int64_t key,
                           const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& positions,
                           bool draws_random);
 // mode_call_begin_all(int region, int op, Tensor?[] tensors, int[] positions, Any[] others,
@@ -67,7 +70,7 @@ BeginResult modeCallBegin(int64_t address, int64_t op_address, int64_t key,
 void modeCallBeginAll(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // After the kernel ran: keeps (when decided) and records the call's outputs, which Python passes
 // flattened by return slot, as modeCallBegin takes arguments.
-void modeCallEnd(int64_t address, const std::vector<std::optional<at::Tensor>>& tensors,
+void modeCallEnd(int64_t region, const std::vector<std::optional<at::Tensor>>& tensors,
                  const std::vector<int64_t>& positions);
 
 }  // namespace sac

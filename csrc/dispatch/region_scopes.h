@@ -2,8 +2,7 @@
 // The scopes Python opens and closes: a checkpointed region's forward and recompute (and, through
 // OpenScope, audits). Each scope checks every exit before it changes anything (NOTE: [Scopes are
 // checked before they change anything]). RegionHandle is what Python holds for one checkpoint
-// call: as a torchbind object (torch.classes.sac.Region) and through the C ABI of
-// bindings/c_api.cpp, which enters and exits it without torchbind's per-call cost.
+// call, through sac_plugin._C's Region and RegionScope types (bindings/python_scopes.cpp).
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
@@ -71,15 +70,13 @@ struct OpenScope {
   }
 };
 
-struct RegionHandle : torch::CustomClassHolder {
-  explicit RegionHandle(std::shared_ptr<Site> site) : region(c10::make_intrusive<Region>(std::move(site))) {
-    HandedOut<RegionHandle>::add(this);  // NOTE: [An address that comes back is checked]
-  }
-  explicit RegionHandle(c10::intrusive_ptr<Region> profiling) : region(std::move(profiling)) {
-    HandedOut<RegionHandle>::add(this);
-  }
+struct RegionHandle : c10::intrusive_ptr_target {
+  explicit RegionHandle(std::shared_ptr<Site> site)
+      : region(c10::make_intrusive<Region>(std::move(site))), handed_out(HandedOut<RegionHandle>::add(this)) {}
+  explicit RegionHandle(c10::intrusive_ptr<Region> profiling)
+      : region(std::move(profiling)), handed_out(HandedOut<RegionHandle>::add(this)) {}
   ~RegionHandle() override {
-    HandedOut<RegionHandle>::remove(this);
+    HandedOut<RegionHandle>::remove(handed_out);
     forward.abandon(ActivationKind::kForward, region.get());
     recompute.abandon(ActivationKind::kRecompute, region.get());
   }
@@ -112,6 +109,8 @@ struct RegionHandle : torch::CustomClassHolder {
   OpenScope& scopeOf(ActivationKind kind) { return kind == ActivationKind::kForward ? forward : recompute; }
 
   c10::intrusive_ptr<Region> region;
+  // What torch.ops.sac.region_kept_tensors takes (NOTE: [A handle that comes back is checked]).
+  const int64_t handed_out;
   // Touched by one thread at a time: the forward by the caller, the recompute by the thread
   // autograd runs it on, which the engine orders after the forward.
   OpenScope forward;

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <initializer_list>
+#include <utility>
 
 #include "ops/op_resolution.h"
 #include "policy/unit_stack.h"
@@ -45,6 +47,15 @@ std::vector<const OpEntry*> resolveKeptSpelling(const char* field, const std::st
 }
 
 // A call-index list as a policy stores it: every index >= 0, ascending, without repeats.
+// The name of the first rule that already names an op (each: the rule's field and whether it
+// names the op), or null when none does.
+const char* firstNaming(std::initializer_list<std::pair<const char*, bool>> rules) {
+  for (const auto& [field, names_it] : rules) {
+    if (names_it) return field;
+  }
+  return nullptr;
+}
+
 std::vector<uint64_t> callIndices(const char* field, const std::string& spelling, const std::vector<int64_t>& indices) {
   for (int64_t index : indices) {
     TORCH_CHECK_VALUE(index >= 0, "sac: ", field, ": '", spelling, "' lists call index ", index,
@@ -101,10 +112,9 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
     for (const OpEntry* entry : resolveKeptSpelling("kept_calls", spelling)) {
       // One rule per overload: a kept-calls list beside kept_ops or an every-nth rule for the
       // same overload would make one of them meaningless.
-      const char* other = policy->kept_ops_.count(entry) > 0     ? "kept_ops"
-                          : policy->every_nth_.count(entry) > 0  ? "every_nth_op"
-                          : policy->kept_calls_.count(entry) > 0 ? "kept_calls (another spelling)"
-                                                                 : nullptr;
+      const char* other = firstNaming({{"kept_ops", policy->kept_ops_.count(entry) > 0},
+                                       {"every_nth_op", policy->every_nth_.count(entry) > 0},
+                                       {"kept_calls (another spelling)", policy->kept_calls_.count(entry) > 0}});
       TORCH_CHECK_VALUE(other == nullptr, "sac: kept_calls: '", spelling, "' names ", entry->traits.qualified_name,
                         ", which ", other,
                         " already names; give each op one rule (kept_ops, every_nth_op or kept_calls)");
@@ -135,11 +145,11 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
                         ", which is a view; a view holds no memory of its own, so offloading it frees nothing");
       // Kept and offloaded calls of one op share its call count, so the two lists may share an
       // op as long as no index is in both.
-      const char* other = policy->kept_ops_.count(entry) > 0          ? "kept_ops"
-                          : policy->every_nth_.count(entry) > 0       ? "every_nth_op"
-                          : policy->offloaded_ops_.count(entry) > 0   ? "offloaded_ops"
-                          : policy->offloaded_calls_.count(entry) > 0 ? "offloaded_calls (another spelling)"
-                                                                      : nullptr;
+      const char* other =
+          firstNaming({{"kept_ops", policy->kept_ops_.count(entry) > 0},
+                       {"every_nth_op", policy->every_nth_.count(entry) > 0},
+                       {"offloaded_ops", policy->offloaded_ops_.count(entry) > 0},
+                       {"offloaded_calls (another spelling)", policy->offloaded_calls_.count(entry) > 0}});
       TORCH_CHECK_VALUE(other == nullptr, "sac: offloaded_calls: '", spelling, "' names ", entry->traits.qualified_name,
                         ", which ", other,
                         " already names; give each op one rule (kept_calls and offloaded_calls may share an op)");

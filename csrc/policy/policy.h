@@ -20,13 +20,13 @@ namespace sac {
 
 inline constexpr UnitId kNoUnit = UINT32_MAX;
 
-// What happens to a call's outputs. Values cross the C ABI (bindings/c_api.h) and Python mirrors
+// What happens to a call's outputs. Values cross to Python (bindings/rule_calls.h), which mirrors
 // them (sac_plugin/_native.py). An offloaded output is served in the recompute like a kept one, but
 // lives in pinned host memory between the forward and the backward (NOTE: [Offloading kept
 // outputs] in dispatch/offload.cpp).
 enum class Outcome : uint8_t { kRecompute = 0, kKeep = 1, kOffload = 2 };
 
-// Why decide reached its outcome. Values cross the C ABI and Python mirrors them
+// Why decide reached its outcome. Values cross to Python, which mirrors them
 // (sac_plugin/_native.py): append new reasons, never renumber.
 enum class Reason : uint8_t {
   // Kept: the call is selected, and nothing vetoes it.
@@ -266,7 +266,7 @@ class Policy {
 enum class Pass : uint8_t { kForward = 0, kRecompute = 1 };
 
 // Decides the calls of one region for a caller that is not the native fallback (the Python front
-// doors, through the C ABI): it numbers each op's calls per pass exactly as the fallback numbers
+// doors, through sac_plugin._C): it numbers each op's calls per pass exactly as the fallback numbers
 // the forward's (a call takes the next index when Policy::countsCalls says so), then decides.
 class CallDecider {
  public:

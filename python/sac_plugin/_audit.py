@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _observers
+from . import _native, _observers
 from ._validation import describe_value, op_spelling
 
 __all__ = ["Audit", "AuditRow", "PHASES", "audit"]
@@ -77,7 +77,7 @@ class Audit:
     def __enter__(self):
         if self._handle is not None:
             raise RuntimeError("sac_plugin: an audit object can be entered once; create a new audit()")
-        handle = torch.classes.sac.Audit()
+        handle = _native.C.Audit()
         handle.start()
         self._handle, self._thread = handle, threading.get_ident()
         self._presence = _RunningAudit()

@@ -53,30 +53,31 @@ _OTHER = Slot.OTHER
 
 
 class _ModeRegionReference:
-    """Owns one reference to a C++ mode region (NOTE: [The dispatch-mode engine's region]) and the non-tensor
+    """Owns a C++ mode region, by its handle (NOTE: [A handle that comes back is checked] in
+    csrc/dispatch/handed_out.h), (NOTE: [The dispatch-mode engine's region]) and the non-tensor
     values its kept calls returned (served again with their tensors)."""
 
-    __slots__ = ("address", "other_returns", "plan", "__weakref__")
+    __slots__ = ("handle", "other_returns", "plan", "__weakref__")
 
     def __init__(self, site, marker, plan: dict):
         with no_python_dispatch():
-            self.address = torch.ops.sac.mode_region_new(site.address, marker.forward.address)
+            self.handle = site.native.new_mode_region(marker.forward.region)
         self.other_returns: dict = {}
         self.plan = plan
 
     def forward_position(self) -> int:
         with no_python_dispatch():
-            return torch.ops.sac.mode_region_forward_position(self.address)
+            return torch.ops.sac.mode_region_forward_position(self.handle)
 
     def release_unreached(self, last_saved_position: int) -> int:
         with no_python_dispatch():
-            return torch.ops.sac.mode_region_release_unreached(self.address, last_saved_position)
+            return torch.ops.sac.mode_region_release_unreached(self.handle, last_saved_position)
 
     def __del__(self):
         release = getattr(getattr(torch.ops, "sac", None), "mode_region_release", None)
         if release is not None:
             with no_python_dispatch():
-                release(self.address)
+                release(self.handle)
 
 
 class _PassMode(TorchDispatchMode):
@@ -87,13 +88,13 @@ class _PassMode(TorchDispatchMode):
     def __init__(self, region: _ModeRegionReference, recompute: bool):
         super().__init__()
         self._region = region
-        self._address = region.address
+        self._handle = region.handle
         self._recompute = recompute
 
     def __enter__(self):
         with no_python_dispatch():
             torch.ops.sac.mode_region_pass(
-                self._address, ModePass.BEGIN_RECOMPUTE if self._recompute else ModePass.BEGIN_FORWARD
+                self._handle, ModePass.BEGIN_RECOMPUTE if self._recompute else ModePass.BEGIN_FORWARD
             )
         return super().__enter__()
 
@@ -103,7 +104,7 @@ class _PassMode(TorchDispatchMode):
         finally:
             with no_python_dispatch():
                 notice = torch.ops.sac.mode_region_pass(
-                    self._address, ModePass.END_RECOMPUTE if self._recompute else ModePass.END_FORWARD
+                    self._handle, ModePass.END_RECOMPUTE if self._recompute else ModePass.END_FORWARD
                 )
             # NOTE: [Served, or named] (csrc/dispatch/region.cpp); a recompute that raised (other
             # than torch's early stop) has not served what it would have, and its error says enough.
@@ -123,10 +124,10 @@ class _PassMode(TorchDispatchMode):
         # Python dispatch off around the bridge: a mode below this one (a user's, entered outside
         # the region) sees the region's ops, never the engine's own calls.
         with no_python_dispatch():
-            action, call, served, counts = call_begin(self._address, op.address, key, tensors, positions, draws)
+            action, call, served, counts = call_begin(self._handle, op.handle, key, tensors, positions, draws)
         if action == _SERVED:
             return self._served(op, call, served, counts)
-        out, action = run_begun(self._address, op, func, args, kwargs, action, served)
+        out, action = run_begun(self._handle, op, func, args, kwargs, action, served)
         if action != _RUN_ONLY:
             keep = action == _RUN_AND_KEEP
             self._region.plan.setdefault(func, []).append(keep)

@@ -81,13 +81,13 @@ def _slot(type_) -> int:
 class Op:
     """What the mode needs of one op overload, read once per process."""
 
-    __slots__ = ("address", "arguments", "names", "returns", "random", "dropout_p", "other_returns")
+    __slots__ = ("handle", "arguments", "names", "returns", "random", "dropout_p", "other_returns")
 
     def __init__(self, func):
         schema = func._schema
         traits = op_traits(func)
         self.random, self.dropout_p = traits.random, traits.dropout_argument
-        self.address = torch.ops.sac.mode_op(schema.name, schema.overload_name)
+        self.handle = torch.ops.sac.mode_op(schema.name, schema.overload_name)
         self.arguments = tuple(_slot(argument.type) for argument in schema.arguments)
         self.names = {argument.name: i for i, argument in enumerate(schema.arguments)}
         self.returns = tuple(_slot(value.type) for value in schema.returns)
@@ -196,7 +196,7 @@ def replace_tensors(op: Op, args, kwargs, tensors):
     return new_args, new_kwargs
 
 
-def run_begun(region_address: int, op: Op, func, args, kwargs, action: int, tensors):
+def run_begun(region: int, op: Op, func, args, kwargs, action: int, tensors):
     """Runs a call the region began and did not serve: on the tensors that came back with the
     answer where it says REDIRECTED (NOTE: [The recompute writes nothing outside its region] in
     csrc/dispatch/outside_writes.cpp), then records (and keeps) its outputs unless it says RUN_ONLY.
@@ -208,7 +208,7 @@ def run_begun(region_address: int, op: Op, func, args, kwargs, action: int, tens
     if action != _RUN_ONLY:
         out_tensors, out_positions = flatten_returns(op, out)
         with no_python_dispatch():
-            call_end(region_address, out_tensors, out_positions)
+            call_end(region, out_tensors, out_positions)
     return out, action
 
 

@@ -1,5 +1,6 @@
 """The native engine's recompute under other dispatch modes (NOTE: [Modes above the key see only
-what ran]), and the scopes of a native region, whose recompute runs there when modes are on."""
+what ran]). Importing it sets the hook through which a native region's recompute scope, opening
+while modes are on, runs there."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ._mode_calls import (
 from ._native import MEMORY_FORMATS
 from .policy import Policy
 
-__all__ = ["new_region_scopes", "recompute_above_modes"]
+__all__ = ["recompute_above_modes"]
 
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack
 _SERVED = ModeAction.SERVED
@@ -78,30 +79,30 @@ def _as_ivalue(value):
 class RecomputeAboveModes(TorchDispatchMode):
     """The recompute of a region the native fallback ran, under our mode on top of the others."""
 
-    def __init__(self, address: int, marker):
+    def __init__(self, handle: int, marker):
         super().__init__()
-        self._address = address
-        self._marker = marker  # a MarkerRegionReference: entered through the C ABI, never a RegionScope
+        self._handle = handle
+        self._marker = marker  # a _C.Region: entered through its enter and exit, never a RegionScope
         self._marker_depth = 0
 
     def __enter__(self):
         # The marker's forward, entered and left at once, notes the units the region's recompute
         # re-opened; its recompute re-opens them again.
-        _scopes.enter_marker(self._marker.address, 0)
-        self._marker_depth = _scopes.enter_marker(self._marker.address, 1)
+        _scopes.enter_marker(self._marker, False)
+        self._marker_depth = _scopes.enter_marker(self._marker, True)
         try:
             return super().__enter__()
         except BaseException:
-            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            self._marker.exit(True, self._marker_depth)
             raise
 
     def __exit__(self, *exc_info):
         try:
             return super().__exit__(*exc_info)
         finally:
-            _scopes.exit_marker(self._marker.address, 1, self._marker_depth)
+            self._marker.exit(True, self._marker_depth)
             with no_python_dispatch():
-                torch.ops.sac.mode_region_release(self._address)
+                torch.ops.sac.mode_region_release(self._handle)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,40 +116,39 @@ class RecomputeAboveModes(TorchDispatchMode):
         values = [_as_ivalue(value) for value in others[1::2]]
         with no_python_dispatch():
             action, _, served, counts, other_returns = call_begin_all(
-                self._address, op.address, tensors, positions, values, others[0::2], False
+                self._handle, op.handle, tensors, positions, values, others[0::2], False
             )
         if action == _SERVED:
             return assemble(op, served, counts, other_returns.__getitem__)
-        out, _ = run_begun(self._address, op, func, args, kwargs, action, served)
+        out, _ = run_begun(self._handle, op, func, args, kwargs, action, served)
         return out
 
 
 _marker_policy = _marker_site = None
 
 
-def _marker_reference() -> _scopes.MarkerRegionReference:
+def _marker_region() -> _scopes.Region:
     """A new marker region: a keeps-nothing region that labels passes and re-opens units."""
     global _marker_policy, _marker_site
     if _marker_site is None:
-        _marker_policy = Policy()  # alive as long as the site made from its address
-        _marker_site = _scopes.SiteReference(_marker_policy._policy_address, marks_passes=True)
-    return _scopes.MarkerRegionReference(_marker_site.address)
+        _marker_policy = Policy()
+        _marker_site = _scopes.new_site(_marker_policy, marks_passes=True)
+    return _marker_site.new_region()
 
 
-def recompute_above_modes(region_address: int):
+def recompute_above_modes(region: _scopes.Region):
     """NOTE: [Modes above the key see only what ran]: the context that runs the recompute of the
-    native region at `region_address`, already entered, above the dispatch modes that are on;
+    native `region`, already entered, above the dispatch modes that are on;
     None when only the plugin's own modes are on (the per-op trace, which watches the fallback
     serve) or for a region that intercepts nothing (it serves nothing either)."""
     if not foreign_modes_on():
         return None
-    marker = _marker_reference()
+    marker = _marker_region()
     with no_python_dispatch():  # the engine's own calls are no business of the modes that are on
-        address = torch.ops.sac.mode_region_over(region_address, marker.address)
-    return RecomputeAboveModes(address, marker) if address else None
+        handle = region.mode_region_over(marker)
+    return RecomputeAboveModes(handle, marker) if handle else None
 
 
 # A native region's recompute scope, opening while dispatch modes are on, runs the recompute
 # above them through recompute_above_modes (the scopes are C: NOTE: [Scopes as a C type]).
 _scopes.set_recompute_above_modes(recompute_above_modes)
-new_region_scopes = _scopes.new_region_scopes

@@ -1,17 +1,19 @@
-"""The one way into the compiled plugin: loading it, the C ABI's signatures and the enums mirrored
-from C++, under one ABI-version check.
+"""The one way into the compiled plugin: loading it, its extension module and the enums mirrored
+from C++, under one version check.
 
-Python reaches the library three ways, all set up here: `torch.ops.sac.*` (stateless ops) and
-`torch.classes.sac.*` (objects with a lifetime), registered by `torch.ops.load_library`, and the C
-ABI (csrc/bindings/c_api.h) through ctypes for the hot paths, bound as `lib`. Every other module
-calls `lib.sac_*` or the ops; none loads, binds or declares anything itself, so a signature or an
-enum value that changes in C++ changes in one place here.
+Python reaches the library two ways, both set up here (NOTE: [One extension module] in
+csrc/bindings/python_module.cpp): `torch.ops.sac.*`, registered by `torch.ops.load_library` (the
+calls that take tensors, and the stateless queries), and the extension module `sac_plugin._C`,
+imported from the same file and bound as `C`: owned types (Policy, Site, Region, RegionScope,
+OpEntry, CallDecider, CallProfile) and the functions on the hot paths. Every other module calls
+`C.*` or the ops; none loads or imports anything of the library itself, so a type or an enum
+value that changes in C++ changes in one place here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import enum
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -54,7 +56,7 @@ MINIMUM_TORCH = (2, 11)
 
 
 def load() -> str | None:
-    """Loads the library, binds its C ABI as `lib` and installs the interception.
+    """Loads the library, imports its extension module as `C` and installs the interception.
 
     Returns:
         Why the native engine cannot run here (the interception could not be installed), or None
@@ -62,7 +64,7 @@ def load() -> str | None:
 
     Raises:
         ImportError: torch is too old, or the library is missing, built for another torch or
-            with another C ABI than this package expects.
+            with another extension module version than this package expects.
     """
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
     if version < MINIMUM_TORCH:
@@ -92,9 +94,9 @@ def load() -> str | None:
             f"sac_plugin: {path} was built for torch {compiled_for}, but torch {torch.__version__} "
             f"is installed; {_REBUILD_HINT}"
         )
+    _import_module(path)
     # The native fallback, or per-op kernels beside another owner of the key; if neither can be
     # installed, the dispatch-mode engine runs instead (_engine.choose_engine says so once).
-    _bind(path)
     try:
         torch.ops.sac.install_fallback()
     except RuntimeError as error:
@@ -112,97 +114,45 @@ def interception_path() -> str:
     return torch.ops.sac.interception_path()
 
 
-# --- The C ABI (csrc/bindings/c_api.h) ------------------------------------------------------------
+# --- The extension module (csrc/bindings/python_module.cpp) --------------------------------------
 
-# kSacCApiVersion: bumped in C++ when a signature or a meaning changes.
-C_API_VERSION = 9
+# kModuleVersion: bumped in C++ when a type, a function or a meaning changes.
+MODULE_VERSION = 10
 
-_c_int32, _c_int64, _c_pointer, _c_string = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
-# Every C function Python calls but the version (which _bind reads first): name -> (restype,
-# argtypes), so that ctypes converts and checks them.
-_SIGNATURES = {
-    # Sites, regions and units (the scopes).
-    "sac_site_new": (_c_pointer, [_c_pointer, _c_string, _c_int32]),
-    "sac_site_outside_writes": (_c_int32, [_c_pointer]),
-    "sac_site_release": (None, [_c_pointer]),
-    "sac_region_new": (_c_pointer, [_c_pointer]),
-    "sac_region_release": (None, [_c_pointer]),
-    "sac_region_enter": (_c_int64, [_c_pointer, _c_int32]),
-    "sac_region_exit": (_c_int32, [_c_pointer, _c_int32, _c_int64]),
-    "sac_region_forward_position": (_c_int64, [_c_pointer]),
-    "sac_region_release_unreached": (_c_int64, [_c_pointer, _c_int64]),
-    "sac_site_dead_calls": (_c_int32, [_c_pointer]),
-    "sac_region_watch_saves": (_c_int32, [_c_pointer]),
-    "sac_region_note_saved": (None, [_c_pointer, ctypes.c_size_t]),
-    "sac_unit_id": (_c_int64, [_c_string, _c_int64]),
-    "sac_unit_push": (_c_int64, [_c_int64]),
-    "sac_unit_pop": (_c_int32, [_c_int64, _c_int64]),
-    "sac_scope_last_error": (_c_string, []),
-    # The region scopes as a Python type written in C (NOTE: [Scopes as a C type]).
-    "sac_python_scope_types": (ctypes.py_object, []),
-    # The keep rule.
-    "sac_op_entry": (_c_pointer, [_c_string, _c_int64]),
-    "sac_call_decider_new": (_c_pointer, [_c_pointer]),
-    "sac_call_decider_release": (None, [_c_pointer]),
-    "sac_call_decider_decide": (
-        _c_int64,
-        [_c_pointer, _c_pointer, _c_int32, ctypes.POINTER(_c_int64), _c_int64, _c_int32],
-    ),
-    "sac_policy_decide": (
-        _c_int64,
-        [_c_pointer, _c_pointer, ctypes.POINTER(_c_int64), _c_int64, _c_int64, _c_int32],
-    ),
-    "sac_reason_text": (_c_string, [_c_int32]),
-    # Where an offloaded call's outputs live.
-    "sac_offload_placement": (_c_int32, [_c_int64] * 4),
-}
-
-# The bound C ABI, set by load(); `lib.sac_region_enter(...)` and so on.
-lib: ctypes.PyDLL | None = None
-# The module of the region scope type (csrc/bindings/python_scopes.cpp), set by load():
-# new_region_scopes, adopt_forward_scope, set_recompute_above_modes and the RegionScope type.
-scope_types = None
+# sac_plugin._C, set by load().
+C = None
 
 
-def _bind(path: Path) -> None:
-    global lib
-    if lib is not None:
+def _import_module(path: Path) -> None:
+    global C
+    if C is not None:
         return
-    # ctypes on the path torch.ops.load_library loaded returns that very library (dlopen hands
-    # back the loaded object), so a SAC_PLUGIN_LIBRARY build serves these calls too. PyDLL: the
-    # calls keep the GIL (CDLL would release and retake it around each one, which cost more than
-    # the call itself); none of them calls back into Python or blocks.
-    bound = ctypes.PyDLL(str(path))
-    # The version first: a library of another version may lack a function declared below.
-    bound.sac_scope_c_api_version.restype = _c_int32
-    bound.sac_scope_c_api_version.argtypes = []
-    version = bound.sac_scope_c_api_version()
-    if version != C_API_VERSION:
+    # The extension module is the library torch.ops.load_library loaded: Python's loader opens the
+    # same file (dlopen hands back the loaded object) and calls its PyInit__C, so a
+    # SAC_PLUGIN_LIBRARY build serves it too.
+    spec = importlib.util.spec_from_file_location(f"{__package__}._C", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"sac_plugin: {path} cannot be imported as an extension module; {_REBUILD_HINT}")
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as error:
         raise ImportError(
-            f"sac_plugin: {path} has scope C ABI version {version}, this package expects "
-            f"{C_API_VERSION}; rebuild the library from the same source as the package"
+            f"sac_plugin: {path} has no extension module sac_plugin._C ({error}); {_REBUILD_HINT}"
+        ) from error
+    if getattr(module, "ABI_VERSION", None) != MODULE_VERSION:
+        raise ImportError(
+            f"sac_plugin: {path} has extension module version {getattr(module, 'ABI_VERSION', None)}, this "
+            f"package expects {MODULE_VERSION}; rebuild the library from the same source as the package"
         )
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(bound, name)
-        function.restype = restype
-        function.argtypes = argtypes
-    if bound.sac_reason_text(len(Reason) - 1) is None or bound.sac_reason_text(len(Reason)) is not None:
+    if module.REASON_COUNT != len(Reason):
         raise ImportError(
-            f"sac_plugin: {path} names a different set of keep reasons than "
+            f"sac_plugin: {path} names a different set of keep reasons ({module.REASON_COUNT}) than "
             f"sac_plugin._native.Reason ({len(Reason)}); rebuild the library from the same source as the package"
         )
-    lib = bound
-    global scope_types
-    scope_types = bound.sac_python_scope_types()
-
-
-class ScopeStatus(enum.IntEnum):
-    """How a C ABI call that can fail ended (C++ SacScopeStatus); the message is the library's
-    sac_scope_last_error()."""
-
-    OK = 0
-    RUNTIME_ERROR = 1
-    VALUE_ERROR = 2
+    sys.modules[spec.name] = module
+    setattr(sys.modules[__package__], "_C", module)
+    C = module
 
 
 # --- Enums mirrored from C++ --------------------------------------------------------------------
@@ -250,10 +200,10 @@ class Reason(enum.IntEnum):
 
     @property
     def text(self) -> str:
-        return lib.sac_reason_text(int(self)).decode()
+        return C.reason_text(int(self))
 
 
-# A decision crosses the C ABI as one int64 (c_api.h): outcome in bits 0-7, reason in 8-15, two
+# A decision crosses as one int64 (csrc/bindings/rule_calls.h): outcome in bits 0-7, reason in 8-15, two
 # warning flags, and the selecting unit's id + 1 (0: none) from bit 32.
 DECISION_MUTATING_IN_KEPT_UNIT = 1 << 16
 DECISION_RANDOM_CALL_OF_KEPT_OP = 1 << 17

@@ -14,7 +14,7 @@ tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report
 How the data gets here, only while a report runs: the report runs an audit (so every op is
 counted and every checkpointed call creates a region) and registers an observer
 (sac_plugin._observers) that wraps each region's forward and recompute contexts and each unit
-opening in a count of this thread's calls (torch.classes.sac.Counts: no scope of its own, so
+opening in a count of this thread's calls (_C.Counts: no scope of its own, so
 nested reports close theirs in any order), keeps a stack of the modules being called (global
 module hooks) to name regions, and a saved-tensors pack hook that notes (never holds) what
 autograd saves outside regions. A traced report also installs a C++ call trace on the thread of
@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from . import _observers, memory
+from . import _native, _observers, memory
 from . import _report_render
 from ._audit import Audit, AuditRow
 from ._report_values import Breakdown, SavedStorage
@@ -89,7 +89,7 @@ class _PassScope:
         self._scope.__enter__()
         # This thread's counts (inside the report's audit), with no scope to close in order: the
         # passes and units of nested reports open and close interleaved.
-        self._audit = torch.classes.sac.Counts()
+        self._audit = _native.C.Counts()
         report = self._report
         _stack(report).append(
             (self._layer, self._phase, self._kept_calls, self._region, self._audit, len(report._modules))
@@ -321,7 +321,7 @@ class Report:
             layer.calls += 1
             layer.kept_calls += scope._kept_calls()
             region = scope._region
-            kept = list(region.handle.kept_tensors()) if region.handle.kept_calls() else []
+            kept = region.kept_tensors() if region.kept_calls else []
             # This region's own unique storages: exact per call whatever the allocator reuses.
             layer.kept_bytes += region.kept_bytes
             layer.offloaded_calls += region.offloaded_calls
@@ -345,7 +345,7 @@ class Report:
         layer, phase, kept_calls, region, _, _ = passes[-1]
         scope = torch.autograd.profiler.record_function(f"sac_plugin.{phase}: {layer} unit {unit}")
         scope.__enter__()
-        audit = torch.classes.sac.Counts()  # no scope: see _PassScope.__enter__
+        audit = _native.C.Counts()  # no scope: see _PassScope.__enter__
         return layer, phase, kept_calls, region, kept_calls(), region.kept_bytes, audit, scope, _clock()
 
     def unit_exited(self, unit: str, token) -> None:

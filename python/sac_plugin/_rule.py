@@ -3,9 +3,9 @@
 Why this module exists: the rule that decides whether a call's outputs are kept or recomputed is
 written once, in C++ (`Policy::decide`, NOTE: [The keep rule] in csrc/policy/policy.cpp). The
 native fallback calls it directly; the Python front doors (torch.compile's policy function, the
-dispatch-mode engine, the memory-budget planner) call it here, through the library's C ABI
-(csrc/bindings/c_api.h), so none of them restates the rule. One ctypes call per op, with the GIL
-held (PyDLL), as for the scopes in _scopes.py.
+dispatch-mode engine, the memory-budget planner) call it here, through the extension module's
+CallDecider and policy_decide (csrc/bindings/rule_calls.h), so none of them restates the rule. One
+C call per op.
 
     decider = CallDecider(policy)          # one per region: counts every-nth / kept-call indices
     decider.decide(torch.ops.aten.mm.default, recompute=False, unit_names=["attn"])
@@ -14,7 +14,6 @@ held (PyDLL), as for the scopes in _scopes.py.
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple, Sequence
 
 import torch
@@ -29,7 +28,6 @@ from ._native import (
     FACT_ROUTING_FROM_OP,
     Outcome,
     Reason,
-    ScopeStatus,
 )
 
 __all__ = ["CallDecider", "Decision", "Outcome", "Reason", "RegionOpening", "decide_call", "op_entry", "region_opening"]
@@ -55,11 +53,8 @@ class Decision(NamedTuple):
         return self.outcome != Outcome.RECOMPUTE
 
 
-_op_entry = _native.lib.sac_op_entry
-_decider_new = _native.lib.sac_call_decider_new
-_decider_release = _native.lib.sac_call_decider_release
-_decider_decide = _native.lib.sac_call_decider_decide
-_policy_decide = _native.lib.sac_policy_decide
+_op_entry = _native.C.op_entry
+_policy_decide = _native.C.policy_decide
 
 
 def _facts(draws_random: bool, casts_a_parameter: bool, routes_tokens: bool | None) -> int:
@@ -72,7 +67,7 @@ _unit_stacks: dict = {}
 
 
 def op_entry(op) -> int:
-    """The library's entry (an address) for one op overload: a torch OpOverload, or a name of one
+    """The library's entry (a _C.OpEntry) for one op overload: a torch OpOverload, or a name of one
     overload ("aten::mm.default", "aten.mm.default", or the profile's "aten::mm" for the default
     overload). Cached per op; raises ValueError for a name that names no single overload."""
     entry = _entries.get(op)
@@ -86,22 +81,18 @@ def op_entry(op) -> int:
                 f"sac_plugin: op_entry: expected an op overload such as torch.ops.aten.mm.default or a name "
                 f"such as 'aten::mm.default', got {type(op).__name__}"
             )
-        encoded = name.encode("utf-8")
-        entry = _op_entry(encoded, len(encoded))
-        if not entry:
-            _scopes.raise_last_error(ScopeStatus.VALUE_ERROR)
-        _entries[op] = entry
+        entry = _entries[op] = _op_entry(name)
     return entry
 
 
-# The bits of kRegionOpeningBit and kRegionRecomputesBit in csrc/policy/unit_stack.h; the C ABI
+# The bits of kRegionOpeningBit and kRegionRecomputesBit in csrc/policy/unit_stack.h; the library
 # checks each id it is given, so a mismatch is refused there rather than misread.
 _REGION_OPENING_BIT = 1 << 29
 _REGION_RECOMPUTES_BIT = 1 << 30
 
 
 def region_opening(id_plus_one: int, recompute: bool) -> int:
-    """The id (+ 1, as the C ABI takes it) of an opening of unit `id_plus_one` by a torch_remat
+    """The id (+ 1, as the library takes it) of an opening of unit `id_plus_one` by a torch_remat
     region with its recompute= flag (NOTE: [Region openings carry their flag] in
     csrc/policy/unit_stack.h)."""
     opening = (id_plus_one - 1) | _REGION_OPENING_BIT | (_REGION_RECOMPUTES_BIT if recompute else 0)
@@ -123,25 +114,22 @@ def _open_unit_id(unit) -> int:
 
 
 class _UnitStack:
-    # One stack of open units as the C ABI takes it (an int64 array of unit ids + 1), and the
+    # One stack of open units as the library takes it (a tuple of unit ids + 1), and the
     # decisions already decoded for it: a model opens a few unit stacks over and over, and a
     # result (outcome, reason, flags, unit) repeats, so each is decoded once. The decision names
     # the unit's own id, a region opening's too.
-    __slots__ = ("array", "count", "names", "decoded")
+    __slots__ = ("ids", "names", "decoded")
 
     def __init__(self, units: tuple):
         names = [unit.name if type(unit) is RegionOpening else unit for unit in units]
         ids = [_open_unit_id(unit) for unit in units]
-        self.array = (ctypes.c_int64 * len(ids))(*ids)
-        self.count = len(ids)
+        self.ids = tuple(ids)
         self.names = {_scopes.unit_id(name): name for name in names}
         self.decoded: dict[int, Decision] = {}
 
     def decode(self, result: int) -> Decision:
         decision = self.decoded.get(result)
         if decision is None:
-            if result < 0:
-                _scopes.raise_last_error(-result)
             unit_plus_one = result >> 32
             decision = Decision(
                 Outcome(result & 0xFF),
@@ -164,21 +152,12 @@ def _units(unit_names: Sequence[str]) -> _UnitStack:
 
 class CallDecider:
     """Decides the calls of one region, counting every-nth and kept-call indices per pass (forward,
-    recompute) exactly as the native fallback counts them. Owns a reference to the C++ decider."""
+    recompute) exactly as the native fallback counts them. Owns the C++ decider (a _C.CallDecider)."""
 
-    __slots__ = ("_address",)
+    __slots__ = ("_decide",)
 
     def __init__(self, policy):
-        address = getattr(policy, "_policy_address", None)
-        if not isinstance(address, int) or not address:
-            raise TypeError(f"sac_plugin: CallDecider needs a sac_plugin.Policy, got {type(policy).__name__}")
-        self._address = _decider_new(address)
-        if not self._address:
-            _scopes.raise_last_error(ScopeStatus.RUNTIME_ERROR)
-
-    def __del__(self, _release=_decider_release):
-        if getattr(self, "_address", None):
-            _release(self._address)
+        self._decide = _native.C.CallDecider(_policy_handle(policy, "CallDecider")).decide
 
     def decide(
         self,
@@ -196,9 +175,7 @@ class CallDecider:
         units = _units(unit_names)
         entry = _entries.get(op) or op_entry(op)
         facts = _facts(draws_random, casts_a_parameter, routes_tokens)
-        return units.decode(
-            _decider_decide(self._address, entry, 1 if recompute else 0, units.array, units.count, facts)
-        )
+        return units.decode(self._decide(entry, 1 if recompute else 0, units.ids, facts))
 
 
 def decide_call(
@@ -212,9 +189,14 @@ def decide_call(
 ) -> Decision:
     """The decision for the call of `op_name` with 0-based `call_index` among the region's counted
     calls of it, with `unit_names` open: for the planner, which knows each call's index."""
-    address = getattr(policy, "_policy_address", None)
-    if not isinstance(address, int) or not address:
-        raise TypeError(f"sac_plugin: decide_call needs a sac_plugin.Policy, got {type(policy).__name__}")
+    handle = _policy_handle(policy, "decide_call")
     units = _units(unit_names)
     facts = _facts(draws_random, casts_a_parameter, routes_tokens)
-    return units.decode(_policy_decide(address, op_entry(op_name), units.array, units.count, call_index, facts))
+    return units.decode(_policy_decide(handle, op_entry(op_name), units.ids, call_index, facts))
+
+
+def _policy_handle(policy, what: str):
+    handle = getattr(policy, "_handle", None)
+    if not isinstance(handle, _native.C.Policy):
+        raise TypeError(f"sac_plugin: {what} needs a sac_plugin.Policy, got {type(policy).__name__}")
+    return handle

@@ -21,8 +21,7 @@ class Site:
         "policy",
         "label",
         "keeps_nothing",
-        "_reference",
-        "address",
+        "native",
         "unchecked_units",
         "watched_forwards",
         "reach_unknown",
@@ -40,13 +39,12 @@ class Site:
         self.keeps_nothing = policy.keeps_nothing
         # A site whose regions only mark passes for another region that decides their calls.
         self.marks_passes = marks_passes
-        self._reference = _scopes.SiteReference(policy._policy_address, label, marks_passes=marks_passes)
+        # The C++ site (_C.Site): what regions are made from.
+        self.native = _scopes.new_site(policy, label, marks_passes=marks_passes)
         # Whether the layer's forward writes tensors outside its region: None until a forward of
         # the site has shown it (NOTE: [The recompute writes nothing outside its region] in
         # csrc/dispatch/outside_writes.cpp). A policy that keeps nothing intercepts only then.
         self.writes_outside = None
-        # What the scope C ABI and the dispatch-mode engine make regions from; valid while this lives.
-        self.address = self._reference.address
         # Units not yet seen to mean something in a region's forward (_unit_checks.py).
         self.unchecked_units = set(policy.kept_units | policy.recomputed_units | policy.offloaded_units)
         self.watched_forwards = 0
@@ -62,7 +60,7 @@ class Site:
         """Whether a region of this site may write outside itself in its forward (unknown counts),
         read from the C++ site until a forward has settled it."""
         if self.writes_outside is None:
-            seen = self._reference.outside_writes()
+            seen = self.native.outside_writes()
             if seen == 0:
                 return True
             self.writes_outside = seen == 2
@@ -70,7 +68,7 @@ class Site:
 
     def finds_dead_calls(self) -> bool:
         """Whether the site's watched forwards found recompute calls to skip (or none has ended)."""
-        return self._reference.dead_calls() != 1
+        return self.native.dead_calls() != 1
 
     def __reduce__(self):
         # A copy (pickle, deepcopy) is a new place: it learns for itself.

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
-from . import _engine
+from . import _engine, _native
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +58,7 @@ class CallTrace:
     __slots__ = ("_native", "_marks")
 
     def __init__(self):
-        self._native = torch.classes.sac.CallTrace()
+        self._native = _native.C.CallTrace()
         self._marks: list[tuple[int, str, str]] = []
 
     def install(self) -> None:

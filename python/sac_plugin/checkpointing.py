@@ -9,9 +9,11 @@ import weakref
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import _compat, _dispatch_mode, _engine, _mode_calls, _mode_recompute, _observers, _rule, _scopes, _unit_checks
+from . import _compat, _dispatch_mode, _engine, _mode_calls, _observers, _rule, _unit_checks
+from . import _mode_recompute  # noqa: F401 - sets the hook a native recompute under dispatch modes runs through
 from ._site import Site
 from ._call_facts import casts_a_parameter, draws_random, op_traits
+from ._save_watch import SaveWatch
 from ._forwards import CheckpointedForward, installed_anything, remove_installed
 from ._logging import logger
 from ._validation import describe_value
@@ -43,12 +45,20 @@ class Region:
         elif not isinstance(policy, Site):
             raise TypeError(f"sac_plugin: Region: policy must be a sac_plugin.Policy, got {describe_value(policy)}")
         self._site = policy
-        self.forward, self.recompute = _mode_recompute.new_region_scopes(policy.address)
+        self.forward, self.recompute = policy.native.new_region_scopes()
 
     @property
     def handle(self):
-        """The region as a torch.classes.sac.Region (kept_bytes, kept_calls, kept_tensors)."""
-        return torch.ops.sac.region_at(self.forward.address)
+        """The region as the extension module has it (a _C.Region: kept_bytes, kept_calls, ...)."""
+        return self.forward.region
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors the region holds for backward.
+
+        Returns:
+            The kept outputs held on the device (or CPU), one tensor per kept output.
+        """
+        return torch.ops.sac.region_kept_tensors(self.forward.region.handle)
 
     @property
     def kept_bytes(self) -> int:
@@ -75,7 +85,7 @@ def torch_policy_fn(policy: Policy):
     """The same selection as a policy function for torch's SAC, and so for torch.compile, whose
     partitioner honours MUST_SAVE. Call it once per region: every-nth rules count per region.
 
-    Each call is decided by the one C++ rule (docs/semantics.md) through sac_plugin's C ABI, with
+    Each call is decided by the one C++ rule (docs/semantics.md) through sac_plugin._C, with
     the facts torch's policy function sees: the op, the pass, the units open (node metadata:
     recompute_unit under torch.compile annotates nodes; eager torch's SAC has none, so there only
     op and call rules apply), whether the call draws random numbers or casts a parameter.
@@ -190,7 +200,7 @@ def _selective_contexts(site: Site):
         and not _observers.registered
         and _engine.chosen == "native"
     ):
-        return _mode_recompute.new_region_scopes(site.address)
+        return site.native.new_region_scopes()
     policy = site.policy
     if _compat.is_compiling():
         return _compiled_contexts(policy)
@@ -219,140 +229,26 @@ def _selective_contexts(site: Site):
             return sum(sum(kept) for kept in plan.values())
     elif not (observing or site.unchecked_units or site.reach_unknown or site.watches_saves):
         # The hot path: one C call makes the region, the scopes enter and exit it through C calls
-        # (NOTE: [Scopes through a C ABI]).
-        return _mode_recompute.new_region_scopes(site.address)
+        # (NOTE: [Scopes as a C type]).
+        return site.native.new_region_scopes()
     else:
         region = Region(site)
         for observer in _observers.observers():
             observer.region_created(region)
         forward, recompute = region.forward, region.recompute
-        address = region.forward.address
-        position = functools.partial(_scopes.region_forward_position, address)
-        release_unreached = functools.partial(_scopes.release_unreached, address)
-        watched_region = address
+        watched_region = region.forward.region
+        position, release_unreached = watched_region.forward_position, watched_region.release_unreached
 
         def kept_calls():
             return region.kept_calls
 
     if site.reach_unknown or (site.watches_saves and watched_region is not None):
-        forward = _SaveWatch(site, forward, position, release_unreached, watched_region)
+        forward = SaveWatch(site, forward, position, release_unreached, watched_region)
     if site.unchecked_units:
         forward = _unit_checks.WatchedForward(site, forward, kept_calls)
     for observer in _observers.observers():
         forward, recompute = observer.wrap_passes(region, policy, forward, recompute, kept_calls)
     return forward, recompute
-
-
-def _checkpoint_frame(pack):
-    """The frame of torch's checkpoint whose pack hook this is (in the hook's closure), or None
-    for a hook that is not torch's checkpoint's: nothing to watch."""
-    for cell in getattr(pack, "__closure__", None) or ():
-        try:
-            frame = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if hasattr(frame, "early_stop") and hasattr(frame, "weak_holders"):
-            return frame
-    return None
-
-
-def _note_saved(note, region: int, tensor) -> None:
-    """Tells the region which storage a tensor autograd saved lives in; a subclass by the tensors
-    it wraps (DTensor's local shard), and one the region cannot place as such (address 0)."""
-    if hasattr(type(tensor), "__tensor_flatten__"):
-        for name in tensor.__tensor_flatten__()[0]:
-            inner = getattr(tensor, name)
-            if isinstance(inner, torch.Tensor):
-                _note_saved(note, region, inner)
-        return
-    try:
-        note(region, tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, TypeError):
-        note(region, 0)
-
-
-class _SaveWatch:
-    """A forward of a checkpoint site, watched at each tensor autograd saves for backward.
-
-    torch's checkpoint pushes its saved-tensor hooks just before it enters this context, so they
-    are the top hooks here. Hooks of the same pack are pushed over them for the forward: each save
-    is noted, then goes to torch's pack hook unchanged. Two things are learnt:
-      - on the site's first forward, where the checkpoint stops its recompute early, the region's
-        position (calls decided so far) at each save: at the end of the forward the region frees
-        the kept outputs after the last save, and the site remembers them (NOTE: [Kept outputs the
-        recompute never reaches] in csrc/dispatch/region.cpp);
-      - on every forward of a site whose first found recompute calls to skip, the storage of each
-        saved tensor, from which the region finds the calls nothing the backward needs (NOTE: [The
-        recompute runs only what backward needs] in csrc/dispatch/dead_calls.cpp).
-    Sites with nothing left to learn run unwatched, on the hot path."""
-
-    __slots__ = (
-        "_site",
-        "_forward",
-        "_position",
-        "_release_unreached",
-        "_region",
-        "_last_saved",
-        "_pushed",
-        "_watches_reach",
-    )
-
-    def __init__(self, site: Site, forward, position, release_unreached, region: int | None):
-        self._site, self._forward = site, forward
-        self._position, self._release_unreached = position, release_unreached
-        # The region's address for the scope C ABI where its forward may skip calls, else None.
-        self._region = region
-        self._last_saved, self._pushed, self._watches_reach = 0, False, False
-
-    def __enter__(self):
-        self._forward.__enter__()
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        frame = _checkpoint_frame(hooks[0]) if hooks is not None else None
-        if frame is None:
-            return self
-        watch_reach = self._site.reach_unknown and bool(frame.early_stop)
-        region = self._region if self._region is not None and _scopes.region_watch_saves(self._region) else None
-        if not (watch_reach or region is not None):
-            return self
-        pack, unpack = hooks
-        position = self._position
-        note = _scopes.region_note_saved
-
-        def note_save(tensor):
-            if watch_reach:
-                self._last_saved = position()
-            if region is not None:
-                _note_saved(note, region, tensor)
-            return pack(tensor)
-
-        torch._C._autograd._push_saved_tensors_default_hooks(note_save, unpack)
-        self._pushed, self._watches_reach = True, watch_reach
-        return self
-
-    def __exit__(self, *exc_info):
-        try:
-            if self._pushed:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            if exc_info[0] is None:
-                site = self._site
-                if self._watches_reach:
-                    released = self._release_unreached(self._last_saved)
-                    if released:
-                        logger.info(
-                            "%d kept calls of %s run after the region's last tensor saved for backward; "
-                            "torch's early stop never serves them, so they are not held",
-                            released,
-                            site.policy,
-                        )
-                # Settled after one completed forward, also where there was nothing to watch (a
-                # checkpoint without early stop): later forwards take the hot path unless the site
-                # skips dead calls.
-                site.reach_unknown = False
-        finally:
-            suppressed = self._forward.__exit__(*exc_info)
-            if exc_info[0] is None:
-                self._site.watches_saves = self._site.watches_saves and self._site.finds_dead_calls()
-        return suppressed
 
 
 def context_fn(policy: Policy | None = None, *, name: str = ""):

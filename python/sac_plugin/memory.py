@@ -58,7 +58,7 @@ class ActivationMemory(_observers.Observer):
     def _tensors(self):
         yield from self._saved
         for region in self._regions:
-            yield from region.handle.kept_tensors()
+            yield from region.kept_tensors()
         for source in self._extra:
             yield from source()
 

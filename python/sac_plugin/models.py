@@ -119,7 +119,24 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
+class _NextTokenLoss:
+    """The loss of a decoder whose forward maps token ids to logits."""
+
+    def loss(self, tokens, targets):
+        """The cross-entropy of the next-token logits, computed in float32.
+
+        Args:
+            tokens: Token ids, (batch, seq).
+            targets: The expected next tokens, (batch, seq).
+
+        Returns:
+            The mean loss, a scalar tensor.
+        """
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class GPT(_NextTokenLoss, nn.Module):
     """A GPT-2-style decoder: units "attn" (qkv projection + attention) and "mlp" (fc + GELU).
 
     Args:
@@ -155,19 +172,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-    def loss(self, tokens, targets):
-        """The cross-entropy of the next-token logits.
-
-        Args:
-            tokens: Token ids, (batch, seq).
-            targets: The expected next tokens, (batch, seq).
-
-        Returns:
-            The mean loss, a scalar tensor.
-        """
-        logits = self(tokens)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
 # --- Llama-style dense decoder -------------------------------------------------------------
@@ -239,7 +243,26 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class LlamaBlock(nn.Module):
+class _PreNormLayer:
+    """The residual layout of a Llama-style layer: attention, then the feed-forward part
+    (`_feed_forward`), each on its normed input."""
+
+    def forward(self, x, cos, sin):
+        """Runs the layer.
+
+        Args:
+            x: Activations, (batch, seq, dim).
+            cos: The rotary cosine table (`rotary_tables`).
+            sin: The rotary sine table.
+
+        Returns:
+            The layer's output, shaped as `x`.
+        """
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self._feed_forward(self.ffn_norm(x))
+
+
+class LlamaBlock(_PreNormLayer, nn.Module):
     """One Llama layer: RMSNorm, rotary attention through SDPA, RMSNorm, SwiGLU MLP, with residuals.
 
     Args:
@@ -256,22 +279,11 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim)
         self.feed_forward = SwiGLU(dim, hidden or 4 * dim)
 
-    def forward(self, x, cos, sin):
-        """Runs the layer.
-
-        Args:
-            x: Activations, (batch, seq, dim).
-            cos: The rotary cosine table (`rotary_tables`).
-            sin: The rotary sine table.
-
-        Returns:
-            The layer's output, shaped as `x`.
-        """
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def _feed_forward(self, x):
+        return self.feed_forward(x)
 
 
-class Llama(nn.Module):
+class Llama(_NextTokenLoss, nn.Module):
     """A Llama-style dense decoder: RMSNorm, rotary attention through SDPA, SwiGLU MLP. Its
     recompute units are declared by LLAMA_TARGETS, not opened in code.
 
@@ -326,19 +338,6 @@ class Llama(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x))
 
-    def loss(self, tokens, targets):
-        """The cross-entropy of the next-token logits, computed in float32.
-
-        Args:
-            tokens: Token ids, (batch, seq).
-            targets: The expected next tokens, (batch, seq).
-
-        Returns:
-            The mean loss, a scalar tensor.
-        """
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
 
 # --- MoE decoder ---------------------------------------------------------------------------
 
@@ -388,7 +387,7 @@ class MoE(nn.Module):
         return combined.view(shape)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(_PreNormLayer, nn.Module):
     """One MoE layer: Llama's attention, then a top-k routed mixture of SwiGLU experts (`moe`).
 
     Args:
@@ -406,19 +405,8 @@ class MoEBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim)
         self.moe = MoE(dim, hidden or 2 * dim, experts, top_k)
 
-    def forward(self, x, cos, sin):
-        """Runs the layer.
-
-        Args:
-            x: Activations, (batch, seq, dim).
-            cos: The rotary cosine table (`rotary_tables`).
-            sin: The rotary sine table.
-
-        Returns:
-            The layer's output, shaped as `x`.
-        """
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.moe(self.ffn_norm(x))
+    def _feed_forward(self, x):
+        return self.moe(x)
 
 
 class MoEModel(Llama):

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from . import _native
 from ._validation import MAX_EVERY_NTH, bounded_repr, check_unit_name, describe_value, op_spelling, overload_of
 
 __all__ = ["Policy", "resolve_kept_ops"]
@@ -155,7 +156,6 @@ class Policy:
 
     __slots__ = (
         "_handle",
-        "_policy_address",
         "_kept_ops",
         "_kept_units",
         "_spellings",
@@ -209,8 +209,8 @@ class Policy:
             raise TypeError(f"sac_plugin: pin_routing must be True or False, got {describe_value(pin_routing)}")
         if not isinstance(offload_inputs, bool):
             raise TypeError(f"sac_plugin: offload_inputs must be True or False, got {describe_value(offload_inputs)}")
-        # Each field by name (NOTE: [A policy is built from named fields] in csrc/bindings/library.cpp).
-        self._handle = torch.classes.sac.Policy(
+        # Each field by name (NOTE: [A policy is built from named fields] in csrc/bindings/python_policy.cpp).
+        self._handle = _native.C.Policy(
             kept_ops=spellings,
             kept_units=units,
             every_nth_ops=every_nth,
@@ -234,8 +234,6 @@ class Policy:
         self._host_memory_limit = host_memory_limit
         self._pin_routing = pin_routing
         self._offload_inputs = offload_inputs
-        # What the scope C ABI creates regions from (checkpointing.Region); valid while _handle lives.
-        self._policy_address = self._handle.policy_address()
         self._spellings = tuple(spellings)
         self._every_nth = dict(every_nth)
         self._kept_ops = frozenset(self._handle.kept_ops())

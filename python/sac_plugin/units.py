@@ -82,8 +82,6 @@ class _UnitScope:
 
     def __enter__(self):
         depth = _scopes.unit_push(self._id)
-        if depth < 0:
-            _scopes.raise_last_error(-depth)
         # Diagnostics that watch units (reports, the unit checks) see each opening.
         watching = _observers.observers()
         tokens = tuple((o, o.unit_entered(self._name)) for o in watching) if watching else ()
@@ -110,7 +108,7 @@ class _UnitScope:
 @functools.lru_cache(maxsize=4096)
 def _unit_id(name: str) -> int:
     # Interned in C++ once per name (units are a small vocabulary, capped there); a scope then
-    # opens and closes its unit by id through the scope C ABI (NOTE: [Scopes through a C ABI]).
+    # opens and closes its unit by id through sac_plugin._C (NOTE: [One extension module]).
     return _scopes.unit_id(name)
 
 

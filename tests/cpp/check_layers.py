@@ -7,7 +7,7 @@ Layers, lowest first (each a directory of csrc/):
     policy       the keep rule: policies and recompute units
     dispatch     the interception: fallback, regions, data flow, thread state, call profiles
     diagnostics  reports over the layers below: audits
-    bindings     the surfaces Python reaches: the TORCH_LIBRARY block and the C ABI
+    bindings     the surfaces Python reaches: the TORCH_LIBRARY blocks and the extension module _C
 
 Inside dispatch, the files are layered too, lowest first (DISPATCH_SUBLAYERS names each file's):
     records      what a pass knows and holds, each alone: the key, data flow, the offload pool,

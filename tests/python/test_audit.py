@@ -109,7 +109,7 @@ def test_an_audit_exited_on_another_thread_is_refused_and_still_closes_on_its_ow
 
 
 def test_the_c_plus_plus_audit_refuses_a_stop_from_another_thread():
-    handle = torch.classes.sac.Audit()
+    handle = sac_plugin._C.Audit()
     handle.start()
     error = on_another_thread(handle.stop)
     assert isinstance(error, RuntimeError)

@@ -308,25 +308,25 @@ def test_early_stop_is_torch_s_and_can_be_turned_off(early_stop, sin_recomputed)
 
 
 def test_a_region_lives_while_either_of_its_scopes_does():
-    regions_before = torch.ops.sac.live_regions()
+    regions_before = sac_plugin._C.live_regions()
     region = Region(Policy(kept_ops=["aten::tanh"]))
     forward, recompute = region.forward, region.recompute
     del region
-    assert forward.address == recompute.address
-    assert torch.ops.sac.live_regions() == regions_before + 1
+    assert forward.region.handle == recompute.region.handle
+    assert sac_plugin._C.live_regions() == regions_before + 1
     del forward
     gc.collect()
-    assert torch.ops.sac.live_regions() == regions_before + 1
+    assert sac_plugin._C.live_regions() == regions_before + 1
     with recompute:
         assert sac_key_included()
     del recompute
     gc.collect()
-    assert torch.ops.sac.live_regions() == regions_before
+    assert sac_plugin._C.live_regions() == regions_before
 
 
 def test_region_scopes_are_made_only_by_the_library():
     scope_type = type(Region(Policy(kept_ops=["aten::tanh"])).forward)
-    with pytest.raises(TypeError, match="cannot create 'sac_plugin.RegionScope' instances"):
+    with pytest.raises(TypeError, match="cannot create 'sac_plugin._C.RegionScope' instances"):
         scope_type()
 
 

@@ -352,21 +352,21 @@ def test_kept_outputs_are_freed_by_the_backward_and_regions_are_collected():
 
 @pytest.mark.native_engine("C++ regions are the native engine's mechanism")
 def test_checkpointed_steps_free_their_regions_without_the_cycle_collector():
-    # The hot path makes a region through the scope C ABI (NOTE: [Scopes through a C ABI]); the
+    # The hot path makes a region through a C call (NOTE: [Scopes as a C type]); the
     # Python objects that own it form no cycle, so it is freed as soon as the backward drops
     # torch's checkpoint frame, with the garbage collector off.
     import gc
 
     model, _ = make_pair(policy=Policy(kept_units=["attn"]))
-    before = torch.ops.sac.live_regions()
+    before = sac_plugin._C.live_regions()
     gc.disable()
     try:
         for _ in range(3):
             out = model(torch.randn(4, 16))
-            assert torch.ops.sac.live_regions() == before + 2  # one per checkpointed layer, alive until backward
+            assert sac_plugin._C.live_regions() == before + 2  # one per checkpointed layer, alive until backward
             out.pow(2).mean().backward()
             del out
-            assert torch.ops.sac.live_regions() == before
+            assert sac_plugin._C.live_regions() == before
     finally:
         gc.enable()
 

@@ -22,7 +22,7 @@ policy = Policy(offloaded_ops=["aten::addmm"], host_memory_limit={ONE_STEP})
 model, x = checkpointed(policy)
 first_held = step(model, x)
 torch.accelerator.synchronize()
-device_before, regions_before = torch.accelerator.memory_allocated(), torch.ops.sac.live_regions()
+device_before, regions_before = torch.accelerator.memory_allocated(), sac_plugin._C.live_regions()
 for _ in range(3):
     loss = model(x).square().mean()  # a skipped NaN loss, a validation loss with grad on
     del loss
@@ -30,7 +30,7 @@ torch.accelerator.synchronize()
 after = stats()
 report(first_held=first_held, later_held=step(model, x),
        device_back=torch.accelerator.memory_allocated() - device_before,
-       regions_back=torch.ops.sac.live_regions() - regions_before,
+       regions_back=sac_plugin._C.live_regions() - regions_before,
        pool_in_use=after["pool_bytes_in_use"], pool_bytes=after["pool_bytes"])
 """,
         engine,
@@ -54,7 +54,7 @@ def explode(grad):
 model, x = checkpointed(Policy(offloaded_ops=["aten::addmm"]))
 step(model, x)  # every gradient exists: later steps accumulate into them
 torch.accelerator.synchronize()
-device_before, regions_before = torch.accelerator.memory_allocated(), torch.ops.sac.live_regions()
+device_before, regions_before = torch.accelerator.memory_allocated(), sac_plugin._C.live_regions()
 middle = model[0](x)
 middle.register_hook(explode)  # after the last layer's recompute, which fetched the first's back
 loss = model[1](middle).square().mean()
@@ -76,14 +76,14 @@ deadline = time.monotonic() + 10
 while True:
     gc.collect()
     torch.accelerator.synchronize()
-    settled = (torch.accelerator.memory_allocated() == device_before and torch.ops.sac.live_regions() == regions_before
+    settled = (torch.accelerator.memory_allocated() == device_before and sac_plugin._C.live_regions() == regions_before
                and stats()["pool_bytes_in_use"] == 0)
     if settled or time.monotonic() > deadline:
         break
     time.sleep(0.01)
 report(raised=raised, fetched=fetched_while_alive,
        device_back=torch.accelerator.memory_allocated() - device_before,
-       regions_back=torch.ops.sac.live_regions() - regions_before, pool_in_use=stats()["pool_bytes_in_use"])
+       regions_back=sac_plugin._C.live_regions() - regions_before, pool_in_use=stats()["pool_bytes_in_use"])
 """,
         engine,
     )

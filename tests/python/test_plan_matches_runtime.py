@@ -133,7 +133,7 @@ def _run(layer, policy, args):
             returned = {t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
             kept = {}
             for region in memory._regions:
-                for tensor in region.handle.kept_tensors():
+                for tensor in region.kept_tensors():
                     kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         out.square().sum().backward()
     reported = sum(layer.kept_bytes for layer in report.layers.values())

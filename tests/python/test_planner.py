@@ -15,7 +15,7 @@ import pytest
 import sac_plugin
 import torch
 from sac_plugin import ConfigError, Plan, PlanError, RecomputeConfig
-from sac_plugin import Policy, _scopes
+from sac_plugin import Policy, _native, _scopes
 from sac_plugin._validation import bounded_repr
 from sac_plugin.__main__ import main
 from sac_plugin.memory import track_activation_memory
@@ -293,7 +293,7 @@ def test_profiling_changes_no_result_and_plan_leaves_no_trace():
     assert all(p.grad is None for p in block.parameters()) and x.grad is None
     assert all(torch.equal(a, b) for a, b in zip(block.buffers(), buffers))
     # A forward inside a profiling region computes what a plain forward computes, bitwise.
-    profile = torch.classes.sac.CallProfile()
+    profile = _native.C.CallProfile()
     profile.begin_run()
     with _scopes.profiling_region_forward(profile):
         profiled = block(x, cos, sin)

@@ -10,7 +10,16 @@ import pickle
 import pytest
 import sac_plugin
 import torch
-from sac_plugin import ConfigError, Policy, RecomputeConfig, audit, context_fn, recompute_unit, resolve_kept_ops
+from sac_plugin import (
+    ConfigError,
+    Policy,
+    RecomputeConfig,
+    _native,
+    audit,
+    context_fn,
+    recompute_unit,
+    resolve_kept_ops,
+)
 from torch.utils.checkpoint import checkpoint
 
 
@@ -77,14 +86,14 @@ def test_absurd_op_name_lengths_are_refused_before_any_search():
 
 def test_repeated_spellings_do_not_rescan_the_dispatcher():
     resolve_kept_ops(["aten::mm"])
-    before = torch.ops.sac.op_index_rebuilds()
+    before = sac_plugin._C.op_index_rebuilds()
     Policy(kept_ops=["aten::mm"] * 16_000)
     assert resolve_kept_ops(["aten::mm", "aten.tanh"] * 8_000) == frozenset({"aten::mm", "aten.tanh"})
     with audit() as a:
         pass
     for _ in range(1_000):
         a.count("aten::mm")
-    assert torch.ops.sac.op_index_rebuilds() == before
+    assert sac_plugin._C.op_index_rebuilds() == before
 
 
 def test_op_resolution_follows_ops_registered_and_removed_later():
@@ -318,7 +327,10 @@ def test_the_library_takes_a_policys_fields_by_name():
         offload_min_bytes=1,
         host_memory_limit=-1,
     )
-    with pytest.raises(RuntimeError, match=r"^__init__\(\) is missing value for argument 'pin_routing'"):
-        torch.classes.sac.Policy(**fields)
-    handle = torch.classes.sac.Policy(**fields, pin_routing=True)
+    with pytest.raises(TypeError) as missing:
+        _native.C.Policy(**fields)
+    assert str(missing.value) == "sac: Policy() is missing the field 'pin_routing' (every field is passed by name)"
+    with pytest.raises(TypeError, match=r"^Policy\(\) takes no positional arguments$"):
+        _native.C.Policy(*fields.values(), True)
+    handle = _native.C.Policy(**fields, pin_routing=True)
     assert handle.kept_calls() == (["aten::relu"], [2], [0, 2])

@@ -18,19 +18,20 @@ from torch.utils.checkpoint import checkpoint
 
 
 def test_closing_units_out_of_order_is_refused_and_changes_nothing():
-    outer = torch.ops.sac.push_unit("attn")
-    inner = torch.ops.sac.push_unit("rope")
+    attn, rope = sac_plugin._C.unit_id("attn"), sac_plugin._C.unit_id("rope")
+    outer = sac_plugin._C.unit_push(attn)
+    inner = sac_plugin._C.unit_push(rope)
     try:
         with pytest.raises(
             RuntimeError,
             match=r"recompute unit 'attn' \(opened at depth 1\) closed out of order: "
             r"the innermost open unit is 'rope' at depth 2",
         ):
-            torch.ops.sac.pop_unit("attn", outer)
+            sac_plugin._C.unit_pop(attn, outer)
         assert sac_plugin.open_units() == ["attn", "rope"]
     finally:
-        torch.ops.sac.pop_unit("rope", inner)
-        torch.ops.sac.pop_unit("attn", outer)
+        sac_plugin._C.unit_pop(rope, inner)
+        sac_plugin._C.unit_pop(attn, outer)
 
 
 def test_a_refused_out_of_order_unit_close_leaves_the_unit_closable():

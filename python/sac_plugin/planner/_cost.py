@@ -69,7 +69,7 @@ def offload_placement(
     limit = -1 if host_memory_limit is None else host_memory_limit
     # A sum of reservations past int64 is past every limit: clamped, it still is.
     reserved = min(reserved_host_bytes, _fields.INT64_MAX)
-    return Placement(_native.lib.sac_offload_placement(nbytes, reserved, offload_min_bytes, limit))
+    return Placement(_native.C.offload_placement(nbytes, reserved, offload_min_bytes, limit))
 
 
 class PlanError(ValueError):

@@ -15,7 +15,7 @@ import statistics
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import _observers, _rule, _scopes, units as _units
+from .. import _native, _observers, _rule, _scopes, units as _units
 from .._forwards import checkpoint_call
 from ..checkpointing import context_fn
 from ..memory import track_activation_memory
@@ -89,6 +89,14 @@ class LayerProfile:
 
 def _leaves(value):
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(tensor) -> int:
+    """A tensor's storage identity, as the profile names storages (0: none it can name)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _backward(output) -> None:
@@ -224,7 +232,7 @@ def profile_layer(
             "installed in this torch (see the warning at import); write a Policy by hand instead"
         )
     devices = sorted({t.device.index or 0 for t in _leaves((args, kwargs)) if t.is_cuda})
-    handle = torch.classes.sac.CallProfile()
+    handle = _native.C.CallProfile()
     with leaves_no_trace(module, devices):
         for _ in range(warmup):
             _backward(module(*(_fresh(a) for a in args), **{k: _fresh(v) for k, v in kwargs.items()}))
@@ -252,7 +260,7 @@ def profile_layer(
                 units_of_calls = watched
             if handle.runs() == 1:
                 # What the layer returns stays alive after its region whatever a policy keeps.
-                handle.note_layer_outputs(_leaves(out))
+                handle.note_layer_outputs([_storage_key(t) for t in _leaves(out)])
             # NOTE: [Where the recompute stops] torch.utils.checkpoint (non-reentrant) stops the
             # recompute as soon as every tensor the forward saved has been saved again; autograd
             # saves a call's inputs before it runs and its outputs after, so the calls recorded

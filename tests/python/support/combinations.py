@@ -418,7 +418,7 @@ def observe(case: Case, device: str = "cpu") -> dict:
     x = torch.randn(BATCH, DIM, device=device)
     want = _step(reference, x, case, device)
     gc.collect()  # regions an earlier test's failed backward left to the collector (docs/limits.md)
-    live_before = torch.ops.sac.live_regions()
+    live_before = sac_plugin._C.live_regions()
     native = sac_plugin.engine() == "native"
     held_after_forward = []
 
@@ -484,7 +484,7 @@ def observe(case: Case, device: str = "cpu") -> dict:
             else None
         ),
         "held_after_backward": [entry for entry in held_after_backward if entry != (0, 0, 0)],
-        "regions_left": torch.ops.sac.live_regions() - live_before,
+        "regions_left": sac_plugin._C.live_regions() - live_before,
         # Off the CPU, offloaded outputs and the flat block's input (offload_inputs) go to the host.
         "bytes_to_host": bytes_to_host if not case.nested else None,
         "expected_bytes_to_host": (
