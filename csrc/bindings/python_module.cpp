@@ -12,8 +12,8 @@
 
 // NOTE: [One extension module]
 // The plugin's shared library is two things at once. Loaded by torch.ops.load_library, its
-// TORCH_LIBRARY blocks register torch.ops.sac.* (what must be a dispatcher op: calls that take
-// tensors, and the stateless queries) and the dispatch key's kernels. Imported as the extension
+// TORCH_LIBRARY blocks register torch.ops.sac.* (what must be a dispatcher op: the calls that take
+// or return tensors) and the dispatch key's kernels. Imported as the extension
 // module sac_plugin._C (PyInit__C below; Python's loader opens the same file, and dlopen hands back
 // the object already loaded), it gives Python owned types: Policy, Site, Region, RegionScope,
 // OpEntry, CallDecider, CallProfile, Audit, Counts, CallTrace. Each holds its C++ object by a reference-counted pointer
@@ -251,7 +251,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* PyInit__C() {
   if (made == nullptr) return nullptr;
   if (PyModule_AddIntConstant(made, "ABI_VERSION", sac::python::kModuleVersion) < 0 ||
       !sac::python::addPolicyPart(made) || !sac::python::addScopesPart(made) || !sac::python::addProfilePart(made) ||
-      !sac::python::addDiagnosticsPart(made)) {
+      !sac::python::addDiagnosticsPart(made) || !sac::python::addQueriesPart(made)) {
     Py_DECREF(made);
     return nullptr;
   }

@@ -65,6 +65,7 @@ bool addPolicyPart(PyObject* module);       // python_policy.cpp: Policy, OpEntr
 bool addScopesPart(PyObject* module);       // python_scopes.cpp: Site, Region, RegionScope, units
 bool addProfilePart(PyObject* module);      // python_profile.cpp: CallProfile
 bool addDiagnosticsPart(PyObject* module);  // python_diagnostics.cpp: Audit, Counts, CallTrace
+bool addQueriesPart(PyObject* module);      // python_queries.cpp: installation, op names, offload stats
 
 // The policy a _C.Policy holds; null with a TypeError naming `what` for any other object.
 const std::shared_ptr<const Policy>* policyOf(PyObject* object, const char* what);

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-import torch
 
 from . import _native, _observers
 from ._validation import describe_value, op_spelling
@@ -129,7 +128,7 @@ class Audit:
         return [AuditRow(*values) for values in zip(*self._handle.rows())]
 
     def _matching(self, op) -> list[AuditRow]:
-        wanted = set(torch.ops.sac.overloads_of(op_spelling(op, "audit: op")))
+        wanted = set(_native.C.overloads_of(op_spelling(op, "audit: op")))
         return [row for row in self.rows() if row.op in wanted]
 
     def count(self, op, phase: str | None = None) -> int:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _native
 from ._validation import op_spelling
 
 __all__ = ["OpTraits", "casts_a_parameter", "draws_random", "op_traits"]
@@ -29,7 +30,7 @@ class OpTraits(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def op_traits(op) -> OpTraits:
     """The very traits the C++ fallback decides with (the op catalog's), per overload."""
-    return OpTraits(*torch.ops.sac.op_traits(op_spelling(op)))
+    return OpTraits(*_native.C.op_traits(op_spelling(op)))
 
 
 def draws_random(traits: OpTraits, args, kwargs) -> bool:

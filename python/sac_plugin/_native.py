@@ -98,7 +98,7 @@ def load() -> str | None:
     # The native fallback, or per-op kernels beside another owner of the key; if neither can be
     # installed, the dispatch-mode engine runs instead (_engine.choose_engine says so once).
     try:
-        torch.ops.sac.install_fallback()
+        C.install_fallback()
     except RuntimeError as error:
         return str(error).splitlines()[0]
     return None
@@ -111,7 +111,7 @@ def interception_path() -> str:
         "native" (its own fallback on the dispatch key) or "coexisting" (per-op kernels beside
         another library's fallback on the same key).
     """
-    return torch.ops.sac.interception_path()
+    return C.interception_path()
 
 
 # --- The extension module (csrc/bindings/python_module.cpp) --------------------------------------

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from . import _observers
+from . import _native, _observers
 from ._logging import logger
 
 # Units some model declares: installed by a target map (run_in_unit), named by in_recompute_unit,
@@ -96,7 +96,7 @@ class WatchedForward:
         # Units already open around the checkpointed call are open for the whole forward: what
         # the forward keeps is kept inside them too.
         with torch._C._DisableTorchDispatch():  # NOTE: [The plugin's own calls]
-            self._around = tuple(torch.ops.sac.open_units())
+            self._around = tuple(_native.C.open_units())
         self._kept_before = self._watch.kept_calls()
         _local.__dict__.setdefault("watches", []).append(self._watch)
         with _watching_lock:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from . import _observers
+from . import _native, _observers
 
 __all__ = ["ActivationMemory", "empty_offload_pool", "offload_stats", "track_activation_memory"]
 
@@ -146,7 +146,7 @@ def offload_stats() -> dict[str, int]:
             pool_bytes, pool_bytes_in_use, pool_bytes_cached, pool_allocations, pool_trims,
             pool_bytes_trimmed and exposed_copy_us.
     """
-    return dict(zip(OFFLOAD_STATS, torch.ops.sac.offload_stats()))
+    return dict(zip(OFFLOAD_STATS, _native.C.offload_stats()))
 
 
 def empty_offload_pool() -> int:
@@ -155,4 +155,4 @@ def empty_offload_pool() -> int:
     Returns:
         The bytes freed.
     """
-    return torch.ops.sac.empty_offload_pool()
+    return _native.C.empty_offload_pool()

@@ -192,7 +192,7 @@ class Policy:
         offload_inputs: bool = False,
     ):
         # Every argument is checked here, before C++ sees it, so that a bad one is reported by
-        # name with what was given (C++ would report a torchbind conversion failure).
+        # name with what was given (the extension module checks only their types).
         spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
         units = _unit_names(kept_units, "kept_units")
         recomputed = _unit_names(recomputed_units, "recomputed_units")
@@ -439,4 +439,4 @@ def resolve_kept_ops(names: Iterable) -> frozenset[str]:
         op_spelling(op, f"resolve_kept_ops: names[{i}]")
         for i, op in enumerate(_names(names, "resolve_kept_ops: names"))
     ]
-    return frozenset(torch.ops.sac.resolvable_op_names(spellings))
+    return frozenset(_native.C.resolvable_op_names(spellings))

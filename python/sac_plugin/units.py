@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from . import _observers, _rule, _scopes, _unit_checks
+from . import _native, _observers, _rule, _scopes, _unit_checks
 from ._validation import check_unit_name, describe_value
 
 __all__ = [
@@ -178,7 +178,7 @@ def open_units() -> list[str]:
     Returns:
         The names of the open units.
     """
-    return list(torch.ops.sac.open_units())
+    return list(_native.C.open_units())
 
 
 # NOTE: [torch_remat regions are recompute units]

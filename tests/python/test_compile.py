@@ -279,7 +279,7 @@ def test_compiled_policy_reads_the_fallbacks_classification():
     assert _op_traits(torch.ops._c10d_functional.all_reduce.default)[0] is True
     assert _op_traits(torch.ops.aten.sym_size.int)[1] is True  # metadata query: never counted
     with pytest.raises(ValueError, match=r"op_traits needs one overload such as 'aten::mm.default', got 'aten::mm'"):
-        torch.ops.sac.op_traits("aten::mm")
+        sac_plugin._C.op_traits("aten::mm")
 
 
 class RegionLayer(nn.Module):

@@ -267,7 +267,7 @@ def test_a_stale_or_ambiguous_name_is_named_with_its_line():
         "- **pass**: `_mode_recompute.RecomputeScope`, `sac::RecomputeScope`, `sac::Region::owner_of_all`,\n"
         "  `csrc/dispatch/no_such_file.h`, `Region`, `Policy::decide`, `region.h`, `self.region`;\n"
         "  `sac::Region`, `sac::Region::serve`, `sac::beginCall`, `_scopes.RegionScope`, "
-        '`torch.ops.sac.open_units`, `csrc/dispatch/region.h`, `checkpoint(fn, ...)`, `"attn"`, `kept_calls`\n'
+        '`sac_plugin._C.open_units`, `csrc/dispatch/region.h`, `checkpoint(fn, ...)`, `"attn"`, `kept_calls`\n'
         "- `torch.classes.sac.NoSuchClass`, `sac_plugin.NoSuchName`\n"
     )
     assert stale_names(text) == [

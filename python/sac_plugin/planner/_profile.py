@@ -167,7 +167,7 @@ class _UnitsOfCalls(_observers.Observer):
 
     def __init__(self, handle):
         self._handle = handle
-        self._base = tuple(torch.ops.sac.open_units())
+        self._base = tuple(_native.C.open_units())
         self._flags = _units._region_flags()
         self._open: list[tuple[object, int]] = []  # (unit as the rule takes it, flags open at its entry)
         self._flags_at_start = len(self._flags)
@@ -226,7 +226,7 @@ def profile_layer(
         )
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"sac_plugin: plan: warmup must be an int >= 0, got {bounded_repr(warmup)}")
-    if torch.ops.sac.interception_path() == "not installed":
+    if _native.C.interception_path() == "not installed":
         raise RuntimeError(
             "sac_plugin: plan: profiling needs the plugin's C++ interception, which could not be "
             "installed in this torch (see the warning at import); write a Policy by hand instead"
