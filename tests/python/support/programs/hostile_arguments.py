@@ -23,7 +23,23 @@ CANDIDATES = {
     "Any[]": [[], [64]],
 }
 # What a function of the extension module may be handed in any position.
-HOSTILE = [None, 64, -1, 2**62, 2**70, 0.5, True, "", "no::such_op", [], [64], ("x",), {"x": 1}, object(), torch.zeros(2)]
+HOSTILE = [
+    None,
+    64,
+    -1,
+    2**62,
+    2**70,
+    0.5,
+    True,
+    "",
+    "no::such_op",
+    [],
+    [64],
+    ("x",),
+    {"x": 1},
+    object(),
+    torch.zeros(2),
+]
 # Calls that would make the rest of the program meaningless, not unsafe: what the runtime's
 # messages and recomputes call back into.
 SETTERS = {"set_info_logger", "set_never_served_warning", "set_recompute_above_modes"}
