@@ -180,21 +180,19 @@ def test_torchtitan_benchmark_prints_both_modes():
         assert mode in out
 
 
-def test_budget_benchmark_writes_its_plots_into_a_directory_it_makes(tmp_path):
-    plots = tmp_path / "new" / "plots"
-    run_tool("benchmarks/bench_budget.py", "--quick", "--no-remat", "--plot-dir", str(plots))
-    assert sorted(path.name for path in plots.iterdir()) == ["plan_llama_64x32.png", "plan_moe_64x32.png"]
-
-
 @pytest.mark.native_engine(
     "bench_budget maps each plan to torch_remat regions through sac_plugin.trace, which "
     "reads the native engine's kept calls"
 )
-def test_budget_benchmark_quick_prints_every_column(tmp_path):
+def test_budget_benchmark_quick_prints_every_column_and_writes_its_plots(tmp_path):
     common = benchmarks_common()
     remat = common.have_torch_remat()
     traceable = common.why_trace_cannot_run() is None  # the plan -> torch_remat mapping traces the plan
-    out = run_tool("benchmarks/bench_budget.py", "--quick", "--json", str(tmp_path / "budget.json"))
+    plots = tmp_path / "new" / "plots"  # a directory the benchmark makes
+    out = run_tool(
+        "benchmarks/bench_budget.py", "--quick", "--json", str(tmp_path / "budget.json"), "--plot-dir", str(plots)
+    )
+    assert sorted(path.name for path in plots.iterdir()) == ["plan_llama_64x32.png", "plan_moe_64x32.png"]
     assert out.startswith("command: ") and "benchmarks/bench_budget.py --quick" in out.splitlines()[0]
     assert "solver: a 1,000-call profile planned in" in out
     for model in ("llama", "moe"):
