@@ -11,8 +11,8 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 # The settings are checked before anything is installed or built.
 case "${SAC_TEST_SUITE:-all}" in
-  all) torch_filter="" ;;
-  torch-sensitive) torch_filter=" and not torch_independent" ;;
+  all) torch_filter="" engine_filter="" ;;
+  torch-sensitive) torch_filter=" and not torch_independent" engine_filter=" and not over_the_engines" ;;
   *) fail "SAC_TEST_SUITE=$SAC_TEST_SUITE: expected all or torch-sensitive" ;;
 esac
 workers=${SAC_TEST_WORKERS:-1}
@@ -55,9 +55,9 @@ run_pytest "native engine, every test${torch_filter:+ that can tell torch versio
 # skip themselves with the reason): beside another owner of its dispatch key (per-op kernels,
 # NOTE: [Sharing the key with another owner]), and through torch's SAC (the dispatch-mode engine).
 # The modules whose result no engine changes ran above (NOTE: [Which runs a test module needs]).
-engine_suite="not slow and not engine_independent$torch_filter"
+engine_suite="not slow and not engine_independent$torch_filter$engine_filter"
 run_pytest "coexisting path (another owner of the key loaded first)" \
   SAC_TEST_PRELOAD_FOREIGN_OWNER="$SAC_TEST_FOREIGN_OWNER" -- -m "$engine_suite" -q "$@"
 run_pytest "dispatch-mode engine (SAC_PLUGIN_ENGINE=dispatch_mode)" SAC_PLUGIN_ENGINE=dispatch_mode -- \
-  -m "$engine_suite" -q "$@"
+  -m "$engine_suite and not starts_each_engine" -q "$@"
 exit "$status"

@@ -94,6 +94,18 @@ def other_thread_state():
 #                       version-sensitive and stays. Marked `torch_independent`, it runs on the
 #                       default torch only (CI's other torch versions deselect it, SAC_TEST_SUITE in
 #                       tools/test.sh).
+#   STARTS_EACH_ENGINE  each case starts every engine itself, in a fresh process with
+#                       SAC_PLUGIN_ENGINE set, so the dispatch-mode run would repeat the native run
+#                       exactly; the coexisting run still differs (its processes inherit the other
+#                       owner of the key). Marked `starts_each_engine`, the dispatch-mode run
+#                       deselects it.
+#   OVER_THE_ENGINES    features built over the engines' mechanics (the planner, reports, Hugging
+#                       Face models, fine-tuning, the combination matrix, property-based steps):
+#                       they reach torch through the same engine code the rest of the suite tests
+#                       call by call. Marked `over_the_engines`, they run in every engine on the
+#                       default torch and in the native engine on the other torch versions, whose
+#                       coexisting and dispatch-mode runs test the mechanics (SAC_TEST_SUITE in
+#                       tools/test.sh): a torch change that breaks an engine shows there first.
 ENGINE_INDEPENDENT = frozenset(
     {
         "test_bench_offload_simulation",
@@ -115,6 +127,20 @@ ENGINE_INDEPENDENT = frozenset(
 # Of those, the ones that do not check torch itself: install, library and target maps read torch's
 # version and op names, and the hostile-argument calls reach the ops torch registers.
 TORCH_INDEPENDENT = ENGINE_INDEPENDENT - {"test_hostile_arguments", "test_install", "test_library", "test_target_maps"}
+STARTS_EACH_ENGINE = frozenset({"test_dispatch_mode_data_flow"})
+OVER_THE_ENGINES = frozenset(
+    {
+        "test_combinations",
+        "test_fine_tuning",
+        "test_huggingface_models",
+        "test_plan_matches_runtime",
+        "test_plan_step",
+        "test_planner",
+        "test_planner_offload",
+        "test_property",
+        "test_report",
+    }
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
@@ -125,6 +151,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.engine_independent)
         if module in TORCH_INDEPENDENT:
             item.add_marker(pytest.mark.torch_independent)
+        if module in STARTS_EACH_ENGINE:
+            item.add_marker(pytest.mark.starts_each_engine)
+        if module in OVER_THE_ENGINES:
+            item.add_marker(pytest.mark.over_the_engines)
 
 
 def pytest_runtest_setup(item):

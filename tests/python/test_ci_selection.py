@@ -15,8 +15,13 @@ HERE = Path(__file__).resolve().parent
 
 def test_every_module_the_sets_name_exists():
     modules = {path.stem for path in HERE.glob("test_*.py")}
-    assert sorted(conftest.ENGINE_INDEPENDENT - modules) == []
-    assert sorted(conftest.TORCH_INDEPENDENT - modules) == []
+    for named in (
+        conftest.ENGINE_INDEPENDENT,
+        conftest.TORCH_INDEPENDENT,
+        conftest.STARTS_EACH_ENGINE,
+        conftest.OVER_THE_ENGINES,
+    ):
+        assert sorted(named - modules) == []
 
 
 def test_a_module_independent_of_the_torch_version_is_independent_of_the_engine():
@@ -25,12 +30,29 @@ def test_a_module_independent_of_the_torch_version_is_independent_of_the_engine(
     assert sorted(conftest.TORCH_INDEPENDENT - conftest.ENGINE_INDEPENDENT) == []
 
 
+def test_a_module_over_the_engines_or_starting_each_engine_runs_in_every_engine_run():
+    # Both sets only narrow the other engines' runs: a module in them must be in none of the
+    # engine-independent modules, which those runs leave out already.
+    assert sorted((conftest.OVER_THE_ENGINES | conftest.STARTS_EACH_ENGINE) & conftest.ENGINE_INDEPENDENT) == []
+
+
+# test_ci_summary.py (named in ENGINE_INDEPENDENT and TORCH_INDEPENDENT), test_install.py (in
+# ENGINE_INDEPENDENT only), test_units.py (in no set), test_property.py (in OVER_THE_ENGINES) and
+# test_dispatch_mode_data_flow.py (in STARTS_EACH_ENGINE).
+COLLECTED = (
+    "test_ci_summary.py",
+    "test_install.py",
+    "test_units.py",
+    "test_property.py",
+    "test_dispatch_mode_data_flow.py",
+)
+
+
 def collected(*args: str) -> list[str]:
-    """The test ids pytest selects from test_ci_summary.py (named in both sets), test_install.py
-    (in ENGINE_INDEPENDENT only) and test_units.py (in neither) with `args`."""
+    """The modules pytest selects from COLLECTED with `args`."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args]
-        + [str(HERE / name) for name in ("test_ci_summary.py", "test_install.py", "test_units.py")],
+        + [str(HERE / name) for name in COLLECTED],
         cwd=HERE.parents[1],
         capture_output=True,
         text=True,
@@ -43,8 +65,17 @@ def collected(*args: str) -> list[str]:
 @pytest.mark.parametrize(
     "expression,modules",
     [
-        ("not engine_independent", {"test_units.py"}),  # the coexisting and dispatch-mode runs
-        ("not torch_independent", {"test_install.py", "test_units.py"}),  # the other torch versions
+        # The coexisting and dispatch-mode runs.
+        ("not engine_independent", {"test_units.py", "test_property.py", "test_dispatch_mode_data_flow.py"}),
+        # The other torch versions.
+        (
+            "not torch_independent",
+            {"test_install.py", "test_units.py", "test_property.py", "test_dispatch_mode_data_flow.py"},
+        ),
+        # Their coexisting and dispatch-mode runs.
+        ("not engine_independent and not over_the_engines", {"test_units.py", "test_dispatch_mode_data_flow.py"}),
+        # The dispatch-mode run.
+        ("not engine_independent and not starts_each_engine", {"test_units.py", "test_property.py"}),
     ],
 )
 def test_the_markers_select_whole_modules(expression, modules):
