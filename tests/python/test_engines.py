@@ -61,7 +61,7 @@ def test_a_failed_install_falls_back_with_one_warning(monkeypatch, restores_the_
         raise RuntimeError("the dispatch key Fake cannot be shared in this torch")
 
     monkeypatch.delenv("SAC_PLUGIN_ENGINE", raising=False)
-    monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
+    monkeypatch.setattr(_native.C, "install_fallback", refuse)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _engine.choose_engine(_native.load())
@@ -79,7 +79,7 @@ def test_asking_for_the_native_engine_where_it_cannot_run_is_an_error(monkeypatc
         raise RuntimeError("no key")
 
     monkeypatch.setenv("SAC_PLUGIN_ENGINE", "native")
-    monkeypatch.setattr(torch.ops.sac, "install_fallback", refuse)
+    monkeypatch.setattr(_native.C, "install_fallback", refuse)
     with pytest.raises(
         ImportError,
         match=r"^sac_plugin: SAC_PLUGIN_ENGINE=native, but the native engine cannot run "
