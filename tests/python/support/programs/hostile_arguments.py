@@ -53,6 +53,14 @@ def candidates(type_text: str) -> list:
     return [None]
 
 
+def attempt(function, arguments: list, raised: collections.Counter) -> None:
+    """Calls `function`; counts the Python exception it raises by type (any is an answer)."""
+    try:
+        function(*arguments)
+    except Exception as error:  # noqa: BLE001 - any Python exception is an answer
+        raised[type(error).__name__] += 1
+
+
 def call_every_op(raised: collections.Counter) -> tuple[int, int]:
     names = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("sac::"))
     calls = 0
@@ -67,28 +75,20 @@ def call_every_op(raised: collections.Counter) -> tuple[int, int]:
             ]
             for arguments in variants:
                 calls += 1
-                try:
-                    op(*arguments)
-                except Exception as error:  # noqa: BLE001 - any Python exception is an answer
-                    raised[type(error).__name__] += 1
+                attempt(op, arguments, raised)
     return calls, len(names)
 
 
 def call_hostile(function, raised: collections.Counter) -> int:
     """`function` with no argument, then one to three arguments, each hostile value in each position."""
-    calls = 0
     argument_lists = [[]]
     for arity in range(1, 4):
         for position in range(arity):
             for value in HOSTILE:
                 argument_lists.append([value if i == position else 64 for i in range(arity)])
     for arguments in argument_lists:
-        calls += 1
-        try:
-            function(*arguments)
-        except Exception as error:  # noqa: BLE001 - any Python exception is an answer
-            raised[type(error).__name__] += 1
-    return calls
+        attempt(function, arguments, raised)
+    return len(argument_lists)
 
 
 def call_every_function(raised: collections.Counter) -> tuple[int, int]:
