@@ -34,6 +34,10 @@ parallel=()
 if [ "$workers" -gt 1 ]; then
   "$python" -c 'import xdist' 2>/dev/null || fail "SAC_TEST_WORKERS=$workers needs pytest-xdist in $venv; run bash tools/setup.sh"
   parallel=(-n "$workers")
+  # One worker per core already keeps the cores busy: torch's intra-op threads in each worker (and
+  # in the interpreters its tests start) would only contend for them. The suite's tensors are small,
+  # so the threads mostly wait, spinning: a third of the suite's CPU time on 2 cores.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 pytest_runs=0
 run_pytest() {  # run_pytest LABEL [ENV=VALUE...] -- PYTEST ARGS...: one pytest run; exit 5 fails too
