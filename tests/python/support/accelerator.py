@@ -3,18 +3,19 @@ and the fresh interpreters its tests run in.
 
 Each program runs in a fresh interpreter: autograd starts its per-device threads once per process,
 counting the devices registered at that moment, so the backend must be loaded before the first
-backward of the process, and the pytest process has run many backwards by then.
+backward of the process, and the pytest process has run many backwards by then. The interpreters
+start with torch imported where they can (support/warm_interpreters.py).
 """
 
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from support.subprocesses import PROGRAMS, python_environment
+from support.warm_interpreters import run_python
 
 # The programs run on the accelerator, and the models their bodies import.
 ACCELERATOR_PROGRAMS = PROGRAMS / "accelerator"
@@ -79,12 +80,8 @@ def run_on_accelerator(body, env=None):
         """
     )
     epilogue = "\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
-    result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(body) + epilogue],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=accelerator_environment(env),
+    result = run_python(
+        [sys.executable, "-c", prelude + textwrap.dedent(body) + epilogue], env=accelerator_environment(env)
     )
     return _last_report(result)
 
@@ -108,13 +105,8 @@ def run_accelerator_program(name, *arguments, env=None):
         "runpy.run_path(path, run_name='__main__')\n"
         "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", launcher, str(ACCELERATOR_PROGRAMS / name), *map(str, arguments)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=accelerator_environment(env),
-    )
+    command = [sys.executable, "-c", launcher, ACCELERATOR_PROGRAMS / name, *arguments]
+    result = run_python(command, env=accelerator_environment(env))
     return _last_report(result)
 
 

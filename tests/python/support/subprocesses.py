@@ -1,10 +1,12 @@
 """Fresh interpreters for the tests: a program of support/programs, or a few lines of code, run
-with `support` importable and an environment of the test's choosing."""
+with `support` importable and an environment of the test's choosing, started with torch imported
+where they can be (support/warm_interpreters.py)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from support.warm_interpreters import run_python
 
 # The programs the tests run in fresh interpreters, one a file.
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -43,13 +45,8 @@ def run_program(name, *arguments, env=None, drop=(), timeout=300):
     Returns:
         The subprocess.CompletedProcess, with stdout and stderr as text.
     """
-    return subprocess.run(
-        [sys.executable, str(PROGRAMS / name), *map(str, arguments)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=python_environment(env, drop),
-    )
+    command = [sys.executable, PROGRAMS / name, *arguments]
+    return run_python(command, env=python_environment(env, drop), timeout=timeout)
 
 
 def run_ranks(main, args, nprocs, seconds, what):
