@@ -12,7 +12,7 @@ TORCH_LIBRARY_FRAGMENT(sac, m) {
   m.def("mode_op(str name, str overload) -> int", &sac::modeOpHandle);
   m.def("mode_region_release(int region) -> ()", &sac::releaseModeRegion);
   m.def("mode_region_pass(int region, int which) -> str", &sac::modeRegionPass);
-  // NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp), as _C's Region has
+  // NOTE: [Kept outputs the recompute never reaches] (dispatch/kept_outputs.cpp), as _C's Region has
   // them for a native region.
   m.def("mode_region_forward_position(int region) -> int",
         [](int64_t region) { return sac::modeRegionRegion(region).forwardPosition(); });

@@ -111,7 +111,7 @@ PyObject* regionExit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* forwardPosition(PyObject* self, PyObject*) { return PyLong_FromLongLong(regionIn(self).forwardPosition()); }
 
-// NOTE: [Kept outputs the recompute never reaches] (dispatch/region.cpp).
+// NOTE: [Kept outputs the recompute never reaches] (dispatch/kept_outputs.cpp).
 PyObject* releaseUnreached(PyObject* self, PyObject* position) {
   int64_t last_saved = 0;
   if (!toInt64(position, "last_saved_position", &last_saved)) return nullptr;
@@ -216,7 +216,7 @@ bool endedAsDesigned(PyObject* const* args, Py_ssize_t nargs) {
   return early_stop;
 }
 
-// NOTE: [Served, or named] (dispatch/region.cpp): the warning a recompute left, issued where the
+// NOTE: [Served, or named] (dispatch/kept_outputs.cpp): the warning a recompute left, issued where the
 // user's warning filters apply. False with the warning raised as an exception (an "error" filter).
 bool warnAboutUnservedOutputs(RegionScopeObject* scope, PyObject* const* args, Py_ssize_t nargs) {
   if (scope->kind != ActivationKind::kRecompute) return true;

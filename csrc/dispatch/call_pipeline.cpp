@@ -17,10 +17,10 @@ namespace sac {
 //   1. a view the policy does not name runs unrecorded: the data flow names its output by its
 //      base's storage and its geometry, so it needs no record;
 //   2. a recompute past its last kept call runs unrecorded (NOTE: [The recompute after the last
-//      kept call] in region.cpp);
+//      kept call] in kept_outputs.cpp);
 //   3. the storages the call writes are noted; in the forward, kept outputs living in them are
 //      preserved: the region holds their value from before the write (NOTE: [Kept outputs
-//      written in the forward] in region.cpp);
+//      written in the forward] in preserved_writes.cpp);
 //   4. the call is named by data flow (NOTE: [Matching kept calls by data flow] in data_flow.cpp);
 //   5. in the recompute, a kept call is served and its kernel skipped; in the forward, the call is
 //      decided by Policy::decide (NOTE: [The keep rule] in policy.cpp) with the facts only the call
@@ -29,7 +29,7 @@ namespace sac {
 //      the rule overrides is warned about once per site, and the forward's position advances.
 // After the kernel (finishCall):
 //   6. a held call keeps (or offloads) its outputs, unless its site learnt that the recompute
-//      never reaches it (NOTE: [Kept outputs the recompute never reaches] in region.cpp);
+//      never reaches it (NOTE: [Kept outputs the recompute never reaches] in kept_outputs.cpp);
 //   7. the outputs are recorded in the data flow, naming the calls that consume them.
 // In the recompute, a call nothing the backward needs reads gets stand-in outputs instead of
 // running (step 5; NOTE: [The recompute runs only what backward needs] in dead_calls.cpp), and a
@@ -132,7 +132,7 @@ void redirectOutsideWrites(Region* region, bool in_recompute, const OpEntry& op,
 // that read them match. The outer decides and holds none of them (rule: a saved tensor belongs
 // to the innermost checkpoint), but a write they make to a storage an outer kept output lives in
 // is seen, and the kept output preserved (NOTE: [Kept outputs written in the forward] in
-// region.cpp).
+// preserved_writes.cpp).
 void EnclosingCalls::begin(const OpEntry& op, torch::jit::Stack* stack, size_t num_arguments,
                            std::optional<int64_t> naming_key) {
   for (const ThreadState::EnclosingPass& pass : ThreadState::current().enclosingPasses()) {

@@ -11,6 +11,7 @@
 
 #include "dispatch/ivalue_tensors.h"
 #include "dispatch/region.h"
+#include "dispatch/storage_copy.h"
 #include "ops/hash_containers.h"
 #include "ops/op_catalog.h"
 #include "ops/op_traits.h"
@@ -36,14 +37,14 @@ namespace sac {
 //   - a call whose new output the forward later writes (in place or as an out= argument, seen
 //     through the same writtenStorages the fallback reads) is offered at its output's bytes when
 //     the runtime would hold a copy from before the write, and not offered when it would
-//     recompute the call instead (NOTE: [Kept outputs written in the forward] in region.cpp).
+//     recompute the call instead (NOTE: [Kept outputs written in the forward] in preserved_writes.cpp).
 //     F.linear on a 3-D input, without a Python mode, adds its bias in place into its mm's
 //     output;
 //   - a new output the layer returns costs nothing when kept, the caller holding it anyway,
 //     unless the forward writes it later;
 //   - a call after the point where the recompute stops is not offered (Python notes that point,
 //     NOTE: [Where the recompute stops] in planner/_profile.py): the runtime never holds it
-//     (NOTE: [Kept outputs the recompute never reaches] in region.cpp).
+//     (NOTE: [Kept outputs the recompute never reaches] in kept_outputs.cpp).
 
 namespace {
 

@@ -49,7 +49,7 @@ struct ProfiledCall {
   std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> storages;
 };
 
-// NOTE: [Kept outputs written in the forward] (dispatch/region.cpp): the runtime recomputes a
+// NOTE: [Kept outputs written in the forward] (dispatch/preserved_writes.cpp): the runtime recomputes a
 // kept call whose output the forward later writes when it cannot hold a copy from before the
 // write, so a profile does not offer it.
 inline constexpr const char* kWrittenInTheForward = "written later in the forward";

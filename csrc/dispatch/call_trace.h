@@ -7,7 +7,7 @@
 // any Python dispatch mode on, at::isTensorSubclassLike holds for every tensor, so composite
 // ops decompose differently (F.linear on a non-contiguous 3-D input adds its bias out of place
 // into the mm output instead of in place; a kept mm is served either way, NOTE: [Kept outputs
-// written in the forward] in region.cpp). So the fallback itself tells the
+// written in the forward] in preserved_writes.cpp). So the fallback itself tells the
 // trace each decided call: its op, its phase, its innermost open unit and what became of it.
 // Without a trace on the thread that is one predictable branch on a thread-local flag. Python
 // names the layer and module of each call from the positions it notes (CallTrace::size) when

@@ -34,7 +34,7 @@ namespace sac {
 //   3. In the recompute, a dead call named as in the forward gets its stand-ins, named as its
 //      outputs were, so the kept calls that read them are served as before. Should a call that
 //      runs read a stand-in after all (a kept call the recompute could not be served, NOTE:
-//      [Served, or named] in region.cpp), the dead call is run first and its values written into
+//      [Served, or named] in kept_outputs.cpp), the dead call is run first and its values written into
 //      the stand-in: the recompute never computes from a stand-in. For that, a skipped call's
 //      arguments are held until the recompute ends (a collective's are not: it never runs late).
 // A collective is dead by the same rule, and skipping one is only sound if every rank skips it:

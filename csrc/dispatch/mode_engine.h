@@ -52,7 +52,7 @@ int64_t newModeRegion(std::shared_ptr<Site> site, c10::intrusive_ptr<Region> mar
 int64_t modeRegionOver(c10::intrusive_ptr<Region> native, c10::intrusive_ptr<Region> marker);
 void releaseModeRegion(int64_t handle);
 Region& modeRegionRegion(int64_t handle);
-// Returns, at the end of a recompute, the warning NOTE: [Served, or named] (region.cpp) left for
+// Returns, at the end of a recompute, the warning NOTE: [Served, or named] (kept_outputs.cpp) left for
 // the user (empty if none): the caller issues it.
 std::string modeRegionPass(int64_t handle, int64_t pass);
 

@@ -47,7 +47,7 @@ namespace sac {
 //   the buffers go back to the pool and the copies fetched back are freed.
 //   Writes: before a write in the forward, the compute stream waits until the copy out is done,
 //   so the host copy is the value the call made and is served as a kept output written in the
-//   forward is (NOTE: [Kept outputs written in the forward] in region.cpp); a write after the
+//   forward is (NOTE: [Kept outputs written in the forward] in preserved_writes.cpp); a write after the
 //   forward is found by the version counter the offloaded tensor shares with the forward's
 //   tensor, and serving raises naming the op, before the host copy, which the write may have
 //   raced, is used.

@@ -55,7 +55,7 @@ class OffloadedTensor {
   // The forward is about to write the tensor this copies: the current stream waits until the
   // copy out is done, so the host holds the value from before the write, and the version check
   // stops following the forward's tensor (NOTE: [Kept outputs written in the forward] in
-  // region.cpp).
+  // preserved_writes.cpp).
   void detachBeforeWrite();
 
   bool holdsHost() const { return host_.defined(); }

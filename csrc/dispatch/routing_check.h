@@ -25,7 +25,7 @@ class RoutingCheck {
   // and the fix when the recompute's call returned other sizes or host values than the forward's.
   void check(uint64_t call, const torch::jit::Stack& stack, size_t num_returns, const std::string& where);
   // Routing calls of the forward the recompute has not checked yet: while any is left, the
-  // recompute names its calls (NOTE: [The recompute after the last kept call] in region.cpp).
+  // recompute names its calls (NOTE: [The recompute after the last kept call] in kept_outputs.cpp).
   size_t pending() const { return pending_; }
   // A new recompute checks every noted call again.
   void beginRecompute();

@@ -19,7 +19,7 @@ namespace sac {
 // A Policy is a value: what it selects, and nothing else. What the runtime learns while running
 // it is a fact about one layer's code, not about the policy: which kept calls torch's early stop
 // never lets the recompute reach (NOTE: [Kept outputs the recompute never reaches] in
-// region.cpp), which warnings were already said, how many calls a pass names. One policy applied
+// kept_outputs.cpp), which warnings were already said, how many calls a pass names. One policy applied
 // to a dense and an MoE layer must decide each by its own first forward, so these facts live in
 // a Site: one per place the policy is applied, shared by the regions made there (each holds it),
 // and freed with the last of them and the Python object that made it.
@@ -51,7 +51,7 @@ class Site {
   // True once per site and op: the caller warns then (a selected call the rule recomputes).
   bool claimWarning(const OpEntry& op);
   // True once per site and notice: the caller says then why an offloaded call stays on the device,
-  // or which kept outputs the recompute never asked for (NOTE: [Served, or named] in region.cpp).
+  // or which kept outputs the recompute never asked for (NOTE: [Served, or named] in kept_outputs.cpp).
   enum class Notice : uint8_t { kRunsOnCpu = 0, kHostLimitReached = 1, kCannotCopy = 2, kHeldNeverServed = 3 };
   bool claimNotice(Notice notice) {
     const uint8_t bit = static_cast<uint8_t>(uint8_t{1} << static_cast<int>(notice));

@@ -1,7 +1,7 @@
 #pragma once
 // Copies of whole storages that the region makes below every mode, and tensors over them: how a
 // region keeps a value from before a write (NOTE: [Kept outputs written in the forward] in
-// region.cpp, NOTE: [The recompute writes nothing outside its region] in outside_writes.cpp).
+// preserved_writes.cpp, NOTE: [The recompute writes nothing outside its region] in outside_writes.cpp).
 
 #include <ATen/core/Tensor.h>
 
@@ -11,7 +11,7 @@ namespace sac {
 
 // Whether a write in the forward can be kept from a kept output by holding a copy of its
 // storage: a plain tensor (no subclass) whose storage holds a whole number of its elements (NOTE:
-// [Kept outputs written in the forward] in region.cpp). The call profile asks it too, so a plan
+// [Kept outputs written in the forward] in preserved_writes.cpp). The call profile asks it too, so a plan
 // offers what is preserved.
 bool preservableFromWrites(const at::Tensor& tensor);
 

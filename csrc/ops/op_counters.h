@@ -25,7 +25,7 @@ struct CounterSnapshot {
   // reads them (NOTE: [The recompute runs only what backward needs] in dispatch/dead_calls.cpp).
   uint64_t skipped = 0;
   // Kept (or offloaded) outputs held from the forward to the backward and freed unserved (NOTE:
-  // [Served, or named] in dispatch/region.cpp), and the bytes they held.
+  // [Served, or named] in dispatch/kept_outputs.cpp), and the bytes they held.
   uint64_t never_served = 0;
   uint64_t never_served_bytes = 0;
 

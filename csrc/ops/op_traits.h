@@ -50,7 +50,7 @@ struct OpTraits {
   // Allocates memory it leaves uninitialised (aten::empty, empty_like, new_empty, empty_strided,
   // new_empty_strided, every overload). Keeping one is useless: its contents are garbage until
   // its first write, and what a kept output would hold from before that write (NOTE: [Kept
-  // outputs written in the forward] in region.cpp) is the garbage, so such calls are never kept.
+  // outputs written in the forward] in preserved_writes.cpp) is the garbage, so such calls are never kept.
   bool is_uninitialised_allocation = false;
   // aten::_to_copy: when it casts a parameter (autocast's weight casts) it is never kept, see
   // castsAParameter.

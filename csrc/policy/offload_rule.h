@@ -1,6 +1,6 @@
 #pragma once
 // Where an offloaded call's outputs live between forward and backward, by their bytes alone: the
-// one rule the runtime (dispatch/region.cpp) applies when it holds an offloaded call and the
+// one rule the runtime (dispatch/offloaded_outputs.cpp) applies when it holds an offloaded call and the
 // memory-budget planner (python/sac_plugin/planner) asks, through sac_plugin._C, when it prices one.
 // NOTE: [Where an offloaded call's outputs live] in offload_rule.cpp.
 

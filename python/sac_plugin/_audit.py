@@ -183,7 +183,7 @@ class Audit:
 
     def never_served(self, op=None) -> int:
         """How many kept (or offloaded) outputs were held for a recompute that never asked for
-        them (NOTE: [Served, or named] in csrc/dispatch/region.cpp).
+        them (NOTE: [Served, or named] in csrc/dispatch/kept_outputs.cpp).
 
         Args:
             op: The op: a name (every overload) or an overload; None: every op.

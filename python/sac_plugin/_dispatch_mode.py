@@ -106,7 +106,7 @@ class _PassMode(TorchDispatchMode):
                 notice = torch.ops.sac.mode_region_pass(
                     self._handle, ModePass.END_RECOMPUTE if self._recompute else ModePass.END_FORWARD
                 )
-            # NOTE: [Served, or named] (csrc/dispatch/region.cpp); a recompute that raised (other
+            # NOTE: [Served, or named] (csrc/dispatch/kept_outputs.cpp); a recompute that raised (other
             # than torch's early stop) has not served what it would have, and its error says enough.
             if notice and (exc_info[0] is None or exc_info[0].__name__ == "_StopRecomputationError"):
                 warnings.warn(notice, HeldNeverServedWarning, stacklevel=2)

@@ -7,7 +7,7 @@
 Broken down by checkpointed module (its qualified name in `model`) and, inside it, by recompute
 unit: calls, ops run in the forward and in the recompute, kept outputs served (hits), calls kept
 and bytes kept, and kept outputs held but never served (NOTE: [Served, or named] in
-csrc/dispatch/region.cpp). Plus every storage saved for backward, inside regions (the kept outputs) and
+csrc/dispatch/kept_outputs.cpp). Plus every storage saved for backward, inside regions (the kept outputs) and
 outside them (autograd's saved tensors, by the module that saved them), each once, naming the
 tensors on it, their shapes and dtypes: torch_remat's print_saved_tensors_report, per layer.
 

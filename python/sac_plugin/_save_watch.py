@@ -50,7 +50,7 @@ class SaveWatch:
       - on the site's first forward, where the checkpoint stops its recompute early, the region's
         position (calls decided so far) at each save: at the end of the forward the region frees
         the kept outputs after the last save, and the site remembers them (NOTE: [Kept outputs the
-        recompute never reaches] in csrc/dispatch/region.cpp);
+        recompute never reaches] in csrc/dispatch/kept_outputs.cpp);
       - on every forward of a site whose first found recompute calls to skip, the storage of each
         saved tensor, from which the region finds the calls nothing the backward needs (NOTE: [The
         recompute runs only what backward needs] in csrc/dispatch/dead_calls.cpp).

@@ -9,6 +9,6 @@ __all__ = ["HeldNeverServedWarning"]
 class HeldNeverServedWarning(UserWarning):
     """A checkpointed layer held kept (or offloaded) outputs from its forward to its backward that
     its recompute never asked for: memory paid for compute that was not saved (NOTE: [Served, or
-    named] in csrc/dispatch/region.cpp). The message names the layer, each call, its unit and the
+    named] in csrc/dispatch/kept_outputs.cpp). The message names the layer, each call, its unit and the
     bytes; issued once per checkpoint site. `sac_plugin.audit()` counts such calls per op
     (`AuditRow.never_served`, `never_served_bytes`)."""

@@ -13,7 +13,8 @@ Inside dispatch, the files are layered too, lowest first (DISPATCH_SUBLAYERS nam
     records      what a pass knows and holds, each alone: the key, data flow, the offload pool,
                  storage copies, routing records, sites, the per-op trace, the entry points' names
     parts        the parts a region composes, each with one job: what the forward wrote outside it,
-                 the inputs it holds
+                 the inputs it holds, the calls its recompute skips, its kept outputs, those preserved
+                 from a write in the forward, those offloaded
     region       the region and the thread state that activates it, the call profile
     pipeline     what happens to one call, whichever engine brought it (call_pipeline, InterceptedCall)
     engines      how calls arrive: the native fallback, hot-op kernels, the coexisting kernels, the
@@ -48,8 +49,10 @@ DISPATCH_SUBLAYERS = {
     "outside_writes": "parts",
     "held_inputs": "parts",
     "dead_calls": "parts",
+    "kept_outputs": "parts",
+    "preserved_writes": "parts",
+    "offloaded_outputs": "parts",
     "region": "region",
-    "region_offload": "region",
     "region_scopes": "region",
     "thread_state": "region",
     "call_profile": "region",

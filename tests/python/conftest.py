@@ -31,7 +31,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     # Kept outputs a recompute never asked for fail the test that held them (NOTE: [Served, or
-    # named] in csrc/dispatch/region.cpp). Added here rather than in pytest.ini, whose filters pytest
+    # named] in csrc/dispatch/kept_outputs.cpp). Added here rather than in pytest.ini, whose filters pytest
     # resolves before this file runs: importing sac_plugin there would install its dispatch key
     # before the coexistence suite's other owner loads above.
     config.addinivalue_line("filterwarnings", "error::sac_plugin.HeldNeverServedWarning")

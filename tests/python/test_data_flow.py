@@ -17,7 +17,7 @@ pytestmark = pytest.mark.native_engine(
 
 
 # The call the forward makes only once (the cache) is kept and never served: held for nothing in
-# the first step, and named (NOTE: [Served, or named] in csrc/dispatch/region.cpp).
+# the first step, and named (NOTE: [Served, or named] in csrc/dispatch/kept_outputs.cpp).
 _CACHE_HELD_FOR_NOTHING = "sac: LazyCacheLayer held the outputs of 1 call \\(128 bytes\\) from its forward"
 
 

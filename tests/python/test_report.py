@@ -573,7 +573,7 @@ def test_reports_on_two_threads_training_at_once_count_their_own_calls():
 class _TransposedLinear(nn.Module):
     """F.linear on a non-contiguous 3-D input: without a Python dispatch mode, its bias is added
     in place into the mm output, after the region copied a kept mm's value (NOTE: [Kept outputs
-    written in the forward] in csrc/dispatch/region.cpp); under any mode it is added out of place."""
+    written in the forward] in csrc/dispatch/preserved_writes.cpp); under any mode it is added out of place."""
 
     def __init__(self):
         super().__init__()

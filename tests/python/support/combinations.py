@@ -109,7 +109,7 @@ class Call:
     """A call of the block the rule can keep: op, innermost unit, the torch_remat region's flag
     (None for a plain unit or none), its output's elements, and whether it runs after the
     region's last tensor saved for backward (then kept but never held: NOTE: [Kept outputs the
-    recompute never reaches] in csrc/dispatch/region.cpp)."""
+    recompute never reaches] in csrc/dispatch/kept_outputs.cpp)."""
 
     op: str
     unit: str | None

@@ -1,17 +1,19 @@
-// The region's offloaded outputs: a Region's member functions for NOTE: [Offloading kept outputs]
-// (offload.cpp), apart from keeping and serving (region.cpp).
+#include "dispatch/offloaded_outputs.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
-#include "dispatch/region.h"
-#include "ops/hash_containers.h"
+#include "dispatch/kept_outputs.h"
+#include "dispatch/offload.h"
 #include "ops/user_warning.h"
 #include "policy/offload_rule.h"
 
 namespace sac {
 
-void Region::offload(KeptOutputs& kept) {
+bool OffloadedOutputs::offload(KeptOutputs& kept, Site& site) {
   const std::string& name = kept.op->traits.qualified_name;
   int64_t bytes = 0;
   bool on_accelerator = false;
@@ -34,26 +36,26 @@ void Region::offload(KeptOutputs& kept) {
     bytes += sac::offloadedBytes(tensor);
   }
   if (!on_accelerator) {
-    if (site_->claimNotice(Site::Notice::kRunsOnCpu)) {
+    if (site.claimNotice(Site::Notice::kRunsOnCpu)) {
       SAC_WARN_USER("sac: ", name,
                     " is offloaded by the policy but runs on the CPU, so its outputs are kept where "
                     "they are, in host memory already; offloading moves outputs off an accelerator (said once per "
                     "checkpoint site)");
     }
-    return;
+    return false;
   }
   if (!copyable) {
-    if (site_->claimNotice(Site::Notice::kCannotCopy)) {
+    if (site.claimNotice(Site::Notice::kCannotCopy)) {
       SAC_WARN_USER("sac: the outputs of ", name,
                     " cannot be offloaded (a tensor list, a CPU tensor, or outputs "
                     "that overlap or share storage), so they are kept on the device (said once per checkpoint site)");
     }
-    return;
+    return false;
   }
-  const Policy& policy = site_->policy();
+  const Policy& policy = site.policy();
   // NOTE: [Where an offloaded call's outputs live] (policy/offload_rule.cpp): the floor here, the
   // host cap in the pool, which counts what it holds.
-  if (offloadPlacement(bytes, 0, policy.offloadMinBytes(), -1) == OffloadPlacement::kDeviceBelowFloor) return;
+  if (offloadPlacement(bytes, 0, policy.offloadMinBytes(), -1) == OffloadPlacement::kDeviceBelowFloor) return false;
   // One pinned buffer per output, all or none: a refused one leaves every output on the device.
   std::vector<c10::Storage> buffers;
   for (const c10::IValue& value : kept.outputs) {
@@ -61,7 +63,7 @@ void Region::offload(KeptOutputs& kept) {
     c10::Storage buffer = takePinnedBuffer(sac::offloadedBytes(value.toTensor()), policy.hostMemoryLimit());
     if (!buffer) {
       for (c10::Storage& taken : buffers) returnPinnedBuffer(std::move(taken));
-      if (site_->claimNotice(Site::Notice::kHostLimitReached)) {
+      if (site.claimNotice(Site::Notice::kHostLimitReached)) {
         SAC_WARN_USER("sac: the policy's host_memory_limit of ", policy.hostMemoryLimit(),
                       " bytes is reached: the "
                       "offload pool cannot hold the outputs of ",
@@ -69,11 +71,11 @@ void Region::offload(KeptOutputs& kept) {
                       " as well, so they and later offloaded outputs "
                       "that do not fit are kept on the device (said once per checkpoint site)");
       }
-      return;
+      return false;
     }
     buffers.push_back(std::move(buffer));
   }
-  std::lock_guard<std::mutex> lock(offload_mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   size_t next_buffer = 0;
   c10::SmallVector<int64_t, 1> versions;
   size_t version = 0;
@@ -93,33 +95,44 @@ void Region::offload(KeptOutputs& kept) {
     value = c10::IValue();
   }
   kept.versions = std::move(versions);
-  offloaded_bytes_ += bytes;
-  any_offloaded_ = true;
+  bytes_ += bytes;
+  return true;
 }
 
-void Region::drop(KeptOutputs& kept) {
-  kept.outputs.clear();
-  kept.preserved.clear();
-  if (kept.offloaded.empty()) return;
-  std::lock_guard<std::mutex> lock(offload_mutex_);
+// NOTE: [Offloading kept outputs] (offload.cpp): checked before the host copy is used.
+void OffloadedOutputs::take(KeptOutputs& kept, bool keep_host, c10::SmallVectorImpl<c10::IValue>& values) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [slot, offloaded] : kept.offloaded) {
+    checkServedVersion(kept, offloaded.savedVersion(), offloaded.currentVersion());
+  }
+  values = kept.outputs;
+  for (auto& [slot, offloaded] : kept.offloaded) values[slot] = offloaded.take(keep_host);
+}
+
+void OffloadedOutputs::drop(KeptOutputs& kept) {
+  std::lock_guard<std::mutex> lock(mutex_);
   int64_t bytes = 0;
   for (auto& [slot, offloaded] : kept.offloaded) bytes += offloaded.bytes();
   kept.offloaded.clear();  // each returns its host buffer to the pool
   kept.offloaded_storages.clear();
-  offloaded_bytes_ -= bytes;
+  bytes_ -= bytes;
 }
 
-void Region::fetchOffloaded() {
-  if (!any_offloaded_) return;
-  std::lock_guard<std::mutex> lock(offload_mutex_);
+void OffloadedOutputs::detachBeforeWrite(c10::ArrayRef<std::pair<KeptOutputs*, size_t>> outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [kept, index] : outputs) kept->offloaded[index].second.detachBeforeWrite();
+}
+
+void OffloadedOutputs::fetch(HashMap<uint64_t, KeptOutputs>& entries, HeldInputs& inputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
   // The inputs first: the recompute reads them before any kept output.
-  inputs_.fetch();
+  inputs.fetch();
   // Then in the order the forward made them, which the recompute reads them in: the copy stream
   // runs them one after another, so a copy queued early that is needed late delays every one
   // after it (the planner's copy model assumes this order: NOTE: [The copy queues] in
   // sac_plugin/planner/_cost.py).
   std::vector<KeptOutputs*> in_forward_order;
-  for (auto& [call, kept] : kept_) {
+  for (auto& [call, kept] : entries) {
     if (!kept.offloaded.empty()) in_forward_order.push_back(&kept);
   }
   std::sort(in_forward_order.begin(), in_forward_order.end(),
@@ -129,15 +142,15 @@ void Region::fetchOffloaded() {
   }
 }
 
-int64_t Region::offloadedBytes() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
-  return offloaded_bytes_;
+int64_t OffloadedOutputs::bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_;
 }
 
-int64_t Region::offloadedCalls() const {
-  std::lock_guard<std::mutex> lock(offload_mutex_);
+int64_t OffloadedOutputs::calls(const HashMap<uint64_t, KeptOutputs>& entries) const {
+  std::lock_guard<std::mutex> lock(mutex_);
   int64_t calls = 0;
-  for (const auto& [key, kept] : kept_) calls += kept.offloaded.empty() ? 0 : 1;
+  for (const auto& [key, kept] : entries) calls += kept.offloaded.empty() ? 0 : 1;
   return calls;
 }
 
