@@ -122,11 +122,19 @@ ENGINE_INDEPENDENT = frozenset(
         "test_library",
         "test_public_api",
         "test_target_maps",
+        "test_warm_interpreters",
     }
 )
 # Of those, the ones that do not check torch itself: install, library and target maps read torch's
-# version and op names, and the hostile-argument calls reach the ops torch registers.
-TORCH_INDEPENDENT = ENGINE_INDEPENDENT - {"test_hostile_arguments", "test_install", "test_library", "test_target_maps"}
+# version and op names, the hostile-argument calls reach the ops torch registers, and the warm
+# interpreters fork only where torch's import starts no thread.
+TORCH_INDEPENDENT = ENGINE_INDEPENDENT - {
+    "test_hostile_arguments",
+    "test_install",
+    "test_library",
+    "test_target_maps",
+    "test_warm_interpreters",
+}
 STARTS_EACH_ENGINE = frozenset({"test_dispatch_mode_data_flow"})
 OVER_THE_ENGINES = frozenset(
     {

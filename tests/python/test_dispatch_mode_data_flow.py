@@ -6,7 +6,6 @@ the same exact counts in both engines."""
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -14,6 +13,7 @@ import pytest
 import sac_plugin
 from support.data_flow import CASES
 from support.subprocesses import run_program
+from support.warm_interpreters import run_python
 
 ENGINES = ("native", "dispatch_mode")
 # [forward, recompute, hits] per op, per step. The lazy cache adds an mm to step 1's forward
@@ -80,7 +80,7 @@ except RuntimeError as error:
 """
     environment = {k: v for k, v in os.environ.items() if k != "SAC_PLUGIN_ENGINE"}
     environment["SAC_PLUGIN_ENGINE"] = "dispatch_mode"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment)
+    done = run_python([sys.executable, "-c", code], env=environment)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip() == (
         "sac: a tensor kept for backward was mutated after it was saved: the output of aten::mm (kept by the op "

@@ -3,7 +3,6 @@ cannot be installed (with one warning saying why and what it costs) or when aske
 dispatch-mode engine's policy function keeps the calls the policy names."""
 
 import os
-import subprocess
 import sys
 import warnings
 
@@ -13,10 +12,12 @@ import torch
 from sac_plugin import Policy, _engine, _native
 from torch.utils.checkpoint import checkpoint
 
+from support import warm_interpreters
+
 
 def run_python(code, **env):
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SAC_")} | env
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+    return warm_interpreters.run_python([sys.executable, "-c", code], env=environment, timeout=120)
 
 
 def test_the_native_engine_runs_by_default():

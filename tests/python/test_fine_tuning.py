@@ -9,8 +9,6 @@ train bitwise as the model does unchecked."""
 import copy
 import functools
 import json
-import os
-import subprocess
 import sys
 import warnings
 
@@ -22,6 +20,7 @@ from sac_plugin import RecomputeConfig
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (tools/setup.sh installs it)")
 from sac_plugin.integrations import huggingface  # noqa: E402
 from support.transformers_models import enable_transformers_checkpointing  # noqa: E402
+from support.warm_interpreters import run_python  # noqa: E402
 
 LAYERS = 2
 SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -241,11 +240,11 @@ def test_a_configured_model_pickles_whole_and_still_trains(peft, tmp_path):
 
 def test_importing_sac_plugin_leaves_torch_dynamo_unimported():
     code = "import sys, torch; import sac_plugin; print('torch._dynamo' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    result = run_python([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
     code = "import sac_plugin; print(sac_plugin.plan.__module__, sac_plugin.Plan.__name__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    result = run_python([sys.executable, "-c", code])
     assert result.stdout.strip() == "sac_plugin.planner._plan Plan", result.stderr
 
 

@@ -10,8 +10,6 @@ import pytest
 
 from support import warm_interpreters
 
-pytestmark = pytest.mark.torch_independent
-
 
 PROGRAM = """
 import json, os, sys, threading
