@@ -50,10 +50,9 @@ def child(request):
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = request["argv"]
-    if request["path"] is not None:
-        sys.path[0] = os.path.dirname(request["path"])
     main = {"__name__": "__main__", "__builtins__": __builtins__}
     if request["path"] is not None:
+        sys.path[0] = os.path.dirname(request["path"])
         main["__file__"] = request["path"]
     exec(compile(request["code"], request["path"] or "<string>", "exec"), main)
     sys.exit(0)
@@ -101,11 +100,9 @@ class _WaitingInterpreter:
         names = set(env) | set(self.env)
         return all(name.startswith(_OWN_PREFIX) for name in names if env.get(name) != self.env.get(name))
 
-    def run(self, command: list[str], code: str, path: str | None, env: dict[str, str], timeout: float):
+    def run(self, command: list[str], code: str, path: str | None, argv: list[str], env: dict[str, str], timeout):
         with tempfile.TemporaryDirectory() as directory:
             out, err = Path(directory, "stdout"), Path(directory, "stderr")
-            argv = command[2:] if path is None else command[1:]  # python -c CODE ARGS / python PATH ARGS
-            argv = ["-c", *argv[1:]] if path is None else argv
             request = {"code": code, "path": path, "argv": argv, "env": env, "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -150,15 +147,16 @@ def run_python(command: list, env: dict[str, str] | None = None, timeout: float 
     env = dict(os.environ if env is None else env)
     if command[0] != sys.executable:
         raise ValueError(f"run_python runs this interpreter ({sys.executable}), got {command[0]!r}")
+    # sys.argv as Python sets it: ["-c", *ARGS] for code, [PATH, *ARGS] for a file.
     if command[1] == "-c":
-        code, path = command[2], None
+        code, path, argv = command[2], None, ["-c", *command[3:]]
     else:
         path = str(Path(command[1]).resolve())
-        code = Path(path).read_text()
+        code, argv = Path(path).read_text(), command[1:]
     if not _refused and (_waiting is None or not _waiting.serves(env)):
         _close_waiting()
         _waiting = _WaitingInterpreter(env)
         _refused = not _waiting.ready
     if _waiting is not None and _waiting.serves(env):
-        return _waiting.run(command, code, path, env, timeout)
+        return _waiting.run(command, code, path, argv, env, timeout)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
