@@ -53,7 +53,7 @@ def main():
     # callable run inside the "mlp" unit; on a copy, so the other modes see a plain block.
     units_block = copy.deepcopy(block)
     apply_recompute_config(
-        units_block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[units_block]
+        units_block, RecomputeConfig(kept_units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[units_block]
     )
     torch_caches = []  # torch's SAC cache, counted as held memory like the plugin's store
     modes = {

@@ -71,8 +71,8 @@ def make_layer(model, dim, heads, seq, batch, device):
 
 def units_config(model):
     if model == "llama":
-        return sac_plugin.RecomputeConfig(units=["attn", "mlp"]), LLAMA_TARGETS
-    return sac_plugin.RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch"]), MOE_TARGETS
+        return sac_plugin.RecomputeConfig(kept_units=["attn", "mlp"]), LLAMA_TARGETS
+    return sac_plugin.RecomputeConfig(kept_units=["attn", "moe_gate", "moe_dispatch"]), MOE_TARGETS
 
 
 def checkpointed(block, policy=None, config=None):

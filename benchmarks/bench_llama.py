@@ -12,7 +12,7 @@ first mode:
   function that keeps `aten::mm` and the attention overloads this build has (a set lookup, what a
   torch SAC user writes);
 - sac_plugin, same kept ops: `sac_plugin.integrations.huggingface.apply_recompute_config` with
-  `RecomputeConfig(ops=...)`, the same ops;
+  `RecomputeConfig(kept_ops=...)`, the same ops;
 - sac_plugin, plan: the same with `RecomputeConfig(budget=...)`, planned on the benchmark's batch.
 
 Every mode starts from the same weights, and the first step of each is checked: its loss and every
@@ -113,7 +113,9 @@ def make_modes(args, base: LlamaForCausalLM, batch: dict) -> tuple[dict, dict]:
     torch_sac = TorchSacContext(policy.kept_overloads())
     models[TORCH_SAC].activation_checkpointing_enable({"use_reentrant": False, "context_fn": torch_sac})
     models[PLUGIN_OPS] = copy.deepcopy(base)
-    huggingface.apply_recompute_config(models[PLUGIN_OPS], sac_plugin.RecomputeConfig(ops=tuple(sorted(kept_ops()))))
+    huggingface.apply_recompute_config(
+        models[PLUGIN_OPS], sac_plugin.RecomputeConfig(kept_ops=tuple(sorted(kept_ops())))
+    )
     models[PLUGIN_PLAN] = copy.deepcopy(base)
     huggingface.apply_recompute_config(
         models[PLUGIN_PLAN], sac_plugin.RecomputeConfig(budget=args.budget), example_inputs=batch

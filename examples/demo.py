@@ -66,7 +66,7 @@ def checkpointers(args):
             "full recompute": gpt(sac_plugin.Policy()),
             "selective (attn kept)": gpt(sac_plugin.Policy(kept_units=["attn"])),
         }
-    config = RecomputeConfig.load(args.config) if args.config else RecomputeConfig(units=["attn"])
+    config = RecomputeConfig.load(args.config) if args.config else RecomputeConfig(kept_units=["attn"])
     label = "selective (" + (", ".join(u.value for u in config.units) or "nothing") + " kept)"
     return {
         "no checkpointing": None,

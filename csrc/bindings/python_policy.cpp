@@ -43,20 +43,31 @@ bool toRules(PyObject* value, const char* what, const char* expected, std::vecto
 // NOTE: [A policy is built from named fields]
 // _C.Policy takes PolicySpec's fields by keyword only (the names below), and sac_plugin.Policy
 // passes each one by name, so no argument can land in its neighbour's place; a field left out or
-// one too many is refused with its name. The rules keyed by op cross as dicts (every_nth_ops:
+// one too many is refused with its name. The rules keyed by op cross as dicts (every_nth_op:
 // op -> n; kept_calls, offloaded_calls: op -> indices), in the order Python gave them.
 // sac_plugin.Policy has checked every value by then; here only the types are.
 PyObject* policyNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* fields[] = {"kept_ops",          "kept_units",        "every_nth_ops",   "recomputed_units",
-                                 "kept_calls",        "offloaded_ops",     "offloaded_units", "offloaded_calls",
-                                 "offload_min_bytes", "host_memory_limit", "pin_routing",     nullptr};
-  PyObject* values[11] = {};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOOOOOOOOO:Policy", const_cast<char**>(fields), &values[0],
+  static const char* fields[] = {"kept_ops",
+                                 "kept_units",
+                                 "every_nth_op",
+                                 "recomputed_units",
+                                 "kept_calls",
+                                 "offloaded_ops",
+                                 "offloaded_units",
+                                 "offloaded_calls",
+                                 "offload_min_bytes",
+                                 "host_memory_limit",
+                                 "pin_routing",
+                                 "offload_inputs",
+                                 nullptr};
+  constexpr int kFields = 12;
+  PyObject* values[kFields] = {};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOOOOOOOOOO:Policy", const_cast<char**>(fields), &values[0],
                                    &values[1], &values[2], &values[3], &values[4], &values[5], &values[6], &values[7],
-                                   &values[8], &values[9], &values[10])) {
+                                   &values[8], &values[9], &values[10], &values[11])) {
     return nullptr;
   }
-  for (int i = 0; i < 11; ++i) {
+  for (int i = 0; i < kFields; ++i) {
     if (values[i] == nullptr) {
       PyErr_Format(PyExc_TypeError, "sac: Policy() is missing the field '%s' (every field is passed by name)",
                    fields[i]);
@@ -68,7 +79,7 @@ PyObject* policyNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     return toInt64s(item, what, out);
   };
   if (!toStrings(values[0], "kept_ops", &spec.kept_ops) || !toStrings(values[1], "kept_units", &spec.kept_units) ||
-      !toRules(values[2], "every_nth_ops", "a dict of op name to int", &spec.every_nth_ops, toInt64) ||
+      !toRules(values[2], "every_nth_op", "a dict of op name to int", &spec.every_nth_op, toInt64) ||
       !toStrings(values[3], "recomputed_units", &spec.recomputed_units) ||
       !toRules(values[4], "kept_calls", "a dict of op name to a list of int", &spec.kept_calls, to_indices) ||
       !toStrings(values[5], "offloaded_ops", &spec.offloaded_ops) ||
@@ -78,11 +89,14 @@ PyObject* policyNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
       !toInt64(values[9], "host_memory_limit", &spec.host_memory_limit)) {
     return nullptr;
   }
-  if (!PyBool_Check(values[10])) {
-    PyErr_SetString(PyExc_TypeError, "sac: pin_routing must be True or False");
-    return nullptr;
+  for (int flag : {10, 11}) {
+    if (!PyBool_Check(values[flag])) {
+      PyErr_Format(PyExc_TypeError, "sac: %s must be True or False", fields[flag]);
+      return nullptr;
+    }
   }
   spec.pin_routing = values[10] == Py_True;
+  spec.offload_inputs = values[11] == Py_True;
   return guarded([&]() -> PyObject* {
     auto policy = std::make_unique<std::shared_ptr<const Policy>>(Policy::create(spec));
     auto* self = reinterpret_cast<PolicyObject*>(allocate(type));
@@ -119,9 +133,10 @@ PyObject* offloadedUnits(PyObject* self, PyObject*) { return fromStrings(policyI
 PyObject* keptCalls(PyObject* self, PyObject*) { return flatCallRules(policyIn(self).keptCalls()); }
 PyObject* offloadedCalls(PyObject* self, PyObject*) { return flatCallRules(policyIn(self).offloadedCalls()); }
 PyObject* pinRouting(PyObject* self, PyObject*) { return PyBool_FromLong(policyIn(self).pinsRouting()); }
+PyObject* offloadInputs(PyObject* self, PyObject*) { return PyBool_FromLong(policyIn(self).offloadsInputs()); }
 PyObject* keepsNothing(PyObject* self, PyObject*) { return PyBool_FromLong(policyIn(self).keepsNothing()); }
 
-PyObject* everyNthOps(PyObject* self, PyObject*) {
+PyObject* everyNthOp(PyObject* self, PyObject*) {
   std::vector<std::string> ops;
   std::vector<int64_t> every;
   for (const auto& [op, n] : policyIn(self).everyNthOps()) {
@@ -135,13 +150,14 @@ PyMethodDef policy_methods[] = {
     {"kept_ops", keptOps, METH_NOARGS, "Every kept overload's qualified name, sorted."},
     {"kept_units", keptUnits, METH_NOARGS, "The kept units' names and patterns."},
     {"recomputed_units", recomputedUnits, METH_NOARGS, "The recomputed units' names and patterns."},
-    {"every_nth_ops", everyNthOps, METH_NOARGS, "(ops, n): the every-nth rules."},
+    {"every_nth_op", everyNthOp, METH_NOARGS, "(ops, n): the every-nth rules."},
     {"kept_calls", keptCalls, METH_NOARGS, "(ops, counts, indices): the kept-call rules, flattened."},
     {"offloaded_ops", offloadedOps, METH_NOARGS, "Every offloaded overload's qualified name, sorted."},
     {"offloaded_units", offloadedUnits, METH_NOARGS, "The offloaded units' names and patterns."},
     {"offloaded_calls", offloadedCalls, METH_NOARGS, "(ops, counts, indices): the offloaded-call rules."},
     {"pin_routing", pinRouting, METH_NOARGS,
      "Whether routing calls are kept (NOTE: [Routing is served from the forward])."},
+    {"offload_inputs", offloadInputs, METH_NOARGS, "Whether the region's activation inputs are offloaded."},
     {"keeps_nothing", keepsNothing, METH_NOARGS, "Whether no call is ever kept or offloaded."},
     {nullptr, nullptr, 0, nullptr}};
 

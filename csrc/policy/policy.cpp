@@ -96,7 +96,7 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
   for (const std::string& spelling : spec.kept_ops) {
     for (const OpEntry* entry : resolveKeptSpelling("kept_ops", spelling)) policy->kept_ops_.insert(entry);
   }
-  for (const auto& [spelling, n] : spec.every_nth_ops) {
+  for (const auto& [spelling, n] : spec.every_nth_op) {
     TORCH_CHECK_VALUE(n >= 1, "sac: every_nth_op: '", spelling, "' needs n >= 1 (2 keeps every other call), got ", n);
     for (const OpEntry* entry : resolveKeptSpelling("every_nth_op", spelling)) {
       // n is stored exactly, as 64 bits. Two spellings of one overload ("aten::mm",
@@ -177,6 +177,7 @@ std::shared_ptr<const Policy> Policy::create(const PolicySpec& spec) {
     addUnit("recomputed_units", unit, policy->recomputed_units_);
   }
   policy->pin_routing_ = spec.pin_routing;
+  policy->offload_inputs_ = spec.offload_inputs;
   return policy;
 }
 

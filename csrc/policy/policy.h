@@ -83,7 +83,7 @@ struct PolicySpec {
   std::vector<std::string> kept_units;
   // (op, n): keep calls 1, n+1, 2n+1, ... of the op in each region ("every other matmul" is n=2),
   // counting every call of the op in the region, so forward and recompute count alike.
-  std::vector<std::pair<std::string, int64_t>> every_nth_ops;
+  std::vector<std::pair<std::string, int64_t>> every_nth_op;
   // (op, indices): keep exactly these calls of the op in each region, by 0-based index among the
   // region's forward calls of it, counted as every-nth rules count them (a memory-budget plan
   // is one). Indices are >= 0; repeats are merged; an op has one rule of one kind.
@@ -93,7 +93,7 @@ struct PolicySpec {
   std::vector<std::string> recomputed_units;
   // The offload counterparts of kept_ops, kept_units and kept_calls: the same selection, with
   // the outputs held in pinned host memory between forward and backward. An op has one rule of
-  // kept_ops, every_nth_ops, kept_calls, offloaded_ops, offloaded_calls, except that kept_calls
+  // kept_ops, every_nth_op, kept_calls, offloaded_ops, offloaded_calls, except that kept_calls
   // and offloaded_calls may share an op with disjoint indices; a unit is kept or offloaded.
   std::vector<std::string> offloaded_ops;
   std::vector<std::string> offloaded_units;
@@ -106,6 +106,9 @@ struct PolicySpec {
   int64_t host_memory_limit = -1;
   // NOTE: [Routing is served from the forward] in policy.cpp; false opts out.
   bool pin_routing = true;
+  // The region's activation inputs are held in pinned host memory between the forward and the
+  // backward, within host_memory_limit (NOTE: [Offloading a layer's inputs] in dispatch/offload.cpp).
+  bool offload_inputs = false;
 };
 
 // Whether a unit name is a pattern ('*' in it) rather than a name.
@@ -214,6 +217,7 @@ class Policy {
   }
   // NOTE: [Routing is served from the forward] (policy.cpp).
   bool pinsRouting() const { return pin_routing_; }
+  bool offloadsInputs() const { return offload_inputs_; }
   // n of the op's every-nth rule, or 0: the caller then need not count its calls. Stored as
   // given (any n >= 1 that fits int64): an n beyond the calls a region makes keeps only the first.
   uint64_t everyNth(const OpEntry& op) const {
@@ -260,6 +264,7 @@ class Policy {
   int64_t offload_min_bytes_ = int64_t{1} << 20;
   int64_t host_memory_limit_ = -1;
   bool pin_routing_ = true;
+  bool offload_inputs_ = false;
 };
 
 // The two passes of a region, each counting its own call indices.

@@ -4,8 +4,6 @@ named by the config field it comes from."""
 
 from __future__ import annotations
 
-import inspect
-import re
 from collections.abc import Sequence
 
 from torch import nn
@@ -13,6 +11,7 @@ from torch import nn
 from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig
 from .policy import Policy
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap
+from .units import RecomputeUnit
 
 __all__ = ["check_target_map", "policy_for"]
 
@@ -29,7 +28,7 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 ops = target.resolve()
                 Policy(kept_ops=ops)
             except ValueError as error:
-                raise ConfigError(f"{where}: {_policy_error_text(error)}") from None
+                raise ConfigError(f"{where}: {_without_library_prefix(error).removeprefix('kept_ops: ')}") from None
             if not ops:
                 raise ConfigError(f"{where} is empty: it names no op")
         elif isinstance(target, KeptCallables):
@@ -42,22 +41,14 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
             raise ConfigError(f"{where}: expected KeptOps or KeptCallables, got {type(target).__name__}")
 
 
-# A Policy error opens with the library's prefix and the Policy argument it concerns ("sac:
-# kept_ops: ..."); a config error names the config's own field instead, so that it reads with one prefix.
-_POLICY_ERROR_PREFIX = re.compile(
-    r"^(?:sac_plugin|sac): (?:(?:" + "|".join(name for name in inspect.signature(Policy).parameters) + r"): )?"
-)
-
-
-def _policy_error_text(error: Exception) -> str:
-    """What a Policy error says, without the prefixes a config error replaces."""
-    return _POLICY_ERROR_PREFIX.sub("", str(error), count=1)
-
-
 def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[set[str], list[str]]:
-    """The ops (KeptOps units) and unit names (KeptCallables units) that `units` mean for the model."""
+    """The ops (catalog units the map resolves to KeptOps) and unit names (the map's KeptCallables
+    units, and every name or pattern outside the catalog, as written) that `units` mean."""
     ops, names = set(), []
     for i, unit in enumerate(units):
+        if not isinstance(unit, RecomputeUnit):
+            names.append(unit)
+            continue
         if unit not in target_map:
             declared = ", ".join(u.value for u in target_map)
             raise ConfigError(
@@ -73,32 +64,30 @@ def _ops_and_units(field: str, units, target_map: RecomputeTargetMap) -> tuple[s
 
 
 def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Policy:
-    """The policy a config means for a model with this target map."""
-    unit_ops, kept_units = _ops_and_units("units", config.units, target_map)
+    """The policy a config means for a model with this target map. The config and Policy name
+    their fields alike, so a Policy error names the config's field as it is."""
+    unit_ops, kept_units = _ops_and_units("kept_units", config.kept_units, target_map)
     offloaded_unit_ops, offloaded_units = _ops_and_units("offloaded_units", config.offloaded_units, target_map)
-    kept_ops = set(config.ops) | unit_ops
-    offloaded_ops = set(config.offloaded_ops) | offloaded_unit_ops
     recomputed = [RECOMPUTE_UNIT_PREFIX + path for path in config.force_recompute_modules]
     try:
         return Policy(
-            kept_ops=sorted(kept_ops),
-            kept_units=kept_units + list(config.regions),
+            kept_ops=sorted(set(config.kept_ops) | unit_ops),
+            kept_units=kept_units,
             every_nth_op=config.every_nth_op,
-            recomputed_units=recomputed + list(config.recomputed_regions),
-            offloaded_ops=sorted(offloaded_ops),
-            offloaded_units=offloaded_units + list(config.offloaded_regions),
+            recomputed_units=recomputed + list(config.recomputed_units),
+            offloaded_ops=sorted(set(config.offloaded_ops) | offloaded_unit_ops),
+            offloaded_units=offloaded_units,
             offload_min_bytes=config.offload_min_bytes,
             host_memory_limit=config.host_memory_limit,
             pin_routing=config.pin_routing,
             offload_inputs=config.offload_inputs,
         )
     except ValueError as error:
-        text = str(error)
-        field = (
-            "offloaded_ops"
-            if "offloaded_ops" in text
-            else "ops"
-            if any(op in text for op in config.ops)
-            else "every_nth_op"
-        )
-        raise ConfigError(f"recompute config: {field}: {_policy_error_text(error)}") from None
+        raise ConfigError(f"recompute config: {_without_library_prefix(error)}") from None
+
+
+def _without_library_prefix(error: Exception) -> str:
+    text = str(error)
+    for prefix in ("sac_plugin: ", "sac: "):
+        text = text.removeprefix(prefix)
+    return text

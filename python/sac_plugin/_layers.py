@@ -108,11 +108,11 @@ def prepare_layers(
     for index in selected:
         site = sites[index]
         in_units = []
-        for i, unit in enumerate(config.selected_units):
+        for unit in config.selected_units:
             target = target_map[unit]
             if isinstance(target, KeptCallables):
                 for owner, name in target.find(site):
-                    check_forward_runs(target_map, unit, owner, name, _unit_field(config, i))
+                    check_forward_runs(target_map, unit, owner, name, config.field_of(unit))
                     in_units.append((owner, name, unit.value))
         for i, path in enumerate(config.force_recompute_modules):
             found = KeptCallables([path]).find(site)
@@ -204,11 +204,6 @@ def describe_application(
         + (f"; units: {'; '.join(units)}" if units else "")
         + (f"; recomputed: {', '.join(config.force_recompute_modules)}" if config.force_recompute_modules else "")
     )
-
-
-def _unit_field(config: RecomputeConfig, i: int) -> str:
-    """Where the i-th of config.selected_units is written: units[i] or offloaded_units[j]."""
-    return f"units[{i}]" if i < len(config.units) else f"offloaded_units[{i - len(config.units)}]"
 
 
 def wrap_sites(model: nn.Module, wrap_sites) -> list[nn.Module]:

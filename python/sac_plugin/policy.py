@@ -7,90 +7,9 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from . import _native
-from ._validation import MAX_EVERY_NTH, bounded_repr, check_unit_name, describe_value, op_spelling, overload_of
+from ._validation import byte_count, call_rules, every_nth_rules, flag, op_names, overload_of, unit_names
 
 __all__ = ["Policy", "resolve_kept_ops"]
-
-
-def _names(values, what: str, example: str = "['aten::mm']") -> list:
-    if isinstance(values, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        raise TypeError(
-            f"sac_plugin: {what} must be a collection of names, not a single {type(values).__name__}: "
-            f"{bounded_repr(values)}; write [{bounded_repr(values)}]"
-        )
-    if isinstance(values, Mapping) or not isinstance(values, Iterable):
-        raise TypeError(
-            f"sac_plugin: {what} must be a collection of names such as {example}, got {describe_value(values)}"
-        )
-    return list(values)
-
-
-def _every_nth_rules(every_nth_op) -> dict[str, int]:
-    if every_nth_op is None:
-        return {}
-    if not isinstance(every_nth_op, Mapping):
-        raise TypeError(
-            "sac_plugin: every_nth_op must be a mapping from op to n such as {'aten::mm': 2}, got "
-            f"{describe_value(every_nth_op)}"
-        )
-    rules: dict[str, int] = {}
-    for op, n in every_nth_op.items():
-        spelling = op_spelling(op, "every_nth_op key")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_EVERY_NTH:
-            raise (TypeError if not isinstance(n, int) or isinstance(n, bool) else ValueError)(
-                f"sac_plugin: every_nth_op[{spelling!r}] must be an int from 1 to 2**63 - 1 (2 keeps every "
-                f"other call), got {describe_value(n)}"
-            )
-        if rules.get(spelling, n) != n:
-            raise ValueError(
-                f"sac_plugin: every_nth_op names {spelling!r} twice, with n = {rules[spelling]} and n = {n}; "
-                "give each op one n"
-            )
-        rules[spelling] = n
-    return rules
-
-
-def _call_rules(calls, field: str = "kept_calls") -> dict[str, tuple[int, ...]]:
-    """{op: call indices} as the C++ side takes it: indices sorted, repeats merged, empty lists dropped."""
-    if calls is None:
-        return {}
-    if not isinstance(calls, Mapping):
-        raise TypeError(
-            f"sac_plugin: {field} must be a mapping from op to call indices such as {{'aten::mm.default': [0, 2]}}, "
-            f"got {describe_value(calls)}"
-        )
-    rules: dict[str, tuple[int, ...]] = {}
-    for op, indices in calls.items():
-        spelling = op_spelling(op, f"{field} key")
-        if isinstance(indices, (str, bytes, Mapping)) or not isinstance(indices, Iterable):
-            raise TypeError(
-                f"sac_plugin: {field}[{spelling!r}] must be a collection of 0-based call indices such as [0, 2], "
-                f"got {describe_value(indices)}"
-            )
-        indices = list(indices)
-        for index in indices:
-            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_EVERY_NTH:
-                raise (TypeError if not isinstance(index, int) or isinstance(index, bool) else ValueError)(
-                    f"sac_plugin: {field}[{spelling!r}]: a call index is an int from 0 to 2**63 - 1 (0 is the "
-                    f"op's first call in the region), got {describe_value(index)}"
-                )
-        if spelling in rules:
-            raise ValueError(f"sac_plugin: {field} names {spelling!r} twice; give each op one list of calls")
-        if indices:
-            rules[spelling] = tuple(sorted(set(indices)))
-    return rules
-
-
-def _byte_count(value, field: str, *, allow_none: bool) -> int:
-    """A byte count as C++ takes it (int64; -1 for none where None is allowed)."""
-    if value is None and allow_none:
-        return -1
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EVERY_NTH:
-        accepted = "an int from 0 to 2**63 - 1" + (", or None for no limit" if allow_none else "")
-        raise (TypeError if not isinstance(value, int) or isinstance(value, bool) else ValueError)(
-            f"sac_plugin: {field} is a byte count, {accepted}; got {describe_value(value)}"
-        )
-    return value
 
 
 def _unflatten(flat) -> dict[str, tuple[int, ...]]:
@@ -191,37 +110,30 @@ class Policy:
         pin_routing: bool = True,
         offload_inputs: bool = False,
     ):
-        # Every argument is checked here, before C++ sees it, so that a bad one is reported by
-        # name with what was given (the extension module checks only their types).
-        spellings = [op_spelling(op, f"kept_ops[{i}]") for i, op in enumerate(_names(kept_ops, "kept_ops"))]
-        units = _unit_names(kept_units, "kept_units")
-        recomputed = _unit_names(recomputed_units, "recomputed_units")
-        every_nth = _every_nth_rules(every_nth_op)
-        calls = _call_rules(kept_calls)
-        offloaded = [
-            op_spelling(op, f"offloaded_ops[{i}]") for i, op in enumerate(_names(offloaded_ops, "offloaded_ops"))
-        ]
-        offloaded_unit_names = _unit_names(offloaded_units, "offloaded_units")
-        offloaded_call_rules = _call_rules(offloaded_calls, "offloaded_calls")
-        min_bytes = _byte_count(offload_min_bytes, "offload_min_bytes", allow_none=False)
-        host_limit = _byte_count(host_memory_limit, "host_memory_limit", allow_none=True)
-        if not isinstance(pin_routing, bool):
-            raise TypeError(f"sac_plugin: pin_routing must be True or False, got {describe_value(pin_routing)}")
-        if not isinstance(offload_inputs, bool):
-            raise TypeError(f"sac_plugin: offload_inputs must be True or False, got {describe_value(offload_inputs)}")
+        # Each field's form is checked by its one check (NOTE: [One check per field] in
+        # _validation.py), so that a bad value is reported by name with what was given; what the
+        # names mean is checked by C++ as the policy is made.
+        spellings = op_names(kept_ops, "kept_ops")
+        every_nth = every_nth_rules(every_nth_op)
+        calls = call_rules(kept_calls, "kept_calls")
+        offloaded = op_names(offloaded_ops, "offloaded_ops")
+        offloaded_call_rules = call_rules(offloaded_calls, "offloaded_calls")
+        min_bytes = byte_count(offload_min_bytes, "offload_min_bytes", allow_none=False)
+        host_limit = byte_count(host_memory_limit, "host_memory_limit", allow_none=True)
         # Each field by name (NOTE: [A policy is built from named fields] in csrc/bindings/python_policy.cpp).
         self._handle = _native.C.Policy(
             kept_ops=spellings,
-            kept_units=units,
-            every_nth_ops=every_nth,
-            recomputed_units=recomputed,
+            kept_units=unit_names(kept_units, "kept_units"),
+            every_nth_op=every_nth,
+            recomputed_units=unit_names(recomputed_units, "recomputed_units"),
             kept_calls={op: list(indices) for op, indices in calls.items()},
             offloaded_ops=offloaded,
-            offloaded_units=offloaded_unit_names,
+            offloaded_units=unit_names(offloaded_units, "offloaded_units"),
             offloaded_calls={op: list(indices) for op, indices in offloaded_call_rules.items()},
             offload_min_bytes=min_bytes,
-            host_memory_limit=host_limit,
-            pin_routing=pin_routing,
+            host_memory_limit=-1 if host_limit is None else host_limit,
+            pin_routing=flag(pin_routing, "pin_routing"),
+            offload_inputs=flag(offload_inputs, "offload_inputs"),
         )
         self._kept_call_spellings = calls
         self._kept_calls = _unflatten(self._handle.kept_calls())
@@ -231,9 +143,9 @@ class Policy:
         self._offloaded_ops = frozenset(self._handle.offloaded_ops())
         self._offloaded_units = frozenset(self._handle.offloaded_units())
         self._offload_min_bytes = min_bytes
-        self._host_memory_limit = host_memory_limit
-        self._pin_routing = pin_routing
-        self._offload_inputs = offload_inputs
+        self._host_memory_limit = host_limit
+        self._pin_routing = self._handle.pin_routing()
+        self._offload_inputs = self._handle.offload_inputs()
         self._spellings = tuple(spellings)
         self._every_nth = dict(every_nth)
         self._kept_ops = frozenset(self._handle.kept_ops())
@@ -258,7 +170,7 @@ class Policy:
     @property
     def every_nth_op(self) -> dict[str, int]:
         """Every-nth rules by kept overload name ("aten::mm": 2)."""
-        ops, every = self._handle.every_nth_ops()
+        ops, every = self._handle.every_nth_op()
         return dict(zip(ops, every))
 
     @property
@@ -413,10 +325,6 @@ def _rebuild_policy(kept_ops, kept_units, every_nth_op, recomputed_units, kept_c
     )
 
 
-def _unit_names(values, what: str) -> list[str]:
-    return [check_unit_name(unit, f"{what}[{i}]") for i, unit in enumerate(_names(values, what, "['attn']"))]
-
-
 def resolve_kept_ops(names: Iterable) -> frozenset[str]:
     """The names among `names` that name a registered op; the rest are skipped.
 
@@ -435,8 +343,4 @@ def resolve_kept_ops(names: Iterable) -> frozenset[str]:
             an op.
         ValueError: None of the names resolves, or a name is too long or not valid text.
     """
-    spellings = [
-        op_spelling(op, f"resolve_kept_ops: names[{i}]")
-        for i, op in enumerate(_names(names, "resolve_kept_ops: names"))
-    ]
-    return frozenset(_native.C.resolvable_op_names(spellings))
+    return frozenset(_native.C.resolvable_op_names(op_names(names, "resolve_kept_ops: names")))

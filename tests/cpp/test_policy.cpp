@@ -197,7 +197,7 @@ TEST(OpTraitsClassification, DropoutPDecidesWhetherACallDrawsRandomNumbers) {
 
 TEST(PolicyDecision, EveryNthKeepsCallsOneThreeFive) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm.default", 2}};
   auto policy = Policy::create(spec);
   const OpEntry& mm = entryOf("aten::mm");
   EXPECT_EQ(policy->everyNth(mm), 2u);
@@ -226,7 +226,7 @@ TEST(PolicyDecision, RecomputedUnitWinsOverKeptOpsAndUnits) {
 // around it alternate as if it were not there (torchtitan's every-second-matmul counter).
 TEST(PolicyDecision, CallsInsideARecomputedUnitTakeNoCallIndex) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm.default", 2}};
   spec.kept_calls = {{"aten::bmm.default", {1}}};
   spec.recomputed_units = {"gate"};
   auto policy = Policy::create(spec);
@@ -243,7 +243,7 @@ TEST(PolicyDecision, CallsInsideARecomputedUnitTakeNoCallIndex) {
 
 TEST(PolicyDeclaration, EveryNthNeedsAPositiveN) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm", 0}};
+  spec.every_nth_op = {{"aten::mm", 0}};
   try {
     Policy::create(spec);
     FAIL() << "expected c10::ValueError";
@@ -258,7 +258,7 @@ TEST(PolicyDecision, EveryNthIsStoredExactlyBeyond32Bits) {
   const OpEntry& mm = entryOf("aten::mm");
   for (int64_t n : {int64_t{1} << 32, (int64_t{1} << 32) + 1, INT64_MAX}) {
     PolicySpec spec;
-    spec.every_nth_ops = {{"aten::mm.default", n}};
+    spec.every_nth_op = {{"aten::mm.default", n}};
     auto policy = Policy::create(spec);
     EXPECT_EQ(policy->everyNth(mm), static_cast<uint64_t>(n));
     EXPECT_EQ(policy->everyNthOps(), (std::vector<std::pair<std::string, int64_t>>{{"aten::mm", n}}));
@@ -270,11 +270,11 @@ TEST(PolicyDecision, EveryNthIsStoredExactlyBeyond32Bits) {
 
 TEST(PolicyDeclaration, TwoEveryNthRulesForOneOverloadMustAgree) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm", 2}, {"aten.mm.default", 2}};
   EXPECT_EQ(Policy::create(spec)->everyNthOps(),
             (std::vector<std::pair<std::string, int64_t>>{
                 {"aten::mm", 2}, {"aten::mm.dtype", 2}, {"aten::mm.dtype_out", 2}, {"aten::mm.out", 2}}));
-  spec.every_nth_ops = {{"aten::mm", 2}, {"aten.mm.default", 3}};
+  spec.every_nth_op = {{"aten::mm", 2}, {"aten.mm.default", 3}};
   try {
     Policy::create(spec);
     FAIL() << "expected c10::ValueError";

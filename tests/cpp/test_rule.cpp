@@ -122,7 +122,7 @@ TEST(KeepRule, UnitsPolicyOverTheOpCatalog) {
 TEST(KeepRule, SelectionByOpAndItsVetoes) {
   PolicySpec spec;
   spec.kept_ops = {"aten::tanh", "aten::_scaled_dot_product_flash_attention_for_cpu"};
-  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm.default", 2}};
   spec.kept_calls = {{"aten::bmm.default", {1}}};
   spec.recomputed_units = {"gate"};
   auto policy = Policy::create(spec);
@@ -227,7 +227,7 @@ TEST(KeepRule, CallProfileKeepabilityAgreesWithDecide) {
 
 TEST(CallDecider, CountsEachPassLikeTheFallback) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm.default", 2}};
   spec.recomputed_units = {"gate"};
   CallDecider decider(Policy::create(spec));
   const OpEntry& mm = entryOf("aten::mm");

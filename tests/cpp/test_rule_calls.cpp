@@ -105,7 +105,7 @@ TEST(RuleCalls, IndexedCallEncodesTheOffloadOutcome) {
 
 TEST(RuleCalls, DeciderCountsEachPassFromZero) {
   PolicySpec spec;
-  spec.every_nth_ops = {{"aten::mm.default", 2}};
+  spec.every_nth_op = {{"aten::mm.default", 2}};
   CallDecider decider(Policy::create(spec));
   const OpEntry& mm = singleOverload("aten::mm.default");
   auto reason = [&](int64_t pass) { return decode(decideNextCall(decider, mm, pass, {}, 0)).reason; };

@@ -75,7 +75,7 @@ def _checkpointed_model(how):
         return model
     torch.manual_seed(0)
     model = Llama(vocab=32, dim=16, heads=2, layers=2, seq=8)
-    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["attn", "mlp"]))
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(kept_units=["attn", "mlp"]))
     tokens = torch.randint(32, (2, 8))
     model.loss(tokens, tokens).backward()
     return model
@@ -271,11 +271,11 @@ def test_remove_checkpointing_undoes_a_config_with_units_installed_on_submodules
 
     torch.manual_seed(0)
     model = Llama(layers=2)
-    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["mlp", "norm"]))
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(kept_units=["mlp", "norm"]))
     assert "forward" in vars(model.layers[0].feed_forward)
     sac_plugin.remove_checkpointing(model)
     assert not any("forward" in vars(m) or any(k.startswith("_sac") for k in vars(m)) for m in model.modules())
-    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["mlp"]))
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(kept_units=["mlp"]))
 
 
 def test_remove_checkpointing_of_an_untouched_module_says_so():
@@ -401,7 +401,7 @@ def test_a_copy_of_a_checkpointed_parent_refuses_its_own_layers_and_a_lone_copie
 
 def test_a_config_over_nested_wrap_sites_is_refused_and_changes_nothing():
     model = Llama(layers=2)
-    config = sac_plugin.RecomputeConfig(units=["mlp"])
+    config = sac_plugin.RecomputeConfig(kept_units=["mlp"])
     with pytest.raises(ValueError) as error:
         sac_plugin.apply_recompute_config(model, config, wrap_sites=[model.layers[0], model.layers[0].feed_forward])
     assert str(error.value) == (

@@ -260,7 +260,9 @@ def test_config_units_survive_compilation():
 
     torch.manual_seed(0)
     block = LlamaBlock(32, 4)
-    apply_recompute_config(block, RecomputeConfig(units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[block])
+    apply_recompute_config(
+        block, RecomputeConfig(kept_units=["attn", "mlp"]), target_map=LLAMA_TARGETS, wrap_sites=[block]
+    )
     cos, sin = rotary_tables(8, 16)
     backend, seen = capture_graphs()
     torch._dynamo.reset()

@@ -36,7 +36,7 @@ def test_cuda_flash_attention_kept_without_dropout():
     torch.manual_seed(0)
     model = Llama(dim=256, heads=4, layers=2, seq=128).cuda().to(torch.bfloat16)
     reference = copy.deepcopy(model)
-    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(units=["attn"]))
+    sac_plugin.apply_recompute_config(model, sac_plugin.RecomputeConfig(kept_units=["attn"]))
     tokens = torch.randint(512, (2, 128), device="cuda")
     with sac_plugin.audit() as audit:
         model.loss(tokens, tokens).backward()

@@ -88,16 +88,16 @@ def assert_trainable_gradients_bitwise_equal(model, reference):
 
 
 def _through_huggingface(model):
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
 
 
 def _through_the_core(model):
-    sac_plugin.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    sac_plugin.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
 
 
 def _through_kwargs(model):
     enable_transformers_checkpointing(
-        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["attn"]))
     )
 
 
@@ -166,7 +166,7 @@ def _hits_of_one_step(model) -> int:
 @pytest.mark.parametrize("peft", [False, True], ids=["llama", "lora"])
 def test_the_trainers_gradient_checkpointing_keeps_the_applied_config(peft, tmp_path):
     model = lora(0.0) if peft else build()
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     expected = _hits_of_one_step(copy.deepcopy(model))
     audit = _train(model, _training_arguments(tmp_path, gradient_checkpointing=True))
     assert audit.hits(SDPA_CPU) == expected == LAYERS
@@ -175,7 +175,7 @@ def test_the_trainers_gradient_checkpointing_keeps_the_applied_config(peft, tmp_
 
 def test_enabling_transformers_checkpointing_asking_for_more_raises_naming_the_fix():
     model = build()
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     layers = huggingface.decoder_layers(model)
     functions = [layer._gradient_checkpointing_func for layer in layers]
     for asked in (
@@ -199,7 +199,7 @@ def test_enabling_transformers_checkpointing_asking_for_more_raises_naming_the_f
 
 def test_the_trainer_saves_a_checkpoint_with_the_plugins_kwargs(tmp_path):
     model = build()
-    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["attn"]))
     args = _training_arguments(
         tmp_path,
         gradient_checkpointing=True,
@@ -208,7 +208,7 @@ def test_the_trainer_saves_a_checkpoint_with_the_plugins_kwargs(tmp_path):
         save_steps=1,
     )
     assert json.loads(args.to_json_string())["gradient_checkpointing_kwargs"]["context_fn"].startswith(
-        "sac_plugin policy for llama (Hugging Face): units=['attn']"
+        "sac_plugin policy for llama (Hugging Face): kept_units=['attn']"
     )
     audit = _train(model, args)
     assert audit.hits(SDPA_CPU) == LAYERS
@@ -227,7 +227,7 @@ def test_the_trainer_saves_a_checkpoint_with_the_plugins_kwargs(tmp_path):
 @pytest.mark.parametrize("peft", [False, True], ids=["llama", "lora"])
 def test_a_configured_model_pickles_whole_and_still_trains(peft, tmp_path):
     model = lora(0.0) if peft else build()
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     reference = copy.deepcopy(model)
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -250,7 +250,7 @@ def test_importing_sac_plugin_leaves_torch_dynamo_unimported():
 
 # --- recipes: TRL's SFTTrainer, Lightning, accelerate, torch's checkpoint_wrapper -----------------
 
-ATTENTION = RecomputeConfig(units=["attn"])
+ATTENTION = RecomputeConfig(kept_units=["attn"])
 STEPS = 2
 
 

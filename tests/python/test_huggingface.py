@@ -83,7 +83,7 @@ def assert_bitwise_equal(model, reference):
 def test_attn_unit_is_bitwise_and_keeps_the_attention(model_type, attention, dropout, caplog):
     model = build(model_type, attention, dropout)
     reference = reference_for(model_type, model)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     caplog.set_level(logging.INFO, logger="sac_plugin")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -118,7 +118,7 @@ def test_every_unit_of_the_target_map(model_type):
     model = build(model_type, "sdpa", dropout=False)
     reference = reference_for(model_type, model)
     units = [unit.value for unit in huggingface.HF_TARGET_MAPS[model_type]]
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=units, every_nth_layer=2, first_layer=1))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=units, every_nth_layer=2, first_layer=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         audit = assert_bitwise_equal(model, reference)
@@ -135,7 +135,7 @@ def test_every_unit_of_the_target_map(model_type):
 def test_the_core_apply_recompute_config_takes_a_transformers_model():
     model = build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(model)
-    sac_plugin.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    sac_plugin.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     audit = assert_bitwise_equal(model, reference)
     assert audit.hits(SDPA_CPU) == LAYERS
 
@@ -155,7 +155,7 @@ def test_gradient_checkpointing_kwargs_recipe(model_type):
     model = build(model_type, "sdpa", dropout=True)
     reference = copy.deepcopy(model)
     enable_transformers_checkpointing(
-        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["mlp"]))
+        model, huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["mlp"]))
     )
     audit = assert_bitwise_equal(model, reference)
     assert audit.hits("aten::silu") == LAYERS  # the MLP's (the experts') activation, one call per layer
@@ -176,10 +176,10 @@ def test_bad_input_is_named():
     )
     with pytest.raises(
         ConfigError,
-        match=r"^recompute config: units\[0\]: llama \(Hugging Face\) declares no unit "
+        match=r"^recompute config: kept_units\[0\]: llama \(Hugging Face\) declares no unit "
         r"'moe_gate' \(it declares attn, mlp, norm\)$",
     ):
-        huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]))
+        huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["moe_gate"]))
     huggingface.apply_recompute_config(model)
     with pytest.raises(ValueError, match="is already checkpointed by sac_plugin; apply a config once per model$"):
         huggingface.apply_recompute_config(model)
@@ -221,7 +221,7 @@ def test_offloaded_units_pass_through_and_serve_what_kept_units_serve(model_type
     # calls the kept one does, bitwise.
     units = [unit.value for unit in huggingface.HF_TARGET_MAPS[model_type] if unit.value != "norm"][:2]
     served = {}
-    for field in ("units", "offloaded_units"):
+    for field in ("kept_units", "offloaded_units"):
         model = build(model_type, "sdpa", dropout=False)
         reference = reference_for(model_type, model)
         huggingface.apply_recompute_config(model, RecomputeConfig(**{field: units}))
@@ -233,7 +233,7 @@ def test_offloaded_units_pass_through_and_serve_what_kept_units_serve(model_type
             (policy.offloaded_units or policy.offloaded_ops) if field == "offloaded_units" else policy.offloads_nothing
         )
         served[field] = {row.op: row.hits for row in audit.rows() if row.hits}
-    assert served["units"] and served["offloaded_units"] == served["units"]
+    assert served["kept_units"] and served["offloaded_units"] == served["kept_units"]
 
 
 # --- instance forwards already installed (accelerate's hooks, a user's patch) ----------------------
@@ -301,7 +301,7 @@ def test_an_accelerate_hook_on_a_unit_runs_inside_it():
     for layer in huggingface.decoder_layers(model):
         _patched(layer.self_attn, "accelerate")
     reference = copy.deepcopy(model)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     audit = assert_bitwise_equal(model, reference)
     assert audit.hits(SDPA_CPU) == LAYERS
     sac_plugin.remove_checkpointing(model)
@@ -336,7 +336,7 @@ def test_apply_recompute_config_goes_through_transformers_entry_point(monkeypatc
         return enable(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "activation_checkpointing_enable", spy)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"], every_nth_layer=2))
     assert calls == [2]
     _assert_the_first_of_two_layers_is_checkpointed_until_removed(model, reference)
     assert not model.is_activation_checkpointing and "_require_grads_hook" not in vars(model)
@@ -355,7 +355,7 @@ def test_apply_recompute_config_goes_through_gradient_checkpointing_enable_befor
 
     monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", old_enable)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"], every_nth_layer=2))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"], every_nth_layer=2))
     assert calls == [{"use_reentrant": False}]
     _assert_the_first_of_two_layers_is_checkpointed_until_removed(model, reference)
 
@@ -374,7 +374,7 @@ def test_offload_true_offloads_through_the_plugin_and_every_n_layers_is_honoured
     _refuse_save_on_cpu(monkeypatch)
     model = build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(model)
-    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["attn"]))
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers, offload=True
     )
@@ -390,7 +390,7 @@ def test_offload_true_offloads_through_the_plugin_and_every_n_layers_is_honoured
     assert audit.hits(SDPA_CPU) == LAYERS // every_n_layers
     # Without offload the same kwargs keep.
     model = build("llama", "sdpa", dropout=False)
-    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["attn"]))
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     policy = huggingface.decoder_layers(model)[0]._gradient_checkpointing_func.keywords["context_fn"].policy
     assert policy.kept_units == frozenset({"attn"}) and not policy.offloaded_units and not policy.offload_inputs
@@ -399,7 +399,7 @@ def test_offload_true_offloads_through_the_plugin_and_every_n_layers_is_honoured
 def test_kwargs_built_on_one_instance_keep_their_selection_on_another():
     built_on, used_on = build("llama", "sdpa", dropout=False), build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(used_on)
-    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(kept_units=["attn"]))
     used_on.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     audit = assert_bitwise_equal(used_on, reference)
     assert audit.hits(SDPA_CPU) == LAYERS
@@ -410,7 +410,7 @@ def test_transformers_offload_on_another_instance_offloads_through_the_plugin():
     # activation_checkpointing_enable(..., offload=True) runs on the one it trains.
     built_on, used_on = build("llama", "sdpa", dropout=False), build("llama", "sdpa", dropout=False)
     reference = copy.deepcopy(used_on)
-    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(built_on, RecomputeConfig(kept_units=["attn"]))
     type(used_on).activation_checkpointing_enable(used_on, activation_checkpointing_kwargs=kwargs)
 
     def transformers_offload(checkpoint_func):
@@ -437,7 +437,7 @@ def test_transformers_offload_on_another_instance_offloads_through_the_plugin():
 
 def test_kwargs_on_a_model_without_their_units_raise_naming_it():
     kwargs = huggingface.gradient_checkpointing_kwargs(
-        build("llama", "sdpa", dropout=False), RecomputeConfig(units=["attn"])
+        build("llama", "sdpa", dropout=False), RecomputeConfig(kept_units=["attn"])
     )
     other = build("gpt2", "sdpa", dropout=False)  # its attention is `attn`, not `self_attn`
     other.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -179,7 +179,7 @@ def cases():
 def test_full_recompute_and_units_are_bitwise(model_type, units, attention):
     model = build(model_type, attention)
     reference = reference_for(model_type, model)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=list(UNITS[units])))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=list(UNITS[units])))
     audit = assert_bitwise_equal(model, reference)
     matmuls = audit.hits("aten::mm") + audit.hits("aten::addmm") + audit.hits("aten::bmm")
     if units == "full":
@@ -203,7 +203,7 @@ def test_the_derived_attention_unit_is_the_attention_module(model_type):
 def test_configs_without_units_need_no_map(model_type):
     model = build(model_type)
     reference = copy.deepcopy(model)
-    huggingface.apply_recompute_config(model, RecomputeConfig(ops=["aten::mm", "aten::addmm"]), target_map=None)
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_ops=["aten::mm", "aten::addmm"]), target_map=None)
     audit = assert_bitwise_equal(model, reference)
     assert audit.hits("aten::mm") + audit.hits("aten::addmm") > 0
 
@@ -223,9 +223,9 @@ def test_the_derived_map_of_a_mixed_stack():
 def test_a_unit_found_in_no_selected_layer_is_named():
     model = build("deepseek_v3")
     with pytest.raises(ConfigError) as error:
-        huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"], every_nth_layer=2))
+        huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["moe_gate"], every_nth_layer=2))
     assert str(error.value) == (
-        "recompute config: units[0]: unit 'moe_gate' of deepseek_v3 (Hugging Face, derived) "
+        "recompute config: kept_units[0]: unit 'moe_gate' of deepseek_v3 (Hugging Face, derived) "
         "(mlp.gate) matches nothing in any of the 1 selected layers (DeepseekV3DecoderLayer)"
     )
     assert not any("_sac_policy" in vars(m) or "_sac_forward_units" in vars(m) for m in model.modules())
@@ -235,7 +235,7 @@ def test_a_unit_in_some_layers_of_a_mixed_stack_is_installed_there(caplog):
     model = build("deepseek_v3")
     reference = copy.deepcopy(model)
     with caplog.at_level(logging.DEBUG, logger="sac_plugin"):
-        huggingface.apply_recompute_config(model, RecomputeConfig(units=["moe_gate"]))
+        huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["moe_gate"]))
     assert "unit 'moe_gate' (deepseek_v3 (Hugging Face, derived)) is in layers 1 of 2 (1) only" in caplog.messages
     dense, moe = huggingface.decoder_layers(model)
     assert "_sac_forward_units" not in vars(dense.mlp)
@@ -247,7 +247,7 @@ def test_a_derived_map_is_logged_once(caplog):
     huggingface._logged_derived_maps.discard(transformers.Qwen3ForCausalLM)
     with caplog.at_level(logging.INFO, logger="sac_plugin"):
         for _ in range(2):
-            huggingface.apply_recompute_config(build("qwen3"), RecomputeConfig(units=["attn"]))
+            huggingface.apply_recompute_config(build("qwen3"), RecomputeConfig(kept_units=["attn"]))
     derived = [r.getMessage() for r in caplog.records if "derived from" in r.getMessage()]
     assert derived == [
         "Qwen3ForCausalLM: no shipped target map for model_type 'qwen3'; derived from "
@@ -279,7 +279,9 @@ def test_bert_through_gradient_checkpointing_kwargs(sites):
     model = build("bert")
     reference = copy.deepcopy(model)
     wrap_sites = None if sites == "found" else list(model.bert.encoder.layer)
-    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]), wrap_sites=wrap_sites)
+    kwargs = huggingface.gradient_checkpointing_kwargs(
+        model, RecomputeConfig(kept_units=["attn"]), wrap_sites=wrap_sites
+    )
     enable_transformers_checkpointing(model, kwargs)
     audit = assert_bitwise_equal(model, reference)
     # Per layer: the query, key, value and output projections of the attention are kept.
@@ -349,7 +351,7 @@ def test_trainer_three_steps_are_bitwise(tmp_path):
 
     model = build("qwen3")
     reference = copy.deepcopy(model)
-    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(units=["attn"]))
+    kwargs = huggingface.gradient_checkpointing_kwargs(model, RecomputeConfig(kept_units=["attn"]))
     with sac_plugin.audit() as audit:
         losses, _ = train(model, kwargs, "sac")
     # Each step's recompute is served the attention's kept calls (SDPA and projections).
@@ -483,7 +485,7 @@ def test_a_derived_unit_keeps_what_it_names_bitwise(model_type, unit):
     reference = copy.deepcopy(model)
     # Routing is not pinned here, so that a unit is seen to serve exactly what it names; with it
     # pinned (the default) every router's top-k and sort are served as well.
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=[unit], pin_routing=False))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=[unit], pin_routing=False))
     audit = assert_bitwise_equal(model, reference)
     expected = dict(DERIVED_UNITS[model_type][unit])
     assert {op: audit.hits(op) for op in expected} == expected
@@ -495,9 +497,9 @@ def test_a_unit_whose_module_never_runs_is_refused_naming_both():
     model = build_derived("t5")
     target_map = sac_plugin.RecomputeTargetMap("t5 (mine)", {"mlp": sac_plugin.KeptCallables(["layer"])})
     with pytest.raises(ConfigError) as error:
-        huggingface.apply_recompute_config(model, RecomputeConfig(units=["mlp"]), target_map=target_map)
+        huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["mlp"]), target_map=target_map)
     assert str(error.value) == (
-        "recompute config: units[0]: unit 'mlp' of t5 (mine) is T5Block.layer, a ModuleList, whose forward never "
+        "recompute config: kept_units[0]: unit 'mlp' of t5 (mine) is T5Block.layer, a ModuleList, whose forward never "
         "runs (its items are called one by one), so the unit would keep nothing; name the submodules that run in "
         "target_map=RecomputeTargetMap(...)"
     )
@@ -518,7 +520,7 @@ def test_albert_is_refused_in_transformers_words():
         model.activation_checkpointing_enable()
     for entry in (huggingface.apply_recompute_config, huggingface.gradient_checkpointing_kwargs):
         with pytest.raises(TypeError) as ours:
-            entry(model, RecomputeConfig(units=["attn"]))
+            entry(model, RecomputeConfig(kept_units=["attn"]))
         assert str(ours.value) == (
             f"sac_plugin: huggingface.{entry.__name__}: {str(theirs.value).rstrip('.')} (transformers' own refusal: "
             "its layers, AlbertLayerGroup, have no checkpointing hook); call sac_plugin.apply_selective_checkpointing "
@@ -558,6 +560,6 @@ def test_hybrid_mixture_of_attention_and_encoder_decoder_models_take_a_config_in
     else:
         model = build_derived(model_type)
     reference = reference_for(model_type, model)
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     audit = assert_bitwise_equal(model, reference)
     assert sum(row.hits for row in audit.rows()) > 0 and audit.never_served() == 0

@@ -11,7 +11,7 @@ from sac_plugin.models import Llama
 def test_one_info_line_per_model(caplog):
     model = Llama(vocab=64, dim=32, heads=4, layers=4, seq=16)
     with caplog.at_level(logging.INFO, logger="sac_plugin"):
-        apply_recompute_config(model, RecomputeConfig(units=["mlp"], every_nth_layer=2))
+        apply_recompute_config(model, RecomputeConfig(kept_units=["mlp"], every_nth_layer=2))
     records = [r for r in caplog.records if r.name == "sac_plugin"]
     assert [(r.levelname, r.getMessage()) for r in records] == [
         (
@@ -33,7 +33,7 @@ def test_full_recompute_is_said_so(caplog):
 def test_debug_lines_give_the_decisions(caplog):
     model = Llama(vocab=64, dim=32, heads=4, layers=2, seq=16)
     with caplog.at_level(logging.DEBUG, logger="sac_plugin"):
-        apply_recompute_config(model, RecomputeConfig(units=["mlp"], every_nth_layer=2))
+        apply_recompute_config(model, RecomputeConfig(kept_units=["mlp"], every_nth_layer=2))
     debug = [r.getMessage() for r in caplog.records if r.name == "sac_plugin" and r.levelname == "DEBUG"]
     assert debug == [
         "layers.0 (wrap site 0): layers.0.feed_forward runs in unit 'mlp'",
@@ -44,7 +44,7 @@ def test_debug_lines_give_the_decisions(caplog):
 
 def test_nothing_is_logged_per_step(caplog):
     model = Llama(vocab=64, dim=32, heads=4, layers=2, seq=16)
-    apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
     tokens = torch.randint(64, (2, 16))
     model.loss(tokens, tokens).backward()  # the first step settles the policy's unit checks
     with caplog.at_level(logging.DEBUG, logger="sac_plugin"):

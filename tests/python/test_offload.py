@@ -352,7 +352,12 @@ def test_recompute_config_offloads_units_and_ops():
     from sac_plugin.models import LLAMA_TARGETS
 
     config = RecomputeConfig.from_dict(
-        {"units": ["mlp"], "offloaded_units": ["attn"], "offloaded_ops": ["aten::bmm"], "host_memory_limit": 1 << 20}
+        {
+            "kept_units": ["mlp"],
+            "offloaded_units": ["attn"],
+            "offloaded_ops": ["aten::bmm"],
+            "host_memory_limit": 1 << 20,
+        }
     )
     assert RecomputeConfig.from_json(config.to_json()) == config
     policy = policy_for(config, LLAMA_TARGETS)
@@ -360,9 +365,9 @@ def test_recompute_config_offloads_units_and_ops():
     assert policy.host_memory_limit == 1 << 20
     assert (policy.offloaded_units | policy.kept_units | policy.offloaded_ops) != frozenset()
     with pytest.raises(ConfigError) as raised:
-        RecomputeConfig(units=["attn"], offloaded_units=["attn"])
+        RecomputeConfig(kept_units=["attn"], offloaded_units=["attn"])
     assert str(raised.value) == (
-        "recompute config: units and offloaded_units both list ['attn']; a unit is kept or offloaded, not both"
+        "recompute config: kept_units and offloaded_units both list ['attn']; a unit is kept or offloaded, not both"
     )
     with pytest.raises(ConfigError) as raised:
         RecomputeConfig(budget=0.5, offloaded_ops=["aten::mm"])

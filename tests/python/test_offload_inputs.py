@@ -392,7 +392,7 @@ def test_offload_inputs_is_part_of_the_policy_value():
 
 
 def test_a_config_file_round_trips_offload_inputs(tmp_path):
-    config = RecomputeConfig(units=["attn"], offload_inputs=True)
+    config = RecomputeConfig(kept_units=["attn"], offload_inputs=True)
     for suffix in (".json", ".yaml"):
         path = tmp_path / f"config{suffix}"
         config.save(path)
@@ -400,7 +400,7 @@ def test_a_config_file_round_trips_offload_inputs(tmp_path):
         assert RecomputeConfig.load(path) == config
     target_map = RecomputeTargetMap("toy", {RecomputeUnit.ATTN: KeptOps(["aten::bmm"])})
     assert policy_for(config, target_map).offload_inputs
-    assert not policy_for(RecomputeConfig(units=["attn"]), target_map).offload_inputs
+    assert not policy_for(RecomputeConfig(kept_units=["attn"]), target_map).offload_inputs
 
 
 class _Layer(torch.nn.Module):

@@ -414,8 +414,8 @@ def test_a_model_without_declared_layers_needs_layers():
             "recompute config: peak_bytes plans the step by measurement; leave budget unset (or drop peak_bytes)",
         ),
         (
-            {"peak_bytes": 2**30, "units": ["attn"]},
-            "recompute config: peak_bytes plans the step by measurement; leave units unset (or drop peak_bytes)",
+            {"peak_bytes": 2**30, "kept_units": ["attn"]},
+            "recompute config: peak_bytes plans the step by measurement; leave kept_units unset (or drop peak_bytes)",
         ),
         (
             {"budget": 0.3, "offload_inputs": True},
@@ -460,7 +460,7 @@ def test_a_peak_config_without_a_step_says_plan_step_needs_it():
     with pytest.raises(
         ConfigError, match="^apply_recompute_config: step is for planning a peak; the config sets no peak_bytes$"
     ):
-        sac_plugin.apply_recompute_config(model, RecomputeConfig(units=["attn"]), step=step)
+        sac_plugin.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]), step=step)
     assert not any("_sac_policy" in layer.__dict__ for layer in model.layers)
 
 

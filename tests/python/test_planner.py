@@ -758,9 +758,9 @@ def test_split_saves_at_least_what_an_even_split_saves():
             "as an int >= 2 or a string with a unit (such as '1B' or '512MiB')",
         ),
         (
-            {"budget": 0.3, "units": ["attn"], "every_nth_op": {"aten::mm": 2}},
-            "recompute config: budget chooses what to keep by measurement; leave units, every_nth_op unset (or drop budget "
-            "to choose by hand)",
+            {"budget": 0.3, "kept_units": ["attn"], "every_nth_op": {"aten::mm": 2}},
+            "recompute config: budget chooses what to keep by measurement; leave kept_units, every_nth_op unset (or "
+            "drop budget to choose by hand)",
         ),
     ],
 )
@@ -779,7 +779,7 @@ def test_budget_config_round_trips():
 def test_example_inputs_without_a_budget_are_refused():
     model, _, tokens, _ = _model()
     with pytest.raises(ConfigError, match="example_inputs are for planning a budget; the config sets no budget"):
-        sac_plugin.apply_recompute_config(model, RecomputeConfig(units=["attn"]), example_inputs=(tokens,))
+        sac_plugin.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]), example_inputs=(tokens,))
     assert not any("_sac_policy" in layer.__dict__ for layer in model.layers)
 
 

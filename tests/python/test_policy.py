@@ -150,7 +150,8 @@ def test_every_nth_op_beyond_int64_is_refused_by_policy_and_config():
         with pytest.raises(ConfigError) as error:
             RecomputeConfig(every_nth_op={"aten::mm": n})
         assert str(error.value) == (
-            f"recompute config: every_nth_op['aten::mm']: n must be an int from 1 to 2**63 - 1, got {n}"
+            f"recompute config: every_nth_op['aten::mm'] must be an int from 1 to 2**63 - 1 (2 keeps every other "
+            f"call), got {n} (int)"
         )
     assert RecomputeConfig(every_nth_op={"aten::mm": 2**63 - 1}).every_nth_op == {"aten::mm": 2**63 - 1}
 
@@ -318,7 +319,7 @@ def test_the_library_takes_a_policys_fields_by_name():
     fields = dict(
         kept_ops=["aten::mm.default"],
         kept_units=[],
-        every_nth_ops={"aten::tanh.default": 2},
+        every_nth_op={"aten::tanh.default": 2},
         recomputed_units=[],
         kept_calls={"aten::relu.default": [0, 2]},
         offloaded_ops=[],
@@ -326,11 +327,17 @@ def test_the_library_takes_a_policys_fields_by_name():
         offloaded_calls={},
         offload_min_bytes=1,
         host_memory_limit=-1,
+        pin_routing=True,
     )
     with pytest.raises(TypeError) as missing:
         _native.C.Policy(**fields)
-    assert str(missing.value) == "sac: Policy() is missing the field 'pin_routing' (every field is passed by name)"
+    assert str(missing.value) == "sac: Policy() is missing the field 'offload_inputs' (every field is passed by name)"
     with pytest.raises(TypeError, match=r"^Policy\(\) takes no positional arguments$"):
         _native.C.Policy(*fields.values(), True)
-    handle = _native.C.Policy(**fields, pin_routing=True)
+    with pytest.raises(TypeError) as not_a_flag:
+        _native.C.Policy(**fields, offload_inputs=1)
+    assert str(not_a_flag.value) == "sac: offload_inputs must be True or False"
+    handle = _native.C.Policy(**fields, offload_inputs=True)
     assert handle.kept_calls() == (["aten::relu"], [2], [0, 2])
+    assert handle.every_nth_op() == (["aten::tanh"], [2])
+    assert handle.offload_inputs() is True

@@ -249,7 +249,7 @@ def test_a_config_file_names_regions_by_pattern():
     from sac_plugin import RecomputeConfig, RecomputeTargetMap
     from sac_plugin._config_policy import policy_for
 
-    text = '{"regions": ["*"], "recomputed_regions": ["*.ffn"], "pin_routing": false}'
+    text = '{"kept_units": ["*"], "recomputed_units": ["*.ffn"], "pin_routing": false}'
     config = RecomputeConfig.from_json(text)
     assert RecomputeConfig.from_json(config.to_json()) == config
     policy = policy_for(config, RecomputeTargetMap("annotated", {}))
@@ -258,9 +258,9 @@ def test_a_config_file_names_regions_by_pattern():
         frozenset({"*.ffn"}),
         False,
     )
-    with pytest.raises(ValueError, match=r"recompute config: regions\[0\] must be a non-empty string, got ''"):
-        RecomputeConfig(regions=[""])
-    with pytest.raises(ValueError, match=r"recompute config: pin_routing must be true or false, got 'no'"):
+    with pytest.raises(ValueError, match=r"^recompute config: kept_units\[0\]: a recompute unit needs a non-empty"):
+        RecomputeConfig(kept_units=[""])
+    with pytest.raises(ValueError, match=r"^recompute config: pin_routing must be True or False, got 'no' \(str\)$"):
         RecomputeConfig(pin_routing="no")
 
     model = torch.nn.Sequential(_pair(core_recomputes=True)[0], _pair(core_recomputes=True)[0])
@@ -268,7 +268,7 @@ def test_a_config_file_names_regions_by_pattern():
     reference.load_state_dict(model.state_dict())
     sac_plugin.apply_recompute_config(
         model,
-        RecomputeConfig(regions=["*"], recomputed_regions=["*.ffn"]),
+        RecomputeConfig(kept_units=["*"], recomputed_units=["*.ffn"]),
         target_map=RecomputeTargetMap("annotated", {}),
         wrap_sites=list(model),
     )

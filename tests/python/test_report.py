@@ -25,7 +25,7 @@ SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 def _model():
     torch.manual_seed(0)
     model = Llama(vocab=64, dim=32, heads=4, layers=3, seq=16)
-    apply_recompute_config(model, RecomputeConfig(units=["attn", "mlp"], every_nth_layer=2))  # layers 0 and 2
+    apply_recompute_config(model, RecomputeConfig(kept_units=["attn", "mlp"], every_nth_layer=2))  # layers 0 and 2
     return model
 
 

@@ -165,7 +165,7 @@ def test_config_units_declared_by_a_target_map_do_not_warn():
     torch.manual_seed(0)
     model = MoEModel(vocab=64, dim=32, heads=4, layers=2, seq=16)
     apply_recompute_config(
-        model, RecomputeConfig(units=["attn", "moe_gate", "mlp"], force_recompute_modules=["moe.router.gate"])
+        model, RecomputeConfig(kept_units=["attn", "moe_gate", "mlp"], force_recompute_modules=["moe.router.gate"])
     )
     tokens = torch.randint(64, (2, 16))
     with warnings.catch_warnings():
@@ -178,7 +178,7 @@ def test_a_declared_unit_that_another_layer_opens_does_not_warn():
     # model declares is not a typo, even where it does not open.
     torch.manual_seed(0)
     dense, moe = Llama(vocab=64, dim=32, layers=1, seq=16), MoEModel(vocab=64, dim=32, layers=1, seq=16)
-    apply_recompute_config(moe, RecomputeConfig(units=["moe_gate"]))  # declares moe_gate
+    apply_recompute_config(moe, RecomputeConfig(kept_units=["moe_gate"]))  # declares moe_gate
     policy = Policy(kept_units=["moe_gate"])
     sac_plugin.apply_selective_checkpointing(dense.layers[0], policy)
     tokens = torch.randint(64, (2, 16))

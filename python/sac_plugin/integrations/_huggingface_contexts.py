@@ -25,16 +25,16 @@ from ..targets import KeptCallables, RecomputeTargetMap
 
 def _offloading_config(config: RecomputeConfig) -> RecomputeConfig:
     """What `activation_checkpointing_enable(..., offload=True)` means for a config handed over as
-    sac_plugin kwargs: what the config keeps (its units and ops) is offloaded instead, by the
+    sac_plugin kwargs: what the config keeps (its kept units and ops) is offloaded instead, by the
     plugin's own offload (side streams, pinned host memory), never transformers' save_on_cpu on
     the compute stream, and so are the layers' inputs, which full recompute still holds
     (offload_inputs). The every-nth rule stays kept."""
     return dataclasses.replace(
         config,
-        units=(),
-        ops=(),
-        offloaded_units=config.units + config.offloaded_units,
-        offloaded_ops=tuple(config.ops) + tuple(config.offloaded_ops),
+        kept_units=(),
+        kept_ops=(),
+        offloaded_units=config.kept_units + config.offloaded_units,
+        offloaded_ops=config.kept_ops + config.offloaded_ops,
         offload_inputs=True,
     )
 
@@ -177,7 +177,7 @@ class _LayerContexts(str):
                 "kwargs on the model they are used with"
             )
         for owner, name, unit in found:
-            _layers.check_forward_runs(self._target_map, unit, owner, name, "units")
+            _layers.check_forward_runs(self._target_map, unit, owner, name, self._config.field_of(unit))
         for owner, name, unit in found:
             run_in_unit(owner, name, unit.value)
         self._prepared.add(layer)

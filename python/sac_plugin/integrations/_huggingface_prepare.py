@@ -15,6 +15,7 @@ from .._config_policy import check_target_map, policy_for
 from .._logging import describe_layers
 from .._logging import logger as _logger
 from ..config import ConfigError, RecomputeConfig
+from ..units import RecomputeUnit
 from ..targets import KeptCallables, KeptOps, RecomputeTargetMap
 
 if TYPE_CHECKING:
@@ -31,13 +32,13 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
     stack: DeepSeek-V3's dense first layer has no router); one absent from every selected layer
     is an error naming it."""
     present = {index: [] for index in selected}
-    for i, unit in enumerate(config.selected_units):
+    for unit in config.selected_units:
         target = target_map[unit]
         found_in = [index for index in selected if isinstance(target, KeptOps) or target.find(layers[index])]
         if not found_in:
             kinds = sorted({type(layers[index]).__name__ for index in selected})
             raise ConfigError(
-                f"recompute config: {_unit_field(config, i)}: unit '{unit.value}' of {target_map.model_name} "
+                f"recompute config: {config.field_of(unit)}: unit '{unit.value}' of {target_map.model_name} "
                 f"({', '.join(target.paths)}) matches nothing in any of the {len(selected)} selected layers "
                 f"({', '.join(kinds)})"
             )
@@ -51,7 +52,7 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
         for index in found_in:
             if isinstance(target, KeptCallables):
                 for owner, name in target.find(layers[index]):
-                    _layers.check_forward_runs(target_map, unit, owner, name, _unit_field(config, i))
+                    _layers.check_forward_runs(target_map, unit, owner, name, config.field_of(unit))
             present[index].append(unit)
     for index in selected:
         for j, path in enumerate(config.force_recompute_modules):
@@ -61,11 +62,6 @@ def _units_by_layer(config: RecomputeConfig, target_map: RecomputeTargetMap, lay
                     f"{type(layers[index]).__name__} (layer {index})"
                 )
     return present
-
-
-def _unit_field(config: RecomputeConfig, i: int) -> str:
-    """Where the i-th of config.selected_units is written: units[i] or offloaded_units[j]."""
-    return f"units[{i}]" if i < len(config.units) else f"offloaded_units[{i - len(config.units)}]"
 
 
 def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTargetMap, layers, selected):
@@ -78,10 +74,11 @@ def _prepare(model: nn.Module, config: RecomputeConfig, target_map: RecomputeTar
         # Each layer is prepared with the units it has (all checked above, so none raises).
         units = present[index]
         layer_map = RecomputeTargetMap(target_map.model_name, {unit: target_map[unit] for unit in units})
+        # The catalog units this layer lacks are left out; names outside the catalog pass as written.
         layer_config = dataclasses.replace(
             config,
-            units=[u for u in units if u in config.units],
-            offloaded_units=[u for u in units if u in config.offloaded_units],
+            kept_units=[u for u in config.kept_units if u in units or not isinstance(u, RecomputeUnit)],
+            offloaded_units=[u for u in config.offloaded_units if u in units or not isinstance(u, RecomputeUnit)],
         )
         _layers.prepare_layers(model, layer_config, layer_map, [layers[index]], [0])
     return policy

@@ -1,7 +1,7 @@
 """Hugging Face transformers: target maps for decoder (and encoder) layers, and one call to checkpoint a model.
 
     from sac_plugin.integrations import huggingface
-    huggingface.apply_recompute_config(model, RecomputeConfig(units=["attn"]))
+    huggingface.apply_recompute_config(model, RecomputeConfig(kept_units=["attn"]))
 
 The layers are the model's repeated blocks: the modules transformers itself checkpoints
 (GradientCheckpointingLayer), or else the class repeated in a ModuleList. Units are submodules

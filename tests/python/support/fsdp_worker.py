@@ -54,26 +54,30 @@ def main(rank, world_size, init_file, result_file):
         # all-gather buffer and parameter views): keeping them must not shift serving.
         fsdp_ops = ["aten::view", "aten::split_with_sizes"]
         cases = {
-            "dense: attn + mlp units": (Llama, RecomputeConfig(units=["attn", "mlp"]), False),
-            "dense: every other mm": (Llama, RecomputeConfig(units=["attn"], every_nth_op={"aten::mm": 2}), False),
+            "dense: attn + mlp units": (Llama, RecomputeConfig(kept_units=["attn", "mlp"]), False),
+            "dense: every other mm": (Llama, RecomputeConfig(kept_units=["attn"], every_nth_op={"aten::mm": 2}), False),
             "moe, nested fully_shard: routing units": (
                 MoEModel,
-                RecomputeConfig(units=["attn", "moe_gate", "moe_dispatch"]),
+                RecomputeConfig(kept_units=["attn", "moe_gate", "moe_dispatch"]),
                 True,
             ),
             "moe, nested fully_shard: ops FSDP2 calls in one pass kept": (
                 MoEModel,
-                RecomputeConfig(units=["attn", "moe_gate"], ops=fsdp_ops),
+                RecomputeConfig(kept_units=["attn", "moe_gate"], kept_ops=fsdp_ops),
                 True,
             ),
             # On the CPU offloading is keeping: the same served calls through the offload rules.
             "moe, nested fully_shard: units offloaded": (
                 MoEModel,
-                RecomputeConfig(units=["attn"], offloaded_units=["moe_gate", "moe_dispatch"], offload_min_bytes=0),
+                RecomputeConfig(kept_units=["attn"], offloaded_units=["moe_gate", "moe_dispatch"], offload_min_bytes=0),
                 True,
             ),
             # On the CPU the layers' inputs stay where torch's checkpoint holds them: the same run.
-            "dense: attn unit, inputs offloaded": (Llama, RecomputeConfig(units=["attn"], offload_inputs=True), False),
+            "dense: attn unit, inputs offloaded": (
+                Llama,
+                RecomputeConfig(kept_units=["attn"], offload_inputs=True),
+                False,
+            ),
         }
         results = {name: run_case(*case) for name, case in cases.items()}
         if rank == 0:
