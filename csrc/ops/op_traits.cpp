@@ -164,17 +164,27 @@ OpTraits classifyOp(const c10::OperatorHandle& op) {
 
 std::vector<std::string> neverCountedOpNames() { return {kNeverCountedOps.begin(), kNeverCountedOps.end()}; }
 
-bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments) {
+// NOTE: [A call's facts are decided here] (op_traits.h)
+bool drawsRandomNumbers(const OpTraits& traits, std::optional<double> dropout_p) {
   if (!traits.is_random) return false;
-  if (traits.dropout_p_argument < 0) return true;
+  if (!randomOnlyPerCall(traits)) return true;
+  return !dropout_p.has_value() || *dropout_p != 0.0;
+}
+
+bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments) {
+  if (!randomOnlyPerCall(traits)) return drawsRandomNumbers(traits, std::nullopt);
   const c10::IValue& dropout_p = arguments[traits.dropout_p_argument];
-  return !dropout_p.isDouble() || dropout_p.toDouble() != 0.0;
+  return drawsRandomNumbers(traits, dropout_p.isDouble() ? std::optional<double>(dropout_p.toDouble()) : std::nullopt);
+}
+
+bool castsAParameter(const OpTraits& traits, bool source_requires_grad, bool source_is_leaf) {
+  return traits.is_copy_cast && source_requires_grad && source_is_leaf;
 }
 
 bool castsAParameter(const OpTraits& traits, const c10::IValue* arguments) {
-  if (!traits.is_copy_cast || !arguments[0].isTensor()) return false;
+  if (!traits.is_copy_cast || !arguments[0].isTensor()) return castsAParameter(traits, false, false);
   const at::Tensor& source = arguments[0].toTensor();
-  return source.defined() && source.requires_grad() && source.is_leaf();
+  return castsAParameter(traits, source.defined() && source.requires_grad(), source.defined() && source.is_leaf());
 }
 
 }  // namespace sac

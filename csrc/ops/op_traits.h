@@ -2,6 +2,7 @@
 // What the policy needs to know about an op overload, read once from its schema and tags.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -97,8 +98,21 @@ bool namedAsWritingWithoutMarks(const c10::OperatorHandle& op);
 // the key (NOTE: [Calls that never count skip the key] in fallback.cpp).
 std::vector<std::string> neverCountedOpNames();
 
-// Whether this call draws from a generator: a random op, unless its dropout_p is 0. `arguments`
-// points at the call's first argument on the dispatcher stack.
+// NOTE: [A call's facts are decided here]
+// Two facts about a single call, beyond what its op is, feed the keep rule (sac::CallFacts):
+// whether it draws random numbers and whether it casts a parameter. The engines read the call's
+// arguments on the dispatcher stack; torch.compile's policy function and the dispatch-mode engine
+// see them as Python values (bindings/python_queries.cpp). Each front door only reads the values
+// the rule needs and hands them to the two functions below, which state the rule once over them,
+// so no front door can tell a call apart differently. The dispatcher gives dropout_p as a double;
+// Python gives what the caller wrote, where an int 0 draws nothing just as 0.0 does.
+
+// Whether a call draws from a generator: a random op, unless it takes a dropout_p
+// (randomOnlyPerCall) and the call's is 0. `dropout_p`: the call's value of that argument as a
+// number, nullopt when it is none (a symbolic value, whose draw cannot be ruled out); read only
+// for an op that takes one.
+bool drawsRandomNumbers(const OpTraits& traits, std::optional<double> dropout_p);
+// The same from the dispatcher stack: `arguments` points at the call's first argument.
 bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
 
 // NOTE: [Autocast's weight casts]
@@ -108,6 +122,11 @@ bool drawsRandomNumbers(const OpTraits& traits, const c10::IValue* arguments);
 // recompute, and runs there only: a kept cast would then be matched to another weight's cast of
 // the same shape. Casting a parameter is cheap and its input is always at hand, so such calls
 // are never kept.
+//
+// Whether a call casts a parameter: an aten::_to_copy whose source (its first argument) is a
+// leaf that requires grad (a source that is no tensor: false, false).
+bool castsAParameter(const OpTraits& traits, bool source_requires_grad, bool source_is_leaf);
+// The same from the dispatcher stack: `arguments` points at the call's first argument.
 bool castsAParameter(const OpTraits& traits, const c10::IValue* arguments);
 
 // A random op that can still be kept when it draws nothing (dropout_p == 0).

@@ -1,21 +1,19 @@
 """Facts about one call that the C++ rule takes from the front doors that see calls in Python
 (torch.compile's policy function, the dispatch-mode engine): the op's traits as the catalog
 records them, whether this call draws random numbers, and whether it casts a parameter.
-These are facts, not the rule: what follows from them is decided in C++ (docs/semantics.md)."""
+These are facts, not the rule: what follows from them is decided in C++ (docs/semantics.md), and
+so are the two facts themselves, from the call's values (NOTE: [A call's facts are decided here]
+in csrc/ops/op_traits.h); this module only hands C++ the op's traits and the call's arguments."""
 
 from __future__ import annotations
 
 import functools
 from typing import NamedTuple
 
-import torch
-
 from . import _native
 from ._validation import op_spelling
 
 __all__ = ["OpTraits", "casts_a_parameter", "draws_random", "op_traits"]
-
-_aten = torch.ops.aten
 
 
 class OpTraits(NamedTuple):
@@ -25,6 +23,7 @@ class OpTraits(NamedTuple):
     mutates_inputs: bool
     view: bool
     dropout_argument: int  # index of dropout_p, or -1
+    copy_cast: bool  # aten::_to_copy: a parameter cast when its source is a parameter
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,24 +32,9 @@ def op_traits(op) -> OpTraits:
     return OpTraits(*_native.C.op_traits(op_spelling(op)))
 
 
-def draws_random(traits: OpTraits, args, kwargs) -> bool:
-    """Whether this call draws from a generator: a random op, or an attention op with dropout_p != 0."""
-    if not traits.random:
-        return False
-    if traits.dropout_argument < 0:
-        return True
-    index = traits.dropout_argument
-    value = args[index] if index < len(args) else kwargs.get("dropout_p", 0.0)
-    return not isinstance(value, (int, float)) or value != 0
-
-
-def casts_a_parameter(op, args) -> bool:
-    """aten::_to_copy of a leaf that requires grad: autocast's weight cast (NOTE: [Autocast's
-    weight casts] in csrc/ops/op_traits.h)."""
-    return (
-        op is _aten._to_copy.default
-        and bool(args)
-        and isinstance(args[0], torch.Tensor)
-        and args[0].requires_grad
-        and args[0].is_leaf
-    )
+# draws_random(traits, args, kwargs) -> bool: whether a call of the op with `traits` (op_traits)
+# draws from a generator: a random op, unless its dropout_p is 0 (an int 0 too, as Python has it).
+draws_random = _native.C.draws_random
+# casts_a_parameter(traits, args) -> bool: whether it is aten::_to_copy of a leaf that requires
+# grad: autocast's weight cast (NOTE: [Autocast's weight casts] in csrc/ops/op_traits.h).
+casts_a_parameter = _native.C.casts_a_parameter

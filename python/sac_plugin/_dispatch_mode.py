@@ -30,6 +30,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._call_facts import draws_random
 from ._warnings import HeldNeverServedWarning
 from ._mode_calls import (
     ModeAction,
@@ -39,7 +40,6 @@ from ._mode_calls import (
     assemble,
     call_begin,
     run_begun,
-    draws_random_call,
     flatten_arguments,
     known_ops,
     mode_op,
@@ -120,7 +120,7 @@ class _PassMode(TorchDispatchMode):
         if not flat:
             return NotImplemented if flat is None else func(*args, **kwargs)
         tensors, positions, key = flat
-        draws = op.random and draws_random_call(op.dropout_p, args, kwargs)
+        draws = op.random and draws_random(op.traits, args, kwargs)
         # Python dispatch off around the bridge: a mode below this one (a user's, entered outside
         # the region) sees the region's ops, never the engine's own calls.
         with no_python_dispatch():

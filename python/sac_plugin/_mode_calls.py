@@ -12,7 +12,7 @@ import enum
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _current_dispatch_modes
 
-from ._call_facts import OpTraits, draws_random, op_traits
+from ._call_facts import op_traits
 from ._native import ModeAction, ModePass
 
 __all__ = [
@@ -81,12 +81,12 @@ def _slot(type_) -> int:
 class Op:
     """What the mode needs of one op overload, read once per process."""
 
-    __slots__ = ("handle", "arguments", "names", "returns", "random", "dropout_p", "other_returns")
+    __slots__ = ("handle", "arguments", "names", "returns", "traits", "random", "other_returns")
 
     def __init__(self, func):
         schema = func._schema
-        traits = op_traits(func)
-        self.random, self.dropout_p = traits.random, traits.dropout_argument
+        self.traits = op_traits(func)  # what C++ tells a call's facts by (_call_facts.draws_random)
+        self.random = self.traits.random  # only a random op's calls are asked whether they draw
         self.handle = torch.ops.sac.mode_op(schema.name, schema.overload_name)
         self.arguments = tuple(_slot(argument.type) for argument in schema.arguments)
         self.names = {argument.name: i for i, argument in enumerate(schema.arguments)}
@@ -244,11 +244,6 @@ def assemble(op: Op, served, counts, other_value):
     if len(values) == 1:
         return values[0]
     return tuple(values) if values else None
-
-
-def draws_random_call(dropout_p: int, args, kwargs) -> bool:
-    """Whether a call of an op with a dropout argument at `dropout_p` draws random numbers."""
-    return draws_random(OpTraits(False, False, True, False, False, dropout_p), args, kwargs)
 
 
 _OWN_MODULES = f"{__package__}."

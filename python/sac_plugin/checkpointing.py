@@ -115,7 +115,7 @@ def torch_policy_fn(policy: Policy):
             units = annotated_units(fx_traceback.current_meta.get("custom", {}), regions)
         traits = op_traits(op)
         decision = decider.decide(
-            op, ctx.is_recompute, units, draws_random(traits, args, kwargs), casts_a_parameter(op, args)
+            op, ctx.is_recompute, units, draws_random(traits, args, kwargs), casts_a_parameter(traits, args)
         )
         if decision.outcome == _rule.Outcome.KEEP:
             return CheckpointPolicy.MUST_SAVE

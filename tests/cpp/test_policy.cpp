@@ -193,6 +193,38 @@ TEST(OpTraitsClassification, DropoutPDecidesWhetherACallDrawsRandomNumbers) {
   EXPECT_TRUE(drawsRandomNumbers(traits, arguments.data()));
   EXPECT_TRUE(drawsRandomNumbers(entryOf("aten::bernoulli").traits, arguments.data()));
   EXPECT_FALSE(drawsRandomNumbers(entryOf("aten::tanh").traits, arguments.data()));
+  arguments[traits.dropout_p_argument] = c10::IValue();  // no number: a draw cannot be ruled out
+  EXPECT_TRUE(drawsRandomNumbers(traits, arguments.data()));
+}
+
+TEST(OpTraitsClassification, TheRandomRuleIsStatedOverTheCallsDropoutP) {
+  const OpTraits& attention = entryOf("aten::_scaled_dot_product_flash_attention_for_cpu").traits;
+  EXPECT_FALSE(drawsRandomNumbers(attention, 0.0));
+  EXPECT_FALSE(drawsRandomNumbers(attention, -0.0));
+  EXPECT_TRUE(drawsRandomNumbers(attention, 0.1));
+  EXPECT_TRUE(drawsRandomNumbers(attention, std::nullopt));
+  // An op without a dropout_p draws whenever it is random, whatever a caller passes.
+  EXPECT_TRUE(drawsRandomNumbers(entryOf("aten::bernoulli").traits, 0.0));
+  EXPECT_FALSE(drawsRandomNumbers(entryOf("aten::tanh").traits, std::nullopt));
+}
+
+TEST(OpTraitsClassification, OnlyACopyOfALeafThatRequiresGradCastsAParameter) {
+  const OpTraits& copy = entryOf("aten::_to_copy").traits;
+  EXPECT_TRUE(castsAParameter(copy, true, true));
+  EXPECT_FALSE(castsAParameter(copy, true, false));  // a cast of a cast, or of an activation
+  EXPECT_FALSE(castsAParameter(copy, false, true));  // a buffer, or an input
+  EXPECT_FALSE(castsAParameter(entryOf("aten::clone").traits, true, true));
+
+  at::Tensor parameter = at::ones({2}).set_requires_grad(true);
+  at::Tensor activation = parameter.mul(2);
+  std::vector<c10::IValue> arguments = {parameter};
+  EXPECT_TRUE(castsAParameter(copy, arguments.data()));
+  arguments = {activation};
+  EXPECT_FALSE(castsAParameter(copy, arguments.data()));
+  arguments = {at::ones({2})};
+  EXPECT_FALSE(castsAParameter(copy, arguments.data()));
+  arguments = {at::Tensor()};
+  EXPECT_FALSE(castsAParameter(copy, arguments.data()));
 }
 
 TEST(PolicyDecision, EveryNthKeepsCallsOneThreeFive) {

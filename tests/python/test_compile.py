@@ -277,7 +277,8 @@ def test_config_units_survive_compilation():
 def test_compiled_policy_reads_the_fallbacks_classification():
     from sac_plugin._call_facts import op_traits as _op_traits
 
-    assert _op_traits(torch.ops.aten.add_.Tensor) == (False, False, False, True, False, -1)
+    assert _op_traits(torch.ops.aten.add_.Tensor) == (False, False, False, True, False, -1, False)
+    assert _op_traits(torch.ops.aten._to_copy.default).copy_cast is True
     assert _op_traits(torch.ops._c10d_functional.all_reduce.default)[0] is True
     assert _op_traits(torch.ops.aten.sym_size.int)[1] is True  # metadata query: never counted
     with pytest.raises(ValueError, match=r"op_traits needs one overload such as 'aten::mm.default', got 'aten::mm'"):

@@ -10,6 +10,7 @@ agree call by call.
 """
 
 import collections
+import contextlib
 import json
 
 import pytest
@@ -17,13 +18,19 @@ import sac_plugin
 import torch
 import torch.fx.traceback as fx_traceback
 from sac_plugin import Policy, recompute_unit
-from sac_plugin._call_facts import op_traits
+from sac_plugin._call_facts import casts_a_parameter, draws_random, op_traits
 from sac_plugin.units import UNIT_ANNOTATION_PREFIX
 from support import every_kind_of_call
 from support.every_kind_of_call import LINEAR_POLICIES, POLICIES, hits_per_policy, linear_layer_and_input
 from support.subprocesses import run_program
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 pytestmark = pytest.mark.native_engine("the native engine's per-op trace is the reference every front door is held to")
 
@@ -184,3 +191,82 @@ def test_routing_is_decided_alike_by_every_front_door(pin, monkeypatch):
     }
     assert compile_policy_fn_decisions(policy) == native
     assert planner_decisions(policy) == {call for call, kept in native.items() if kept}
+
+
+# A call's two facts beyond its op (NOTE: [A call's facts are decided here] in csrc/ops/op_traits.h).
+ATTENTION_OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+TO_COPY = torch.ops.aten._to_copy.default
+FACTS_POLICY = Policy(kept_ops=[every_kind_of_call.ATTENTION, "aten::_to_copy"])
+
+
+def calls_with_facts():
+    """Calls as a Python front door sees them, (op, args, kwargs), each with the facts the rule
+    must find: (draws random numbers, casts a parameter)."""
+    q = torch.randn(1, 1, 8, 8)
+    weight = nn.Parameter(torch.randn(8, 8))
+    return {
+        "dropout_p int 0": ((ATTENTION_OP, (q, q, q, 0), {}), (False, False)),
+        "dropout_p 0.0": ((ATTENTION_OP, (q, q, q, 0.0), {}), (False, False)),
+        "dropout_p 0.1": ((ATTENTION_OP, (q, q, q, 0.1), {}), (True, False)),
+        "dropout_p 0.1 by name": ((ATTENTION_OP, (q, q, q), {"dropout_p": 0.1}), (True, False)),
+        "dropout_p left out": ((ATTENTION_OP, (q, q, q), {}), (False, False)),
+        "a random op": ((torch.ops.aten.bernoulli.default, (q,), {}), (True, False)),
+        "a leaf parameter cast": ((TO_COPY, (weight,), {"dtype": torch.float64}), (False, True)),
+        "a leaf parameter cast into out=": (
+            (torch.ops.aten._to_copy.out, (weight,), {"out": torch.empty(8, 8, dtype=torch.float64)}),
+            (False, True),
+        ),
+        "a cast of a cast": ((TO_COPY, (weight.to(torch.float64),), {"dtype": torch.float32}), (False, False)),
+        "a cast of a tensor without grad": ((TO_COPY, (q,), {"dtype": torch.float64}), (False, False)),
+    }
+
+
+@pytest.mark.parametrize("case", list(calls_with_facts()))
+def test_the_python_front_doors_take_a_calls_facts_from_the_cpp_rule(case):
+    (op, args, kwargs), (draws, casts) = calls_with_facts()[case]
+    traits = op_traits(op)
+    # What the dispatch-mode engine and the policy function hand the rule: C++'s answers.
+    assert draws_random is sac_plugin._C.draws_random and casts_a_parameter is sac_plugin._C.casts_a_parameter
+    assert (draws_random(traits, args, kwargs), casts_a_parameter(traits, args)) == (draws, casts)
+    if op is torch.ops.aten.bernoulli.default:
+        return  # a random op cannot be named in a policy
+    # torch.compile's policy function keeps a call of a named op unless one of its facts forbids it.
+    decide = sac_plugin.torch_policy_fn(FACTS_POLICY)
+    decision = decide(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+    assert (decision == CheckpointPolicy.MUST_SAVE) is not (draws or casts)
+
+
+class CallsWithFacts(nn.Module):
+    """The calls of calls_with_facts() that the CPU can run (its attention has no dropout),
+    made inside the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.register_buffer("scale", torch.ones(8, 8))
+
+    def forward(self, x):
+        q = torch.mm(x, self.weight).view(1, 1, 8, 8)
+        a = ATTENTION_OP(q, q, q, 0)[0] + ATTENTION_OP(q, q, q, 0.0)[0] + ATTENTION_OP(q, q, q)[0]
+        cast = TO_COPY(self.weight, dtype=torch.float64)  # a leaf parameter cast: recomputed
+        w = TO_COPY(cast, dtype=torch.float32) * TO_COPY(self.scale, dtype=torch.float32)
+        return (a.view(8, 8) @ w).sum()
+
+
+class PassThroughMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("door", ["native engine", "dispatch-mode engine"])
+def test_both_engines_serve_the_calls_whose_facts_allow_it(door):
+    """The native engine reads the facts from the dispatcher's stack, the dispatch-mode engine
+    (which a region whose forward runs under another dispatch mode uses) from Python's values:
+    they serve the same calls."""
+    layer, x = CallsWithFacts(), torch.randn(8, 8, requires_grad=True)
+    sac_plugin.apply_selective_checkpointing(layer, FACTS_POLICY)
+    with PassThroughMode() if door == "dispatch-mode engine" else contextlib.nullcontext():
+        with sac_plugin.audit() as audited:
+            layer(x).backward()
+    assert audited.hits(every_kind_of_call.ATTENTION) == 3
+    assert audited.hits("aten::_to_copy") == 2
