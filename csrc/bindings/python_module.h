@@ -22,7 +22,7 @@ namespace python {
 
 // Bumped when a type, a function or a meaning changes; Python (sac_plugin/_native.py) refuses a
 // module of another version.
-inline constexpr int kModuleVersion = 10;
+inline constexpr int kModuleVersion = 11;
 
 // Raises the Python exception a C++ one stands for (c10::ValueError: ValueError, c10::TypeError:
 // TypeError, any other: RuntimeError, with the message without its C++ backtrace). Call it in a

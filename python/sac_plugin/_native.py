@@ -117,7 +117,7 @@ def interception_path() -> str:
 # --- The extension module (csrc/bindings/python_module.cpp) --------------------------------------
 
 # kModuleVersion: bumped in C++ when a type, a function or a meaning changes.
-MODULE_VERSION = 10
+MODULE_VERSION = 11
 
 # sac_plugin._C, set by load().
 C = None
