@@ -10,6 +10,7 @@ from torch import nn
 
 from .config import RECOMPUTE_UNIT_PREFIX, ConfigError, RecomputeConfig
 from .policy import Policy
+from ._validation import without_library_prefix
 from .targets import KeptCallables, KeptOps, RecomputeTargetMap
 from .units import RecomputeUnit
 
@@ -28,7 +29,7 @@ def check_target_map(target_map: RecomputeTargetMap, site: nn.Module | Sequence[
                 ops = target.resolve()
                 Policy(kept_ops=ops)
             except ValueError as error:
-                raise ConfigError(f"{where}: {_without_library_prefix(error).removeprefix('kept_ops: ')}") from None
+                raise ConfigError(f"{where}: {without_library_prefix(error).removeprefix('kept_ops: ')}") from None
             if not ops:
                 raise ConfigError(f"{where} is empty: it names no op")
         elif isinstance(target, KeptCallables):
@@ -83,11 +84,4 @@ def policy_for(config: RecomputeConfig, target_map: RecomputeTargetMap) -> Polic
             offload_inputs=config.offload_inputs,
         )
     except ValueError as error:
-        raise ConfigError(f"recompute config: {_without_library_prefix(error)}") from None
-
-
-def _without_library_prefix(error: Exception) -> str:
-    text = str(error)
-    for prefix in ("sac_plugin: ", "sac: "):
-        text = text.removeprefix(prefix)
-    return text
+        raise ConfigError(f"recompute config: {without_library_prefix(error)}") from None

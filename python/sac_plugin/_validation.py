@@ -191,3 +191,12 @@ def flag(value, field: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"sac_plugin: {field} must be True or False, got {describe_value(value)}")
     return value
+
+
+def without_library_prefix(error: Exception) -> str:
+    """An error's message without the library's prefix ("sac_plugin: " from Python, "sac: " from
+    C++), for a caller that reports it under its own (a config's "recompute config: ")."""
+    text = str(error)
+    for prefix in ("sac_plugin: ", "sac: "):
+        text = text.removeprefix(prefix)
+    return text

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from . import _renamed_fields, _validation
 from ._renamed_fields import RENAMED_FIELDS
-from ._validation import bounded_repr, describe_value
+from ._validation import bounded_repr, describe_value, without_library_prefix
 from .units import RecomputeUnit
 
 __all__ = ["ConfigError", "RecomputeConfig"]
@@ -79,8 +79,14 @@ _HAND_SELECTION_FIELDS = (
     "offloaded_ops",
 )
 _CATALOG_UNITS = {unit.value: unit for unit in RecomputeUnit}
-# The fields that list op or unit names, each checked as Policy checks its field of that name.
-_NAME_LIST_FIELDS = ("kept_units", "kept_ops", "recomputed_units", "offloaded_units", "offloaded_ops")
+# The fields that list op or unit names, each with the check Policy gives its field of that name.
+_NAME_LIST_FIELDS = {
+    "kept_units": _validation.unit_names,
+    "kept_ops": _validation.op_names,
+    "recomputed_units": _validation.unit_names,
+    "offloaded_units": _validation.unit_names,
+    "offloaded_ops": _validation.op_names,
+}
 
 
 def _import_yaml(where: str):
@@ -159,14 +165,18 @@ class RecomputeConfig:
     offload_inputs: bool = False
 
     def __post_init__(self):
-        # Each list under the name it was given, so that a message names the entry as written:
-        # a field's own values, then those given under its deprecated names (_renamed_fields).
+        # Each list is checked under the name it was given, so that a message names the entry as
+        # written: a field's own values, then those given under its deprecated names (_renamed_fields).
         renamed = self.__dict__.pop(_renamed_fields.GIVEN_UNDER_OLD_NAMES, {})
-        given = {field: [(field, getattr(self, field)), *renamed.get(field, ())] for field in _NAME_LIST_FIELDS}
+        for field, check in _NAME_LIST_FIELDS.items():
+            given = [(field, getattr(self, field)), *renamed.get(field, ())]
+            names = [name for written, values in given for name in _policy_field(written, check, values)]
+            object.__setattr__(self, field, tuple(names))
+        # A catalog name in kept_units or offloaded_units is the RecomputeUnit the target map resolves.
         for field in ("kept_units", "offloaded_units"):
-            names = [name for written, values in given[field] for name in _policy_field(written, "unit_names", values)]
+            names = getattr(self, field)
             if len(set(names)) != len(names):
-                raise ConfigError(f"recompute config: {field}: a unit is listed twice: {names}")
+                raise ConfigError(f"recompute config: {field}: a unit is listed twice: {list(names)}")
             object.__setattr__(self, field, tuple(_CATALOG_UNITS.get(name, name) for name in names))
         both = [str(unit) for unit in self.kept_units if unit in self.offloaded_units]
         if both:
@@ -174,20 +184,13 @@ class RecomputeConfig:
                 f"recompute config: kept_units and offloaded_units both list {both}; a unit is kept or "
                 "offloaded, not both"
             )
-        recomputed = [
-            name
-            for written, values in given["recomputed_units"]
-            for name in _policy_field(written, "unit_names", values)
-        ]
-        object.__setattr__(self, "recomputed_units", tuple(recomputed))
-        for field in ("kept_ops", "offloaded_ops"):
-            ops = [op for written, values in given[field] for op in _policy_field(written, "op_names", values)]
-            object.__setattr__(self, field, tuple(ops))
-        object.__setattr__(self, "every_nth_op", _policy_field("every_nth_op", "every_nth_rules", self.every_nth_op))
-        _policy_field("offload_min_bytes", "byte_count", self.offload_min_bytes, allow_none=False)
-        _policy_field("host_memory_limit", "byte_count", self.host_memory_limit, allow_none=True)
+        object.__setattr__(
+            self, "every_nth_op", _policy_field("every_nth_op", _validation.every_nth_rules, self.every_nth_op)
+        )
+        _policy_field("offload_min_bytes", _validation.byte_count, self.offload_min_bytes, allow_none=False)
+        _policy_field("host_memory_limit", _validation.byte_count, self.host_memory_limit, allow_none=True)
         for field in ("pin_routing", "offload_inputs", "preserve_rng_state"):
-            _policy_field(field, "flag", getattr(self, field))
+            _policy_field(field, _validation.flag, getattr(self, field))
         if not _is_int(self.every_nth_layer) or self.every_nth_layer < 1:
             raise ConfigError(
                 f"recompute config: every_nth_layer must be an int >= 1, got {bounded_repr(self.every_nth_layer)}"
@@ -223,7 +226,7 @@ class RecomputeConfig:
                 # A budget with a unit ("512MiB") is held as its bytes, as the planner reads it.
                 object.__setattr__(self, "budget", check_budget(self.budget))
             except (TypeError, ValueError) as error:
-                raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
+                raise ConfigError(f"recompute config: {without_library_prefix(error)}") from None
             chosen = self._hand_selection()
             if chosen:
                 raise ConfigError(
@@ -305,7 +308,7 @@ class RecomputeConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"recompute config: expected a mapping of keys to values, got {type(data).__name__}")
         known = [field.name for field in dataclasses.fields(cls)]
-        if len(data) > len(known) + len(RENAMED_FIELDS):
+        if len(data) > MAX_LIST_ENTRIES:
             raise ConfigError(
                 f"recompute config: the mapping has {len(data)} keys; a recompute config has at most {len(known)}"
             )
@@ -548,14 +551,14 @@ def _check_size(field: str, value) -> None:
         )
 
 
-def _policy_field(field: str, check: str, value, **options):
-    """`value` checked by the check it shares with Policy (NOTE: [One check per field] in
+def _policy_field(field: str, check, value, **options):
+    """`value` checked by `check`, the check it shares with Policy (NOTE: [One check per field] in
     _validation.py); its message under the config's prefix, as a ConfigError."""
     _check_size(field, value)
     try:
-        return getattr(_validation, check)(value, field, **options)
+        return check(value, field, **options)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"recompute config: {str(error).removeprefix('sac_plugin: ')}") from None
+        raise ConfigError(f"recompute config: {without_library_prefix(error)}") from None
 
 
 def _check_list(field: str, value) -> None:
